@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# DeepInfer build script.
+#   ./build.sh          create .venv and install the core, the backend plugins and the dev tools
+#   ./build.sh run      ... then run examples/offline_inference.py on the embedded default model
+#   ./build.sh test     ... then run the test suite
+# DEEPINFER_ACCELERATOR=cpu|nvidia|ascend (auto when unset) chooses which torch build is installed
+# when .venv has none yet: cpu takes torch 2.13.0; nvidia a CUDA build of torch >= 2.11; ascend
+# expects torch and torch_npu matching your CANN to be installed by you first.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+accel="${DEEPINFER_ACCELERATOR:-auto}"
+if [[ "$accel" == auto ]]; then
+  if [[ -e /dev/nvidiactl ]]; then accel=nvidia
+  elif compgen -G "/dev/davinci[0-9]*" >/dev/null; then accel=ascend
+  else accel=cpu; fi
+fi
+
+python="${PYTHON:-python3}"
+[[ -x .venv/bin/python ]] || "$python" -m venv .venv
+pip=(.venv/bin/python -m pip -q --disable-pip-version-check)
+
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  case "$accel" in
+    cpu) "${pip[@]}" install "${DEEPINFER_TORCH_SPEC:-torch==2.13.0}" ;;
+    nvidia) "${pip[@]}" install "${DEEPINFER_TORCH_SPEC:-torch>=2.11}" ;;
+    ascend) echo "install torch and torch_npu for your CANN into .venv first" >&2; exit 1 ;;
+    *) "${pip[@]}" install "${DEEPINFER_TORCH_SPEC:-torch==2.13.0}" ;;
+  esac
+fi
+# The plugins are small and probe-only until selected, so both are always installed:
+# `deepinfer backends` then shows why each can or cannot run here.
+"${pip[@]}" install -e ".[dev]" -e plugins/nvidia_sm100 -e plugins/ascend_950
+
+case "${1:-build}" in
+  build) echo "built: .venv (backend for this machine: $accel). Try ./build.sh run or ./build.sh test" ;;
+  run) shift; exec .venv/bin/python examples/offline_inference.py "$@" ;;
+  test) shift; exec .venv/bin/python -m pytest -q "$@" ;;
+  *) echo "usage: ./build.sh [build|run|test]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,186 @@
+"""The public API, shaped like vLLM's offline ``LLM``."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence as Seq
+
+import torch
+from tqdm.auto import tqdm
+
+from deepinfer_core.config import DEFAULT_MODEL_DIR, ConfigError, EngineConfig, settings
+from deepinfer_core.engine.engine import Engine, Request
+from deepinfer_core.sampling.params import SamplingParams
+
+log = logging.getLogger("deepinfer")
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, float] | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+
+
+class GenerationError(RuntimeError):
+    """The engine failed mid-run. ``outputs`` holds every request's result, in prompt order:
+    finished ones complete, the others with what they had produced and finish_reason "abort".
+    """
+
+    def __init__(self, message: str, outputs: list[RequestOutput]):
+        super().__init__(message)
+        self.outputs = outputs
+
+
+def resolve_model_dir(model: str | os.PathLike | None) -> Path:
+    """A local checkpoint directory for ``model``: a path, an HF repo id, or the default."""
+    if model is None:
+        model = settings().hf_model_dir or DEFAULT_MODEL_DIR
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    name = str(model)
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise ConfigError(f"model {name!r} is not a directory; pass a local HF checkpoint directory or a Hugging Face repo id (org/name)")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+    try:
+        return Path(snapshot_download(name, allow_patterns=patterns))
+    except Exception as e:
+        raise ConfigError(
+            f"could not fetch {name!r} from the Hugging Face Hub ({type(e).__name__}: {e}). Offline, download it on "
+            f"a connected machine (`hf download {name} --local-dir DIR`), copy DIR here, and pass LLM(model=DIR) or "
+            f"set DEEPINFER_HF_MODEL_DIR=DIR"
+        ) from e
+
+
+class LLM:
+    """Offline inference on a DeepSeek V2/V3-family checkpoint.
+
+    model: local HF checkpoint directory, HF repo id, or None for DEEPINFER_HF_MODEL_DIR / the
+    embedded default. accelerator: backend name (cpu, nvidia, ascend, ...); None reads
+    DEEPINFER_ACCELERATOR, else picks automatically.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        accelerator: str | None = None,
+        dtype: str | torch.dtype = "auto",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        gpu_memory_utilization: float = 0.9,
+        seed: int = 0,
+        progress: bool = True,
+    ):
+        env = settings()
+        logging.getLogger("deepinfer").setLevel(env.log_level.upper())
+        self.model_dir = resolve_model_dir(model)
+        config = EngineConfig(
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            seed=seed,
+        )
+        if dtype == "auto" and env.dtype:
+            dtype = env.dtype
+        self.engine = Engine(self.model_dir, config, accelerator or env.accelerator, dtype, progress=progress)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[int] | Seq[str | list[int]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for every prompt; outputs come back in prompt order.
+
+        A prompt is a string or a list of token ids. ``sampling_params`` is one SamplingParams for
+        all prompts or one per prompt. Every request is checked before any runs: a bad one
+        raises and nothing is queued.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # a single prompt
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params; give one, or one per prompt")
+        engine = self.engine
+        encoded = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            text, ids = engine.encode(prompt)
+            engine.check(ids, p, label=f"prompt {i}")
+            encoded.append((ids, p))
+        order = [engine.add_request(ids, p) for ids, p in encoded]
+        for rid, prompt in zip(order, prompts):
+            if isinstance(prompt, str):
+                engine.requests[rid].prompt = prompt
+
+        done: dict[str, Request] = {}
+        bar = tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm)
+        try:
+            while engine.has_unfinished():
+                for req in engine.step():
+                    done[req.request_id] = req
+                    bar.update(1)
+        except Exception as e:
+            for req in engine.abort_all():
+                done.setdefault(req.request_id, req)
+            outputs = [_to_output(done[rid]) for rid in order]
+            raise GenerationError(f"generation failed: {type(e).__name__}: {e}; finished results are in .outputs", outputs) from e
+        finally:
+            bar.close()
+        return [_to_output(done[rid]) for rid in order]
+
+
+def _to_output(req: Request) -> RequestOutput:
+    first = req.seqs[0]
+    outputs = [
+        CompletionOutput(
+            index=s.index,
+            text=s.text,
+            token_ids=list(s.output_token_ids),
+            cumulative_logprob=s.cumulative_logprob if s.output_logprobs is not None else None,
+            logprobs=s.output_logprobs,
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
+        )
+        for s in req.seqs
+    ]
+    return RequestOutput(
+        request_id=req.request_id,
+        prompt=req.prompt,
+        prompt_token_ids=list(req.prompt_token_ids),
+        prompt_logprobs=first.prompt_logprobs,
+        outputs=outputs,
+        finished=req.finished,
+    )

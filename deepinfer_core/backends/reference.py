@@ -1,0 +1,42 @@
+"""The reference backend: the ops of ``deepinfer_core.ops`` in plain PyTorch, on any torch device.
+
+Registered through the same entry point as any vendor backend (``deepinfer.backends``:
+``reference``); selected with DEEPINFER_ACCELERATOR=cpu (or ``reference``) and chosen
+automatically when no faster backend can run. Its platform is the CPU; the ops themselves are
+device-agnostic, so other backends may fall back to them on their own device.
+"""
+
+from __future__ import annotations
+
+from deepinfer_core.hookspecs import BackendInfo, ProbeResult, hookimpl
+
+NAME = "reference"
+
+
+@hookimpl
+def deepinfer_backend() -> BackendInfo:
+    return BackendInfo(
+        name=NAME,
+        priority=0,
+        aliases=("cpu",),
+        description="pure PyTorch reference ops (ground truth; CPU or any torch device)",
+    )
+
+
+@hookimpl
+def deepinfer_probe() -> ProbeResult:
+    return ProbeResult(True, detail="CPU, pure PyTorch")
+
+
+@hookimpl
+def deepinfer_platform():
+    from deepinfer_core.platform import Platform
+
+    return Platform(name="cpu-reference", device="cpu", backend=NAME)
+
+
+@hookimpl
+def deepinfer_ops(platform, model_config):
+    from deepinfer_core.ops import REFERENCE_OPS
+
+    return dict(REFERENCE_OPS)

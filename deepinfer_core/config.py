@@ -1,0 +1,214 @@
+"""Configuration: the model (from HF config.json), the engine, and DEEPINFER_* settings.
+
+Every DEEPINFER_* environment variable is read here, by ``Settings``, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
+DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
+
+
+class ConfigError(ValueError):
+    """A model directory or engine setting that cannot be used, with what to do about it."""
+
+
+class Settings(BaseSettings):
+    """DEEPINFER_* environment variables (all optional)."""
+
+    model_config = SettingsConfigDict(env_prefix="DEEPINFER_", extra="ignore")
+
+    hf_model_dir: str | None = Field(None, description="Model used when LLM() / the example get none.")
+    accelerator: str | None = Field(None, description="Backend name: cpu, nvidia, ascend or any installed backend; auto when unset.")
+    dtype: str | None = Field(None, description="Compute dtype override: auto, float32, bfloat16, float16.")
+    log_level: str = Field("WARNING", description="Python logging level for the deepinfer logger.")
+
+
+def settings() -> Settings:
+    return Settings()
+
+
+class ModelConfig(BaseModel):
+    """The fields of an HF DeepSeek V2/V3 config.json that the engine uses, validated."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_type: Literal["deepseek_v3", "deepseek_v2"]
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    moe_intermediate_size: int = Field(gt=0)
+    num_hidden_layers: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    q_lora_rank: int | None
+    kv_lora_rank: int = Field(gt=0)
+    qk_nope_head_dim: int = Field(gt=0)
+    qk_rope_head_dim: int = Field(gt=0)
+    v_head_dim: int = Field(gt=0)
+    n_routed_experts: int = Field(gt=0)
+    n_shared_experts: int = Field(ge=0)
+    num_experts_per_tok: int = Field(gt=0)
+    first_k_dense_replace: int = Field(ge=0)
+    moe_layer_freq: int = Field(1, gt=0)
+    scoring_func: Literal["sigmoid", "softmax"]
+    topk_method: Literal["noaux_tc", "greedy", "group_limited_greedy"]
+    n_group: int = Field(gt=0)
+    topk_group: int = Field(gt=0)
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    rms_norm_eps: float = Field(gt=0)
+    rope_theta: float = Field(gt=0)
+    rope_parameters: dict[str, Any]
+    rope_interleave: bool = True
+    max_position_embeddings: int = Field(gt=0)
+    num_nextn_predict_layers: int = Field(0, ge=0)
+    hidden_act: Literal["silu"] = "silu"
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    torch_dtype: str | None = None
+    fp8_block: tuple[int, int] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        if self.n_routed_experts % self.n_group:
+            raise ValueError(f"n_routed_experts={self.n_routed_experts} is not divisible by n_group={self.n_group}")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"topk_group={self.topk_group} exceeds n_group={self.n_group}")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds n_routed_experts={self.n_routed_experts}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even")
+        return self
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values per token per layer in the MLA cache: kv_lora_rank + qk_rope_head_dim."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        return tuple(self.eos_token_id) if isinstance(self.eos_token_id, list) else (self.eos_token_id,)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        """Read and validate ``model_dir/config.json`` through transformers' config classes."""
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{path} not found: a model directory must hold an HF config.json")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from e
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"{path}: model_type {model_type!r} is not supported; supported model types: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        from transformers import AutoConfig
+
+        try:
+            hf = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
+        except Exception as e:  # transformers raises many types for a bad config
+            raise ConfigError(f"{path}: transformers could not read it: {e}") from e
+        return cls.from_hf(hf, raw)
+
+    @classmethod
+    def from_hf(cls, hf: Any, raw: dict | None = None) -> ModelConfig:
+        raw = raw if raw is not None else hf.to_dict()
+        rope = dict(getattr(hf, "rope_parameters", None) or {})
+        quant = raw.get("quantization_config") or {}
+        fp8_block = None
+        if quant:
+            if quant.get("quant_method") != "fp8" or "weight_block_size" not in quant:
+                raise ConfigError(
+                    f"quantization_config {quant} is not supported; only DeepSeek's block FP8 "
+                    "(quant_method 'fp8' with weight_block_size) is"
+                )
+            fp8_block = tuple(quant["weight_block_size"])
+        fields: dict[str, Any] = {
+            "model_type": hf.model_type,
+            "vocab_size": hf.vocab_size,
+            "hidden_size": hf.hidden_size,
+            "intermediate_size": hf.intermediate_size,
+            "moe_intermediate_size": hf.moe_intermediate_size,
+            "num_hidden_layers": hf.num_hidden_layers,
+            "num_attention_heads": hf.num_attention_heads,
+            "q_lora_rank": hf.q_lora_rank,
+            "kv_lora_rank": hf.kv_lora_rank,
+            "qk_nope_head_dim": hf.qk_nope_head_dim,
+            "qk_rope_head_dim": hf.qk_rope_head_dim,
+            "v_head_dim": hf.v_head_dim,
+            "n_routed_experts": hf.n_routed_experts,
+            "n_shared_experts": hf.n_shared_experts or 0,
+            "num_experts_per_tok": hf.num_experts_per_tok,
+            "first_k_dense_replace": hf.first_k_dense_replace,
+            "moe_layer_freq": getattr(hf, "moe_layer_freq", 1) or 1,
+            "n_group": getattr(hf, "n_group", None) or 1,
+            "topk_group": getattr(hf, "topk_group", None) or 1,
+            "routed_scaling_factor": hf.routed_scaling_factor,
+            "rms_norm_eps": hf.rms_norm_eps,
+            "rope_theta": rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0)),
+            "rope_parameters": rope,
+            "max_position_embeddings": hf.max_position_embeddings,
+            "hidden_act": hf.hidden_act,
+            "attention_bias": bool(getattr(hf, "attention_bias", False)),
+            "tie_word_embeddings": bool(getattr(hf, "tie_word_embeddings", False)),
+            "bos_token_id": hf.bos_token_id,
+            "eos_token_id": hf.eos_token_id,
+            "torch_dtype": str(raw.get("torch_dtype") or raw.get("dtype") or "") or None,
+            "fp8_block": fp8_block,
+        }
+        if hf.model_type == "deepseek_v3":
+            fields.update(
+                scoring_func="sigmoid",
+                topk_method="noaux_tc",
+                norm_topk_prob=hf.norm_topk_prob,
+                rope_interleave=getattr(hf, "rope_interleave", True),
+                num_nextn_predict_layers=getattr(hf, "num_nextn_predict_layers", 0) or 0,
+            )
+        else:
+            # transformers' V2 always rotates interleaved pairs in float32 and never renormalises.
+            fields.update(
+                scoring_func="softmax",
+                topk_method=getattr(hf, "topk_method", "greedy"),
+                norm_topk_prob=False,
+                rope_interleave=True,
+                num_nextn_predict_layers=0,
+            )
+        try:
+            return cls(**fields)
+        except ValueError as e:
+            raise ConfigError(f"config.json is not usable: {e}") from e
+
+
+class EngineConfig(BaseModel):
+    """Engine settings chosen by the user (``LLM(...)`` arguments)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    block_size: int = Field(16, gt=0)
+    num_kv_blocks: int | None = Field(None, gt=0)
+    max_num_seqs: int = Field(64, gt=0)
+    max_num_batched_tokens: int = Field(2048, gt=0)
+    max_model_len: int | None = Field(None, gt=0)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    seed: int = 0

@@ -1,0 +1,297 @@
+"""The engine: requests in, one scheduler/runner/sampler step at a time, finished outputs out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from deepinfer_core.config import ConfigError, EngineConfig, ModelConfig
+from deepinfer_core.engine.kv_cache import BlockManager, KVCache
+from deepinfer_core.engine.runner import ModelRunner
+from deepinfer_core.engine.scheduler import Scheduler
+from deepinfer_core.engine.sequence import Sequence, Status
+from deepinfer_core.hookspecs import StepStats
+from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.sampling.sampler import sample, top_logprobs
+
+log = logging.getLogger("deepinfer")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_MEMORY_FRACTION = 0.25
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as given (too long, bad token ids, no tokenizer...)."""
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, supported: tuple[torch.dtype, ...]) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    elif dtype == "auto":
+        name = (config.torch_dtype or "").replace("torch.", "")
+        resolved = DTYPES.get(name, torch.bfloat16)
+    elif dtype in DTYPES:
+        resolved = DTYPES[dtype]
+    else:
+        raise ConfigError(f"dtype {dtype!r} is not supported; use 'auto', {', '.join(DTYPES)}")
+    if resolved not in supported:
+        raise ConfigError(f"dtype {resolved} is not supported by this backend (supported: {supported})")
+    return resolved
+
+
+class Engine:
+    def __init__(self, model_dir: Path, engine_config: EngineConfig, backend_name: str | None, dtype: str | torch.dtype, progress: bool = True):
+        from deepinfer_core.loader import load_model
+        from deepinfer_core.models.registry import get_model_class
+        from deepinfer_core.plugins import load_backend
+
+        self.config = engine_config
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.plugins, self.backend, self.platform, self.ops, limits = load_backend(backend_name, self.model_config)
+        self.device = self.platform.torch_device
+        self.dtype = resolve_dtype(dtype, self.model_config, self.platform.supported_dtypes)
+        keep_fp8 = bool(self.platform.fp8_weights and self.model_config.fp8_block)
+        model_cls = get_model_class(self.model_config.model_type)
+        self.model = model_cls(self.model_config, self.ops, self.dtype, self.device, keep_fp8=keep_fp8)
+        load_model(model_dir, self.model_config, self.model, progress=progress)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.eos_ids = self._eos_ids()
+
+        specs = self.model.cache_specs()
+        block_size = engine_config.block_size
+        num_blocks = engine_config.num_kv_blocks or self._auto_num_blocks(specs, block_size)
+        capacity = num_blocks * block_size
+        max_len = engine_config.max_model_len or min(self.model_config.max_position_embeddings, capacity)
+        if max_len > self.model_config.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len={max_len} exceeds the model's max_position_embeddings="
+                f"{self.model_config.max_position_embeddings}; lower max_model_len"
+            )
+        if max_len > capacity:
+            raise ConfigError(
+                f"max_model_len={max_len} needs {math.ceil(max_len / block_size)} KV blocks but the cache has "
+                f"{num_blocks} (block_size {block_size}); raise num_kv_blocks or lower max_model_len"
+            )
+        self.max_model_len = max_len
+        self.kv_cache = KVCache(specs, num_blocks, block_size, self.device)
+        self.block_manager = BlockManager(num_blocks, block_size)
+        max_seqs = (limits.max_num_seqs if limits and limits.max_num_seqs else None) or engine_config.max_num_seqs
+        max_tokens = (limits.max_num_batched_tokens if limits and limits.max_num_batched_tokens else None) or engine_config.max_num_batched_tokens
+        self.scheduler = Scheduler(self.block_manager, max_seqs, max_tokens)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device)
+        self.observer = self.plugins.step_observer()
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._req_ids = itertools.count()
+        self._step = 0
+        log.info(
+            "engine ready: backend %s (%s), dtype %s, %d KV blocks x %d tokens, max_model_len %d",
+            self.backend.name, self.platform.name, self.dtype, num_blocks, block_size, max_len,
+        )
+
+    # ---- set-up helpers ----------------------------------------------------------------------
+    def _auto_num_blocks(self, specs, block_size: int) -> int:
+        per_block = KVCache.bytes_per_block(specs, block_size)
+        free, total = self.platform.memory_info()
+        if self.device.type == "cpu":
+            budget = free * CPU_KV_MEMORY_FRACTION
+            wanted_tokens = self.config.max_num_seqs * (self.config.max_model_len or min(self.model_config.max_position_embeddings, 8192))
+            return max(1, min(int(budget // per_block), math.ceil(wanted_tokens / block_size)))
+        budget = total * self.config.gpu_memory_utilization - (total - free)
+        if budget < per_block:
+            raise ConfigError(
+                f"no device memory left for the KV cache ({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB "
+                f"after loading weights); raise gpu_memory_utilization or use a smaller model"
+            )
+        return int(budget // per_block)
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    # ---- requests ------------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(
+                    "this model directory has no tokenizer files, so text prompts cannot be encoded; pass token "
+                    "ids (a list of ints) instead, or add tokenizer.json / tokenizer_config.json to the directory"
+                )
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise RequestError(f"a prompt must be a string or a list of token ids (ints), got {type(prompt).__name__}")
+        return None, list(prompt)
+
+    def check(self, prompt_token_ids: list[int], params: SamplingParams, label: str = "prompt") -> None:
+        """Raise RequestError if the request cannot run; nothing has been queued yet."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestError(f"{label} is empty; give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"{label} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if n >= self.max_model_len:
+            raise RequestError(
+                f"{label} is too long: {n} tokens, but max_model_len is {self.max_model_len} (the prompt plus at "
+                f"least one generated token must fit); shorten it or raise max_model_len"
+            )
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise RequestError(f"stop_token_ids {bad_stop} are outside the vocabulary [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > vocab or params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
+            raise RequestError(f"logprobs / prompt_logprobs exceed the vocabulary size {vocab}")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        text, ids = self.encode(prompt)
+        self.check(ids, params)
+        rid = request_id if request_id is not None else str(next(self._req_ids))
+        if rid in self.requests:
+            raise RequestError(f"request id {rid!r} is already in use")
+        req = Request(rid, text, ids, params)
+        for i in range(params.n):
+            seq = Sequence(next(self._seq_ids), rid, i, list(ids), params, self._generator(params, i))
+            if params.logprobs is not None:
+                seq.output_logprobs = []
+            req.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[rid] = req
+        return rid
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.greedy:
+            return None
+        gen = torch.Generator(device=self.device)
+        seed = params.seed + index if params.seed is not None else hash((self.config.seed, next(self._seq_ids))) & 0x7FFFFFFF
+        gen.manual_seed(seed)
+        return gen
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort_all(self) -> list[Request]:
+        """Stop every unfinished request (finish_reason "abort"), free its blocks, return them."""
+        aborted = []
+        for req in list(self.requests.values()):
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    seq.finish_reason = "abort"
+                    self.scheduler.finish(seq)
+            aborted.append(self.requests.pop(req.request_id))
+        return aborted
+
+    # ---- one step ------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one batch; return the requests that finished in it (removed from the engine)."""
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler could not schedule any work; KV cache too small for the waiting requests")
+            return []
+        out = self.runner.run(batch)
+        for seq, first, logits in out.prompt_logits:
+            self._record_prompt_logprobs(seq, first, logits)
+        results = sample(out.sample_logits, out.sample_seqs, self.eos_ids) if out.sample_seqs else []
+        for seq, (token, logprob, top) in zip(out.sample_seqs, results):
+            self._append(seq, token, logprob, top)
+        finished = [r for r in self.requests.values() if r.finished]
+        for req in finished:
+            del self.requests[req.request_id]
+        self._step += 1
+        if self.observer is not None:
+            self.observer(StepStats(
+                step=self._step,
+                num_prefill_tokens=sum(n for _, n in batch.prefills),
+                num_decode_tokens=len(batch.decodes),
+                num_running=len(self.scheduler.running),
+                num_waiting=len(self.scheduler.waiting),
+                num_preempted=batch.num_preempted,
+                free_kv_blocks=self.block_manager.num_free,
+                seconds=time.perf_counter() - t0,
+            ))
+        return finished
+
+    def _record_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None]  # nothing predicts the first prompt token
+        if len(seq.prompt_logprobs) != first:
+            return  # recomputed after a preemption: already recorded
+        lps = torch.log_softmax(logits.float(), dim=-1)
+        k = seq.params.prompt_logprobs
+        for i in range(lps.shape[0]):
+            seq.prompt_logprobs.append(top_logprobs(lps[i], k, seq.prompt_token_ids[first + i]))
+
+    def _append(self, seq: Sequence, token: int, logprob: float, top: dict[int, float] | None) -> None:
+        seq.output_token_ids.append(token)
+        seq.cumulative_logprob += logprob
+        if seq.output_logprobs is not None:
+            seq.output_logprobs.append(top or {})
+        p = seq.params
+        reason, stop = None, None
+        if not p.ignore_eos and token in self.eos_ids and len(seq.output_token_ids) > p.min_tokens - 1:
+            reason = "stop"
+        elif token in p.stop_token_ids:
+            reason, stop = "stop", token
+        elif p.stop and self.tokenizer is not None:
+            hit = self._stop_string(seq)
+            if hit is not None:
+                reason, stop = "stop", hit
+        if reason is None and (len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            seq.finish_reason, seq.stop_reason = reason, stop
+            if not (stop is not None and isinstance(stop, str)):
+                seq.text = self.detokenize(seq)
+            self.scheduler.finish(seq)
+
+    def _stop_string(self, seq: Sequence) -> str | None:
+        text = self.detokenize(seq)
+        earliest = None
+        for s in seq.params.stop:
+            idx = text.find(s)
+            if idx >= 0 and (earliest is None or idx < earliest[0]):
+                earliest = (idx, s)
+        if earliest is None:
+            return None
+        idx, s = earliest
+        seq.text = text[: idx + len(s)] if seq.params.include_stop_str_in_output else text[:idx]
+        return s
+
+    def detokenize(self, seq: Sequence) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+
+
+def load_tokenizer(model_dir: Path):
+    """The checkpoint's tokenizer, or None when the directory has no tokenizer files."""
+    if not any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
+    except Exception as e:
+        raise ConfigError(f"{model_dir}: the tokenizer files could not be loaded: {e}") from e

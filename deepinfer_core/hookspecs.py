@@ -1,0 +1,165 @@
+"""The contract between the DeepInfer core and its backends.
+
+A backend is a Python module registered under the entry-point group ``deepinfer.backends``.
+The module itself must be cheap to import (no torch_npu, no CUDA initialisation, no kernel
+compilation): the core imports every installed backend module to probe it, and loads only the
+one it selects. Heavy imports belong inside ``deepinfer_platform`` / ``deepinfer_ops``.
+
+Hooks are called by the core:
+
+* at discovery, for every backend: ``deepinfer_backend`` then ``deepinfer_probe``;
+* once at start-up, for the selected backend only: ``deepinfer_platform``, then
+  ``deepinfer_ops``, ``deepinfer_communicator`` and ``deepinfer_scheduler_limits``;
+* once per engine step, for every backend that implements it: ``deepinfer_step_observer``.
+
+No other plugin code runs on the hot path except the op callables that ``deepinfer_ops``
+returns. A backend that needs a seam that is not here asks for a new hook; it never patches
+the core.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import pluggy
+
+if TYPE_CHECKING:
+    from deepinfer_core.config import ModelConfig
+    from deepinfer_core.platform import Platform
+
+PROJECT = "deepinfer"
+# Bumped on any incompatible change to a hook's signature or meaning. A backend declares the
+# range it supports in BackendInfo; the core refuses a backend whose range excludes this.
+SPEC_VERSION = 1
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What a backend says about itself, before any probing.
+
+    name: the name users select it by (``DEEPINFER_ACCELERATOR=name``); must equal the
+        entry-point name.
+    priority: automatic selection picks the available backend with the highest priority.
+    min_spec_version / max_spec_version: the hookspec versions this backend implements.
+    aliases: other names that select it (the reference backend answers to ``cpu``).
+    required_ops: ops this backend must provide itself; if its op table lacks one, start-up
+        fails instead of falling back to the reference implementation.
+    description: one line for ``deepinfer backends``.
+    """
+
+    name: str
+    priority: int
+    min_spec_version: int = 1
+    max_spec_version: int = 1
+    aliases: tuple[str, ...] = ()
+    required_ops: frozenset[str] = frozenset()
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """Whether a backend could run on this machine, from cheap checks only.
+
+    available: True when the backend could be loaded here.
+    reason: when unavailable, what is missing (e.g. "no CUDA device visible").
+    fix: when unavailable, what the user can do about it.
+    detail: when available, what was found (e.g. "NVIDIA H200, sm_90").
+    """
+
+    available: bool
+    reason: str = ""
+    fix: str = ""
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """Limits a backend imposes on or suggests to the scheduler.
+
+    Any field left ``None`` keeps the engine's default.
+    max_num_batched_tokens: the most tokens one step may carry (prefill chunk budget).
+    max_num_seqs: the most sequences one step may carry.
+    graph_batch_sizes: decode batch sizes the runner captures as graphs (sorted ascending);
+        decode batches are padded up to the next size, larger ones run eagerly.
+    """
+
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    graph_batch_sizes: tuple[int, ...] | None = None
+
+
+@dataclass
+class StepStats:
+    """What one engine step did; passed to ``deepinfer_step_observer``."""
+
+    step: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_running: int
+    num_waiting: int
+    num_preempted: int
+    free_kv_blocks: int
+    seconds: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class BackendSpec:
+    """Hook specifications. Each docstring is the contract of that hook."""
+
+    @hookspec(firstresult=True)
+    def deepinfer_backend(self) -> BackendInfo:
+        """Return this backend's BackendInfo. Called at discovery; must not import heavy modules."""
+
+    @hookspec(firstresult=True)
+    def deepinfer_probe(self) -> ProbeResult:
+        """Say whether this backend can run here, from cheap checks.
+
+        Called at discovery for every installed backend, selected or not. Must not raise for an
+        ordinary "not here" (return ``ProbeResult(False, reason, fix)`` instead) and must not
+        import modules that can break the process (``torch_npu`` without CANN breaks
+        ``import torch``). An exception is reported as a broken plugin, naming it.
+        """
+
+    @hookspec(firstresult=True)
+    def deepinfer_platform(self) -> Platform:
+        """Return the Platform object for this machine (device, capabilities, memory query).
+
+        Called once, only for the selected backend, after a successful probe. May import the
+        backend's heavy dependencies. Raise with a clear message if loading fails.
+        """
+
+    @hookspec(firstresult=True)
+    def deepinfer_ops(self, platform: Platform, model_config: ModelConfig | None) -> dict[str, Callable]:
+        """Return ``{op_name: callable}`` for the ops this backend implements.
+
+        Called once at start-up, for the selected backend. Each callable must follow the
+        contract of the op of that name in ``deepinfer_core.ops`` (signature, shapes, dtypes,
+        in-place behaviour) and match the reference within ``specs/ops.toml``. Ops left out come
+        from the reference backend and are reported by ``deepinfer backends``. ``model_config``
+        is ``None`` when the table is built without a model (e.g. for conformance checks); a
+        backend may use it to choose kernels for the model's shapes. Unknown op names are an
+        error.
+        """
+
+    @hookspec(firstresult=True)
+    def deepinfer_communicator(self, platform: Platform, group: Any) -> Any:
+        """Return a communicator for ``group`` (all_reduce, all_gather, reduce_scatter,
+        all_to_all / MoE dispatch-combine, broadcast, barrier), or ``None`` to use the core's
+        torch.distributed one. Called once per process group when world size > 1.
+        """
+
+    @hookspec(firstresult=True)
+    def deepinfer_scheduler_limits(self, platform: Platform, model_config: ModelConfig) -> SchedulerLimits | None:
+        """Return SchedulerLimits for this platform and model, or ``None`` for the defaults.
+        Called once at start-up, for the selected backend.
+        """
+
+    @hookspec
+    def deepinfer_step_observer(self, stats: StepStats) -> None:
+        """Observe one finished engine step (metrics, profiling). Called after every step for
+        every registered plugin that implements it; must be cheap and must not raise.
+        """

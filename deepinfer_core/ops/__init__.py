@@ -1,0 +1,56 @@
+"""Op contracts and their reference implementations.
+
+Every op has a name, a documented signature (the docstring of its reference implementation is
+the contract), a reference implementation in plain PyTorch with float32 accumulation, and
+per-dtype tolerances in ``specs/ops.toml``. Backends supply their own callables under the same
+names; models only ever call ops through an ``OpTable``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from deepinfer_core.ops import activation, attention, linear, moe, norm, rope
+
+# name -> reference implementation. The order is the order ``deepinfer backends`` prints.
+REFERENCE_OPS: dict[str, Callable] = {
+    "rms_norm": norm.rms_norm,
+    "add_rms_norm": norm.add_rms_norm,
+    "rotary_embedding": rope.rotary_embedding,
+    "linear": linear.linear,
+    "fp8_block_linear": linear.fp8_block_linear,
+    "silu_and_mul": activation.silu_and_mul,
+    "moe_route": moe.moe_route,
+    "moe_experts": moe.moe_experts,
+    "write_latent_cache": attention.write_latent_cache,
+    "gather_latent_cache": attention.gather_latent_cache,
+    "mla_prefill_attention": attention.mla_prefill_attention,
+    "mla_decode_attention": attention.mla_decode_attention,
+}
+
+OP_NAMES: tuple[str, ...] = tuple(REFERENCE_OPS)
+
+
+class OpTable:
+    """The ops a model calls, resolved once at start-up.
+
+    Attribute access gives the plain callable (``ops.rms_norm(x, w, eps)``); ``providers`` maps
+    each op name to the backend that supplied it.
+    """
+
+    def __init__(self, impls: dict[str, Callable], providers: dict[str, str]):
+        unknown = set(impls) - set(OP_NAMES)
+        if unknown:
+            raise ValueError(f"unknown op names {sorted(unknown)}; known ops: {', '.join(OP_NAMES)}")
+        missing = set(OP_NAMES) - set(impls)
+        if missing:
+            raise ValueError(f"op table lacks {sorted(missing)}")
+        self.__dict__.update(impls)
+        self.providers = dict(providers)
+
+    @classmethod
+    def reference(cls) -> OpTable:
+        return cls(dict(REFERENCE_OPS), {name: "reference" for name in OP_NAMES})
+
+    def __getitem__(self, name: str) -> Callable:
+        return self.__dict__[name]

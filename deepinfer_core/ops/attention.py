@@ -1,0 +1,88 @@
+"""Multi-head latent attention (MLA) ops and the paged latent cache.
+
+The cache of one MLA layer is a tensor [num_blocks, block_size, kv_lora_rank + rope_dim]: per
+token the normalised latent c (kv_lora_rank values) followed by the rotated shared rope key
+k_pe. Slot s is row s % block_size of block s // block_size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_latent_cache(kv_cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store [latent | k_pe] of token t at slot slot_mapping[t] (in place).
+
+    kv_cache: [num_blocks, block_size, d_c + d_r]; latent: [T, d_c]; k_pe: [T, d_r];
+    slot_mapping: [T] int64; a negative slot means "do not store" (padding).
+    """
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    keep = slot_mapping >= 0
+    entries = torch.cat([latent, k_pe], dim=-1).to(kv_cache.dtype)
+    flat[slot_mapping[keep]] = entries[keep]
+
+
+def gather_latent_cache(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows of the cache at ``slots`` [S] int64 -> [S, d_c + d_r] (a new tensor)."""
+    return kv_cache.view(-1, kv_cache.shape[-1])[slots]
+
+
+def mla_prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention over variable-length sequences in the expanded (per-head) MLA form.
+
+    q: [Tq, H, d_qk]; k: [Tk, H, d_qk]; v: [Tk, H, d_v], sequences packed back to back with
+    boundaries cu_seqlens_q / cu_seqlens_k ([B+1] int32, starting at 0). Sequence b has
+    lq = len_q(b) new tokens that are the last lq of its lk = len_k(b) keys (the rest is cached
+    prefix), so query i attends to keys 0 .. lk - lq + i. Softmax in float32. Returns
+    [Tq, H, d_v] in q's dtype.
+    """
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cq) - 1):
+        qs, ks = q[cq[b] : cq[b + 1]], k[ck[b] : ck[b + 1]]
+        vs = v[ck[b] : ck[b + 1]]
+        lq, lk = qs.shape[0], ks.shape[0]
+        if lq == 0:
+            continue
+        scores = torch.einsum("qhd,khd->hqk", qs.float(), ks.float()) * scale
+        allowed = torch.arange(lk, device=q.device)[None, :] <= (torch.arange(lq, device=q.device)[:, None] + lk - lq)
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+        out[cq[b] : cq[b + 1]] = torch.einsum("hqk,khd->qhd", probs, vs.float()).to(q.dtype)
+    return out
+
+
+def mla_decode_attention(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Absorbed-form MLA decode for one new token per sequence over the paged latent cache.
+
+    q_latent: [B, H, d_c] (q_nope already multiplied by W_UK); q_pe: [B, H, d_r] rotated;
+    kv_cache: [num_blocks, block_size, d_c + d_r]; block_tables: [B, max_blocks] int32;
+    seq_lens: [B] int32, the number of cached tokens each query attends to (its own included).
+    s_j = (q_latent . c_j + q_pe . k_pe_j) * scale; returns sum_j softmax(s)_j c_j as
+    [B, H, d_c] in q_latent's dtype (the caller applies W_UV). Softmax in float32.
+    """
+    d_c = q_latent.shape[-1]
+    block_size = kv_cache.shape[1]
+    out = q_latent.new_empty(q_latent.shape)
+    lens = seq_lens.tolist()
+    for b, n in enumerate(lens):
+        pos = torch.arange(n, device=kv_cache.device)
+        blocks = block_tables[b, pos // block_size].long()
+        entries = kv_cache[blocks, pos % block_size].float()
+        c, k_pe = entries[:, :d_c], entries[:, d_c:]
+        scores = (q_latent[b].float() @ c.T + q_pe[b].float() @ k_pe.T) * scale
+        out[b] = (scores.softmax(dim=-1) @ c).to(q_latent.dtype)
+    return out

@@ -1,0 +1,105 @@
+"""Mixture-of-experts ops: routing (DeepSeek V2/V3 gates) and expert computation."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer_core.ops.activation import silu_and_mul
+from deepinfer_core.ops.linear import dequantize_fp8_block
+
+SCORING_FUNCS = ("sigmoid", "softmax")
+TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
+
+
+def moe_route(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    *,
+    top_k: int,
+    scoring_func: str,
+    topk_method: str,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose top_k experts per token. Returns (weights [T, k] float32, ids [T, k] int64).
+
+    x: [T, D]; gate_weight: [E, D]; correction_bias: [E] float32 or None. Logits are computed in
+    float32. ``noaux_tc`` (V3): sigmoid scores, selection on scores + bias restricted to the
+    ``topk_group`` groups with the largest sum of their top-2 biased scores; weights are the
+    unbiased scores, optionally renormalised (+1e-20). ``greedy`` (V2-Lite): softmax, plain top-k.
+    ``group_limited_greedy`` (V2): softmax, groups ranked by their max score, others zeroed.
+    V2 gates never renormalise. Weights are finally multiplied by routed_scaling_factor. The
+    order of the k slots is unspecified.
+    """
+    logits = F.linear(x.float(), gate_weight.float())
+    num_tokens, num_experts = logits.shape
+    if scoring_func == "sigmoid":
+        scores = logits.sigmoid()
+    elif scoring_func == "softmax":
+        scores = logits.softmax(dim=-1)
+    else:
+        raise ValueError(f"scoring_func {scoring_func!r} is not supported; expected one of {SCORING_FUNCS}")
+
+    if topk_method == "noaux_tc":
+        choice = scores if correction_bias is None else scores + correction_bias.float()
+        grouped = choice.view(num_tokens, n_group, num_experts // n_group)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
+        keep = _group_mask(group_scores, topk_group, num_experts)
+        choice = choice.masked_fill(~keep, float("-inf"))
+        ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    elif topk_method == "greedy":
+        weights, ids = scores.topk(top_k, dim=-1, sorted=False)
+    elif topk_method == "group_limited_greedy":
+        group_scores = scores.view(num_tokens, n_group, num_experts // n_group).max(dim=-1).values
+        keep = _group_mask(group_scores, topk_group, num_experts)
+        weights, ids = scores.masked_fill(~keep, 0.0).topk(top_k, dim=-1, sorted=False)
+    else:
+        raise ValueError(f"topk_method {topk_method!r} is not supported; expected one of {TOPK_METHODS}")
+    return weights * routed_scaling_factor, ids
+
+
+def _group_mask(group_scores: torch.Tensor, topk_group: int, num_experts: int) -> torch.Tensor:
+    num_tokens, n_group = group_scores.shape
+    group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+    return mask[:, :, None].expand(num_tokens, n_group, num_experts // n_group).reshape(num_tokens, num_experts)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Sum over each token's k experts of weight * SwiGLU expert output. Returns [T, D] in x's dtype.
+
+    x: [T, D]; w13: [E, 2I, D] (gate rows first, then up); w2: [E, D, I]; topk_weights: [T, k]
+    float32; topk_ids: [T, k] int64. With block-FP8 experts, w13/w2 are float8_e4m3fn and
+    w13_scale [E, ceil(2I/bn), ceil(D/bk)], w2_scale [E, ceil(D/bn), ceil(I/bk)], block=(bn, bk).
+    The reference follows transformers' eager path: experts in ascending id, the weighted
+    expert output accumulated into a buffer of x's dtype.
+    """
+    out = torch.zeros_like(x)
+    if x.shape[0] == 0:
+        return out
+    for expert in torch.unique(topk_ids).tolist():
+        token_idx, slot = torch.where(topk_ids == expert)
+        gate_up, down = w13[expert], w2[expert]
+        if w13_scale is not None:
+            gate_up = dequantize_fp8_block(gate_up, w13_scale[expert], block, x.dtype)
+            down = dequantize_fp8_block(down, w2_scale[expert], block, x.dtype)
+        h = silu_and_mul(F.linear(x[token_idx], gate_up))
+        y = F.linear(h, down) * topk_weights[token_idx, slot, None]
+        out.index_add_(0, token_idx, y.to(x.dtype))
+    return out

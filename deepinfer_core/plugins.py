@@ -1,0 +1,251 @@
+"""Backend discovery, probing, selection and op-table resolution.
+
+Every installed distribution may register backend modules under the entry-point group
+``deepinfer.backends``. Discovery imports each module (they are cheap by contract), registers
+it with pluggy (which checks hook names and signatures against ``hookspecs``), asks it for its
+BackendInfo and probe result. Selection honours ``DEEPINFER_ACCELERATOR`` (or an explicit
+name) strictly: a backend that was asked for and cannot load is an error, never a silent
+fallback. Without a request, the available backend with the highest priority wins.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any, Callable
+
+import pluggy
+
+from deepinfer_core import hookspecs
+from deepinfer_core.hookspecs import SPEC_VERSION, BackendInfo, ProbeResult, SchedulerLimits, StepStats
+from deepinfer_core.ops import OP_NAMES, REFERENCE_OPS, OpTable
+
+log = logging.getLogger("deepinfer")
+
+ENTRY_POINT_GROUP = "deepinfer.backends"
+REFERENCE_BACKEND = "reference"
+
+
+class BackendError(RuntimeError):
+    """A backend that cannot be used, with the reason and the fix."""
+
+
+@dataclass
+class Backend:
+    """One discovered backend: where it came from, what it says, whether it can run here."""
+
+    name: str
+    module: Any
+    source: str  # "module (distribution version)"
+    info: BackendInfo | None = None
+    probe: ProbeResult | None = None
+    error: str | None = None  # a broken plugin: import failure, bad hooks, probe raised
+
+    @property
+    def available(self) -> bool:
+        return self.error is None and self.probe is not None and self.probe.available
+
+    def status(self) -> str:
+        if self.error:
+            return f"broken: {self.error}"
+        assert self.probe is not None
+        if self.probe.available:
+            return "available" + (f" ({self.probe.detail})" if self.probe.detail else "")
+        return f"unavailable: {self.probe.reason}" + (f" -- fix: {self.probe.fix}" if self.probe.fix else "")
+
+
+class PluginManager:
+    """Holds every discovered backend; resolves the selected one into Platform + OpTable."""
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs.BackendSpec)
+        self.backends: dict[str, Backend] = {}
+
+    # ---- discovery -------------------------------------------------------------------------
+    def discover(self) -> dict[str, Backend]:
+        for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+            if ep.name in self.backends:
+                continue
+            dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
+            backend = Backend(name=ep.name, module=None, source=f"{ep.value} ({dist})")
+            self.backends[ep.name] = backend
+            try:
+                backend.module = ep.load()
+            except Exception as e:  # a plugin's import error must not take the others down
+                backend.error = f"importing {ep.value} failed: {type(e).__name__}: {e}"
+                continue
+            self._register(backend)
+        return self.backends
+
+    def add(self, name: str, module: Any, source: str = "registered in-process") -> Backend:
+        """Register a backend module directly (used when no distribution is installed)."""
+        backend = Backend(name=name, module=module, source=source)
+        self.backends[name] = backend
+        self._register(backend)
+        return backend
+
+    def _register(self, backend: Backend) -> None:
+        try:
+            self.pm.register(backend.module, name=backend.name)
+        except pluggy.PluginValidationError as e:
+            backend.error = f"invalid hook implementation: {e}"
+            return
+        except ValueError as e:
+            backend.error = f"could not register: {e}"
+            return
+        try:
+            info = self._call(backend.name, "deepinfer_backend")
+        except Exception as e:
+            backend.error = f"deepinfer_backend() raised {type(e).__name__}: {e}"
+            return
+        if not isinstance(info, BackendInfo):
+            backend.error = "does not implement deepinfer_backend() returning a BackendInfo"
+            return
+        backend.info = info
+        if info.name != backend.name:
+            backend.error = f"entry point is named {backend.name!r} but deepinfer_backend() says {info.name!r}"
+            return
+        if not info.min_spec_version <= SPEC_VERSION <= info.max_spec_version:
+            backend.error = (
+                f"supports hookspec versions {info.min_spec_version}..{info.max_spec_version}, but this "
+                f"deepinfer core speaks version {SPEC_VERSION}; install a release of the plugin built for it"
+            )
+            return
+        try:
+            probe = self._call(backend.name, "deepinfer_probe")
+        except Exception as e:
+            backend.error = f"deepinfer_probe() raised {type(e).__name__}: {e}"
+            return
+        if not isinstance(probe, ProbeResult):
+            backend.error = "does not implement deepinfer_probe() returning a ProbeResult"
+            return
+        backend.probe = probe
+
+    def _call(self, backend_name: str, hook: str, **kwargs: Any) -> Any:
+        """Call one backend's implementation of ``hook`` (None if it has none)."""
+        for impl in getattr(self.pm.hook, hook).get_hookimpls():
+            if impl.plugin_name == backend_name:
+                return impl.function(**kwargs)
+        return None
+
+    # ---- selection -------------------------------------------------------------------------
+    def find(self, requested: str) -> Backend:
+        wanted = requested.strip().lower()
+        for backend in self.backends.values():
+            names = {backend.name.lower()} | {a.lower() for a in (backend.info.aliases if backend.info else ())}
+            if wanted in names:
+                return backend
+        known = ", ".join(self._names()) or "none"
+        raise BackendError(
+            f"backend {requested!r} is not installed (installed backends: {known}). Install its plugin, e.g. "
+            f"`pip install deepinfer[nvidia]` or `pip install deepinfer[ascend]`, or unset DEEPINFER_ACCELERATOR "
+            f"to choose automatically."
+        )
+
+    def _names(self) -> list[str]:
+        out = []
+        for b in self.backends.values():
+            aliases = b.info.aliases if b.info else ()
+            out.append(b.name + (f" (alias {', '.join(aliases)})" if aliases else ""))
+        return out
+
+    def select(self, requested: str | None = None) -> Backend:
+        """The backend to use: the requested one (strict) or the best available one."""
+        if not self.backends:
+            self.discover()
+        if requested and requested.strip().lower() not in ("", "auto"):
+            backend = self.find(requested)
+            if backend.error:
+                raise BackendError(f"backend {backend.name!r} ({backend.source}) is broken: {backend.error}")
+            if not backend.available:
+                assert backend.probe is not None
+                raise BackendError(
+                    f"backend {backend.name!r} was requested but cannot run here: {backend.probe.reason}. "
+                    f"Fix: {backend.probe.fix or 'see the plugin documentation'}. Or choose another backend "
+                    f"with DEEPINFER_ACCELERATOR (available: {', '.join(self.available_names()) or 'none'})."
+                )
+            return backend
+        candidates = [b for b in self.backends.values() if b.available]
+        if not candidates:
+            raise BackendError(
+                "no usable backend found; `deepinfer backends` shows why each one cannot run. Reinstall "
+                "deepinfer (the reference backend ships with it)."
+            )
+        best = max(candidates, key=lambda b: (b.info.priority, b.name == REFERENCE_BACKEND))  # type: ignore[union-attr]
+        log.info("auto-selected backend %r (priority %d)", best.name, best.info.priority)  # type: ignore[union-attr]
+        return best
+
+    def available_names(self) -> list[str]:
+        return [b.name for b in self.backends.values() if b.available]
+
+    # ---- loading -----------------------------------------------------------------------------
+    def load(self, backend: Backend, model_config: Any = None) -> tuple[Any, OpTable, SchedulerLimits | None, list[str]]:
+        """Platform, OpTable, scheduler limits, and the list of ops that fell back to the reference."""
+        try:
+            platform = self._call(backend.name, "deepinfer_platform")
+        except BackendError:
+            raise
+        except Exception as e:
+            raise BackendError(f"backend {backend.name!r} failed to load its platform: {type(e).__name__}: {e}") from e
+        if platform is None:
+            raise BackendError(f"backend {backend.name!r} does not implement deepinfer_platform()")
+        ops = self.resolve_ops(backend, platform, model_config)
+        limits = None
+        if model_config is not None:
+            limits = self._call(backend.name, "deepinfer_scheduler_limits", platform=platform, model_config=model_config)
+        fallback = [name for name, who in ops.providers.items() if who != backend.name]
+        if fallback and backend.name != REFERENCE_BACKEND:
+            log.info("backend %r lacks ops %s; using the reference implementations", backend.name, ", ".join(fallback))
+        return platform, ops, limits, fallback
+
+    def resolve_ops(self, backend: Backend, platform: Any, model_config: Any = None) -> OpTable:
+        """The backend's ops, completed with reference ones; required ops must be the backend's own."""
+        try:
+            provided: dict[str, Callable] = self._call(backend.name, "deepinfer_ops", platform=platform, model_config=model_config) or {}
+        except Exception as e:
+            raise BackendError(f"backend {backend.name!r}: deepinfer_ops() raised {type(e).__name__}: {e}") from e
+        unknown = sorted(set(provided) - set(OP_NAMES))
+        if unknown:
+            raise BackendError(
+                f"backend {backend.name!r} provides unknown ops {unknown}; the ops of hookspec version "
+                f"{SPEC_VERSION} are: {', '.join(OP_NAMES)}"
+            )
+        not_callable = sorted(name for name, fn in provided.items() if not callable(fn))
+        if not_callable:
+            raise BackendError(f"backend {backend.name!r} provides non-callable ops {not_callable}")
+        assert backend.info is not None
+        missing_required = sorted(set(backend.info.required_ops) - set(provided))
+        if missing_required:
+            raise BackendError(
+                f"backend {backend.name!r} declares ops {missing_required} as required (no fallback allowed) "
+                f"but its op table lacks them"
+            )
+        impls = {name: provided.get(name, REFERENCE_OPS[name]) for name in OP_NAMES}
+        providers = {name: backend.name if name in provided else REFERENCE_BACKEND for name in OP_NAMES}
+        return OpTable(impls, providers)
+
+    # ---- per-step hooks --------------------------------------------------------------------
+    def step_observer(self) -> Callable[[StepStats], None] | None:
+        """A callable notifying every observer, or None when no plugin observes steps."""
+        hook = self.pm.hook.deepinfer_step_observer
+        if not hook.get_hookimpls():
+            return None
+
+        def notify(stats: StepStats) -> None:
+            try:
+                hook(stats=stats)
+            except Exception:  # an observer must never take the engine down
+                log.exception("a deepinfer_step_observer raised; ignoring it")
+
+        return notify
+
+
+def load_backend(requested: str | None = None, model_config: Any = None):
+    """Discover, select and load. Returns (PluginManager, Backend, Platform, OpTable, SchedulerLimits|None)."""
+    manager = PluginManager()
+    manager.discover()
+    backend = manager.select(requested)
+    platform, ops, limits, _ = manager.load(backend, model_config)
+    return manager, backend, platform, ops, limits

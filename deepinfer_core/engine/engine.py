@@ -15,7 +15,7 @@ from deepinfer_core.config import ConfigError, EngineConfig, ModelConfig
 from deepinfer_core.engine.kv_cache import BlockManager, KVCache
 from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.engine.scheduler import Scheduler
-from deepinfer_core.engine.sequence import Sequence, Status
+from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.hookspecs import StepStats
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.sampler import sample, top_logprobs
@@ -103,6 +103,7 @@ class Engine:
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
         self._step = 0
+        self.num_preemptions = 0  # total, for tests and metrics
         log.info(
             "engine ready: backend %s (%s), dtype %s, %d KV blocks x %d tokens, max_model_len %d",
             self.backend.name, self.platform.name, self.dtype, num_blocks, block_size, max_len,
@@ -210,6 +211,7 @@ class Engine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler could not schedule any work; KV cache too small for the waiting requests")
             return []
+        self.num_preemptions += batch.num_preempted
         out = self.runner.run(batch)
         for seq, first, logits in out.prompt_logits:
             self._record_prompt_logprobs(seq, first, logits)
@@ -250,7 +252,7 @@ class Engine:
             seq.output_logprobs.append(top or {})
         p = seq.params
         reason, stop = None, None
-        if not p.ignore_eos and token in self.eos_ids and len(seq.output_token_ids) > p.min_tokens - 1:
+        if not p.ignore_eos and token in self.eos_ids:
             reason = "stop"
         elif token in p.stop_token_ids:
             reason, stop = "stop", token

@@ -1,0 +1,249 @@
+"""End to end through the public API: parity with transformers, batching, preemption, stops, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from deepinfer_core import LLM, GenerationError, SamplingParams
+from deepinfer_core.config import DEFAULT_MODEL_DIR, ConfigError
+from deepinfer_core.engine.engine import RequestError
+from deepinfer_core.plugins import BackendError
+from tests.hf_checkpoints import write_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+PROMPTS = [[5, 17, 42, 99, 3, 64, 7], [11, 12], [150, 2, 2, 8, 33, 41, 90, 100, 120, 7, 6, 5, 4]]
+
+
+def make_llm(path, **kw) -> LLM:
+    kw.setdefault("dtype", "float32")
+    return LLM(model=str(path), accelerator="cpu", progress=False, **kw)
+
+
+@pytest.fixture(scope="module", params=["v3_yarn", "v2_greedy", "v3_fp8"])
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param) / "ckpt"
+    golden = write_checkpoint(request.param, path)
+    return path, golden
+
+
+def hf_logprobs(golden, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = golden(torch.tensor([tokens])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def test_greedy_matches_transformers(checkpoint):
+    path, golden = checkpoint
+    outs = make_llm(path).generate(PROMPTS, GREEDY, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        gen = out.outputs[0]
+        assert out.prompt_token_ids == prompt and len(gen.token_ids) == 6
+        ref = hf_logprobs(golden, prompt + gen.token_ids)
+        for i, token in enumerate(gen.token_ids):
+            row = ref[len(prompt) - 1 + i]
+            assert int(row.argmax()) == token, f"step {i}: transformers' greedy token differs"
+            assert abs(gen.logprobs[i][token] - float(row[token])) < 1e-4
+    # and transformers' own generate agrees on the first prompt
+    with torch.no_grad():
+        hf = golden.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=6, do_sample=False, eos_token_id=None)
+    assert hf[0, len(PROMPTS[0]) :].tolist() == outs[0].outputs[0].token_ids
+
+
+def test_prompt_logprobs_match_transformers(checkpoint):
+    path, golden = checkpoint
+    out = make_llm(path).generate([PROMPTS[2]], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    ref = hf_logprobs(golden, PROMPTS[2])
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(PROMPTS[2])
+    for pos in range(1, len(PROMPTS[2])):
+        entry = out.prompt_logprobs[pos]
+        token = PROMPTS[2][pos]
+        assert abs(entry[token] - float(ref[pos - 1, token])) < 1e-4
+        top2 = ref[pos - 1].topk(2).indices.tolist()
+        assert all(t in entry for t in top2) and len(entry) in (2, 3)
+
+
+@pytest.fixture(scope="module")
+def v3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("v3") / "ckpt"
+    write_checkpoint("v3_grouped", path)
+    return path
+
+
+def run_alone(llm, prompts, params):
+    return [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+
+
+def test_results_do_not_depend_on_the_batch(v3):
+    llm = make_llm(v3)
+    together = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    alone = run_alone(llm, PROMPTS, GREEDY)
+    for a, b in zip(together, alone):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for t in la:
+                assert abs(la[t] - lb[t]) < 1e-5
+
+
+def test_chunked_prefill_and_small_blocks_change_nothing(v3):
+    base = make_llm(v3).generate(PROMPTS, GREEDY, use_tqdm=False)
+    chunked = make_llm(v3, block_size=4, max_num_batched_tokens=5).generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in base] == [o.outputs[0].token_ids for o in chunked]
+
+
+def test_preemption_loses_nothing_and_changes_no_greedy_output(v3):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [[i + 1, i + 2, i + 3, 7, 9] for i in range(6)]
+    base = make_llm(v3).generate(prompts, params, use_tqdm=False)
+    # 12 blocks of 4 tokens cannot hold six sequences of 25 tokens at once
+    tight = make_llm(v3, block_size=4, num_kv_blocks=12, max_model_len=40)
+    outs = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.engine.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
+    assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
+    assert tight.engine.block_manager.num_free == 12
+
+
+def test_stop_conditions(v3):
+    llm = make_llm(v3)
+    free = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 8
+    stop_tok = free.token_ids[3]
+    first = free.token_ids.index(stop_tok)
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop_tok]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok and out.token_ids == free.token_ids[: first + 1]
+    # EOS: make the eos the token greedy picks at step 2, unless ignore_eos
+    llm.engine.eos_ids = (free.token_ids[2],)
+    first_eos = free.token_ids.index(free.token_ids[2])
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason is None and out.token_ids == free.token_ids[: first_eos + 1]
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free.token_ids
+    # min_tokens suppresses the EOS
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, min_tokens=8), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 8 and free.token_ids[2] not in out.token_ids
+
+
+def test_max_model_len_is_enforced(v3):
+    llm = make_llm(v3, max_model_len=12)
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length" and len(PROMPTS[0]) + len(out.outputs[0].token_ids) == 12
+    with pytest.raises(RequestError, match="too long"):
+        llm.generate([list(range(1, 13))], GREEDY, use_tqdm=False)
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        make_llm(v3, max_model_len=10**7)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(v3):
+    llm = make_llm(v3)
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=123, max_tokens=8, ignore_eos=True)
+    a = llm.generate(PROMPTS, params, use_tqdm=False)
+    b = run_alone(llm, PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    many = llm.generate([PROMPTS[0]], params.model_copy(update={"n": 3}), use_tqdm=False)[0]
+    assert [c.index for c in many.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in many.outputs}) > 1
+    top1 = llm.generate([PROMPTS[0]], SamplingParams(temperature=1.0, top_k=1, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    greedy = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    assert top1.outputs[0].token_ids == greedy.outputs[0].token_ids
+
+
+def test_penalties_change_the_choice(v3):
+    llm = make_llm(v3)
+    base = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    rep = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1e6), use_tqdm=False)[0].outputs[0]
+    # an enormous repetition penalty forbids every token already seen in the prompt or output
+    assert len(set(rep.token_ids)) == 12 and not set(rep.token_ids) & set(PROMPTS[0])
+    freq = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, presence_penalty=2.0, frequency_penalty=2.0), use_tqdm=False)[0].outputs[0]
+    assert len(base.token_ids) == len(freq.token_ids) == 12
+
+
+def test_text_prompts_stop_strings_and_detokenisation():
+    llm = LLM(accelerator="cpu", dtype="float32", progress=False)  # the embedded default, with a tokenizer
+    free = llm.generate("def foo(x):", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    text = free.outputs[0].text
+    assert free.prompt == "def foo(x):" and free.prompt_token_ids[0] == 0  # BOS added
+    assert text == llm.tokenizer.decode(free.outputs[0].token_ids, skip_special_tokens=True)
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    if not stop.strip():
+        pytest.skip("greedy text has no usable stop string")
+    cut = llm.generate("def foo(x):", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == text[: text.index(stop)]
+    kept = llm.generate("def foo(x):", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=stop, include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
+
+
+def test_bad_input_is_reported_and_the_engine_keeps_working(v3):
+    llm = make_llm(v3)
+    with pytest.raises(ValidationError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValidationError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValidationError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        llm.generate([[1, 2, 10**6]], GREEDY, use_tqdm=False)
+    with pytest.raises(RequestError, match="no tokenizer"):
+        llm.generate("hello", GREEDY, use_tqdm=False)
+    with pytest.raises(RequestError, match="empty"):
+        llm.generate([[]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling params"):
+        llm.generate(PROMPTS, [GREEDY, GREEDY], use_tqdm=False)
+    # a bad prompt among good ones queues nothing; the next call works
+    with pytest.raises(RequestError, match="prompt 1"):
+        llm.generate([PROMPTS[0], [10**6]], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+    assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == 3
+
+
+def test_engine_failure_keeps_finished_results(v3, monkeypatch):
+    llm = make_llm(v3)
+    short = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    model = llm.engine.model
+    real_forward = model.forward
+    calls = {"n": 0}
+
+    def failing_forward(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("simulated device failure")
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", failing_forward)
+    with pytest.raises(GenerationError, match="simulated device failure") as info:
+        llm.generate([PROMPTS[0], PROMPTS[1]], [short, long], use_tqdm=False)
+    first, second = info.value.outputs
+    assert first.finished and len(first.outputs[0].token_ids) == 1 and first.outputs[0].finish_reason == "length"
+    assert second.outputs[0].finish_reason == "abort" and 0 < len(second.outputs[0].token_ids) < 30
+    monkeypatch.setattr(model, "forward", real_forward)
+    assert llm.engine.block_manager.num_free == llm.engine.block_manager.num_blocks
+    assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == 3
+
+
+def test_unknown_backend_and_model_errors(tmp_path):
+    with pytest.raises(BackendError, match="not installed"):
+        LLM(model=str(DEFAULT_MODEL_DIR), accelerator="no-such-chip", progress=False)
+    with pytest.raises(ConfigError, match="not a directory"):
+        LLM(model=str(tmp_path / "missing"), accelerator="cpu", progress=False)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ConfigError, match="deepseek_v3, deepseek_v2"):
+        LLM(model=str(bad), accelerator="cpu", progress=False)
+
+
+def test_repo_id_offline_gives_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="DEEPINFER_HF_MODEL_DIR"):
+        LLM(model="deepseek-ai/DeepSeek-V2-Lite", accelerator="cpu", progress=False)
+
+
+def test_environment_selects_model_and_backend(monkeypatch, v3):
+    monkeypatch.setenv("DEEPINFER_HF_MODEL_DIR", str(v3))
+    monkeypatch.setenv("DEEPINFER_ACCELERATOR", "cpu")
+    monkeypatch.setenv("DEEPINFER_DTYPE", "float32")
+    llm = LLM(progress=False)
+    assert llm.model_dir == v3 and llm.engine.backend.name == "reference" and llm.engine.dtype == torch.float32

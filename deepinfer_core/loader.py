@@ -1,0 +1,279 @@
+"""Load an HF-format safetensors checkpoint directory into a DeepSeek V2/V3 model.
+
+``load_model(model_dir, config, model)`` fills every parameter of an already constructed
+``DeepseekV3ForCausalLM`` (built with ``torch.empty``) and then calls ``model.post_load()``:
+
+* files: ``model.safetensors``, or the shards named by ``model.safetensors.index.json``, or
+  else every ``*.safetensors`` file in the directory. Pickle checkpoints (``.bin``, ``.pt``) are
+  refused; no remote code is ever run.
+* keys: HF / DeepSeek names. Routed experts may be per expert
+  (``mlp.experts.E.{gate,up,down}_proj.weight``, what DeepSeek ships and ``save_pretrained``
+  writes) or already fused (``mlp.experts.gate_up_proj`` / ``down_proj``); they are copied into
+  the model's fused tensors. MTP layer i is read from ``model.layers.{num_hidden_layers + i}``;
+  its ``embed_tokens`` and ``shared_head.head`` are ignored (tied to the main model).
+* MTP: when config.json announces ``num_nextn_predict_layers`` but the checkpoint has no key at
+  all under those layers (``save_pretrained`` drops them), the loader calls
+  ``model.drop_mtp_layers()`` and logs a warning, so ``model.num_mtp_layers`` and
+  ``model.cache_specs()`` are final only after loading. Partially present MTP layers are an error.
+* block FP8 (``float8_e4m3fn`` + float32 ``weight_scale_inv``): dequantised to the parameter's
+  dtype (W8A16) unless the model keeps FP8 weights (``keep_fp8=True``), then copied as is.
+* tensors are read one at a time through ``safe_open`` (memory-mapped) and copied into their
+  parameter straight away; dtype conversion happens in that copy.
+
+Every problem with the checkpoint raises ``CheckpointError`` naming the file and key, checked
+from the headers before any tensor is read where possible.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from deepinfer_core.config import ModelConfig
+from deepinfer_core.ops.linear import dequantize_fp8_block
+
+logger = logging.getLogger("deepinfer.loader")
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+FP8_HEADER_DTYPES = ("F8_E4M3",)
+# Keys of an MTP layer that duplicate the main model's embedding and head.
+MTP_TIED_KEYS = ("embed_tokens.weight", "shared_head.head.weight")
+EXPERT_KEY = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_scale_inv)?")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into the model, with the file, the key and what to do."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one checkpoint tensor goes: param[expert][rows] (expert / rows None: the whole thing)."""
+
+    param: str
+    expert: int | None = None
+    rows: slice | None = None
+
+    def view(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.expert is not None:
+            tensor = tensor[self.expert]
+        if self.rows is not None:
+            tensor = tensor[self.rows]
+        return tensor
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory, or CheckpointError saying what is wrong."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index (needs a 'weight_map' object): {e}") from e
+        files = []
+        for name in sorted(set(weight_map.values())):
+            path = model_dir / name
+            if not path.is_file():
+                some = [k for k, v in weight_map.items() if v == name][:3]
+                raise CheckpointError(
+                    f"{index} references shard {name!r} (keys such as {some}) but {path} does not exist: "
+                    "download the missing shard or fix the index"
+                )
+            files.append(path)
+        return files
+    if (model_dir / SINGLE_FILE).is_file():
+        return [model_dir / SINGLE_FILE]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES) if model_dir.is_dir() else []
+    hint = (
+        f" It holds pickle checkpoint files {pickles[:3]}, which are refused (they can run arbitrary code): "
+        "convert them to safetensors first."
+        if pickles
+        else " DeepInfer loads safetensors checkpoints only (.bin/pickle files are refused)."
+    )
+    raise CheckpointError(f"{model_dir}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file found.{hint}")
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises SafetensorError / OSError for bad files
+        raise CheckpointError(f"{path}: cannot read the safetensors file ({e}); it is truncated or corrupt: download it again") from e
+
+
+def _checkpoint_name(param: str, num_hidden_layers: int) -> str:
+    m = re.fullmatch(r"mtp\.layers\.(\d+)\.(.*)", param)
+    return f"model.layers.{num_hidden_layers + int(m[1])}.{m[2]}" if m else param
+
+
+def _scale_key(weight_key: str) -> str:
+    return weight_key + "_scale_inv"
+
+
+def _expected_keys(model: torch.nn.Module, config: ModelConfig, present: set[str]) -> dict[str, Slot]:
+    """Checkpoint key -> where it goes, for every tensor the model needs."""
+    expected: dict[str, Slot] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        key = _checkpoint_name(name, config.num_hidden_layers)
+        m = EXPERT_KEY.fullmatch(key)
+        if m is None or key in present:
+            expected[key] = Slot(name)
+            continue
+        experts, proj, scale = m[1], m[2], m[3]
+        suffix = "weight_scale_inv" if scale else "weight"
+        half = tensor.shape[1] // 2
+        for e in range(tensor.shape[0]):
+            if proj == "down_proj":
+                expected[f"{experts}.{e}.down_proj.{suffix}"] = Slot(name, e)
+            else:
+                expected[f"{experts}.{e}.gate_proj.{suffix}"] = Slot(name, e, slice(0, half))
+                expected[f"{experts}.{e}.up_proj.{suffix}"] = Slot(name, e, slice(half, 2 * half))
+    return expected
+
+
+def _resolve_mtp(model, config: ModelConfig, key_file: dict[str, Path]) -> None:
+    n, k = config.num_hidden_layers, model.num_mtp_layers
+    if not k:
+        return
+    present = [any(key.startswith(f"model.layers.{n + i}.") for key in key_file) for i in range(k)]
+    if not any(present):
+        logger.warning(
+            "config.json announces %d MTP layer(s) (num_nextn_predict_layers) but the checkpoint has no "
+            "model.layers.%d.* keys: loading without MTP (speculative decoding with MTP is unavailable)",
+            k,
+            n,
+        )
+        model.drop_mtp_layers()
+    elif not all(present):
+        missing = [n + i for i, p in enumerate(present) if not p]
+        raise CheckpointError(
+            f"the checkpoint holds only some of the {k} MTP layers: no keys for model.layers.{missing}.*; "
+            "use a complete checkpoint or set num_nextn_predict_layers in config.json to the layers it has"
+        )
+
+
+def _list(keys, files: dict[str, Path] | None = None, limit: int = 5) -> str:
+    keys = sorted(keys)
+    shown = [f"{k} ({files[k].name})" if files else k for k in keys[:limit]]
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(shown) + more
+
+
+def load_model(model_dir: str | Path, config: ModelConfig, model: torch.nn.Module, *, progress: bool = True) -> None:
+    """Fill ``model`` (a DeepseekV3ForCausalLM for ``config``) from the checkpoint in ``model_dir``.
+
+    Drops the model's MTP layers when the checkpoint has none (see the module docstring), then
+    calls ``model.post_load()``. Raises CheckpointError for any missing, unexpected or misshapen
+    tensor, unreadable file, or FP8 weight without its scale.
+    """
+    files = checkpoint_files(model_dir)
+    handles = {path: _open(path) for path in files}
+    key_file: dict[str, Path] = {}
+    for path, handle in handles.items():
+        for key in handle.keys():
+            if key in key_file:
+                raise CheckpointError(f"key {key} is stored twice, in {key_file[key]} and {path}: the checkpoint is inconsistent")
+            key_file[key] = path
+    index = Path(model_dir) / INDEX_FILE
+    if index.is_file():
+        for key, name in json.loads(index.read_text())["weight_map"].items():
+            if key_file.get(key, Path()).name != name:
+                raise CheckpointError(f"{index} maps {key} to {name} but that shard does not hold it: fix the index or the shard")
+
+    for key, path in key_file.items():
+        if handles[path].get_slice(key).get_dtype() in FP8_HEADER_DTYPES and _scale_key(key) not in key_file:
+            raise CheckpointError(
+                f"{path}: FP8 weight {key} has no scale {_scale_key(key)} in the checkpoint: "
+                "the checkpoint is incomplete or not DeepSeek block-FP8; download it again"
+            )
+    _resolve_mtp(model, config, key_file)
+    params = model.state_dict(keep_vars=True)
+    expected = _expected_keys(model, config, set(key_file))
+    mtp_first = config.num_hidden_layers
+    ignored, companions = set(), {}
+    for key in key_file:
+        if key in expected:
+            continue
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.*)", key)
+        if m and mtp_first <= int(m[1]) < mtp_first + model.num_mtp_layers and m[2] in MTP_TIED_KEYS:
+            ignored.add(key)
+        elif key.endswith("_scale_inv") and key[: -len("_scale_inv")] in expected:
+            companions[key[: -len("_scale_inv")]] = key  # dequantised together with its weight
+    missing = set(expected) - set(key_file)
+    if missing:
+        raise CheckpointError(
+            f"{model_dir}: the checkpoint lacks {len(missing)} tensor(s) the model needs: {_list(missing)}; "
+            "the checkpoint does not match config.json (or is incomplete)"
+        )
+    unexpected = set(key_file) - set(expected) - ignored - set(companions.values())
+    if unexpected:
+        raise CheckpointError(
+            f"{model_dir}: the checkpoint has {len(unexpected)} tensor(s) the model does not use: "
+            f"{_list(unexpected, key_file)}; the checkpoint does not match config.json"
+        )
+
+    # Header-only checks: shapes and FP8 scales, before reading any data.
+    for key, slot in expected.items():
+        handle = handles[key_file[key]]
+        header = handle.get_slice(key)
+        shape, dtype = tuple(header.get_shape()), header.get_dtype()
+        want = tuple(slot.view(params[slot.param]).shape)
+        if shape != want:
+            raise CheckpointError(
+                f"{key_file[key]}: {key} has shape {list(shape)} but config.json implies {list(want)}: "
+                "the checkpoint and its config.json disagree"
+            )
+        if dtype in FP8_HEADER_DTYPES and params[slot.param].dtype != torch.float8_e4m3fn:
+            if config.fp8_block is None:
+                raise CheckpointError(
+                    f"{key_file[key]}: {key} is float8_e4m3fn but config.json has no FP8 quantization_config "
+                    "(weight_block_size): add it or use a checkpoint in bf16"
+                )
+            scale_shape = tuple(handles[key_file[companions[key]]].get_slice(companions[key]).get_shape())
+            grid = (*want[:-2], -(-want[-2] // config.fp8_block[0]), -(-want[-1] // config.fp8_block[1]))
+            if scale_shape != grid:
+                raise CheckpointError(
+                    f"{key_file[companions[key]]}: {companions[key]} has shape {list(scale_shape)} but weight "
+                    f"{list(want)} with weight_block_size {list(config.fp8_block)} needs {list(grid)}"
+                )
+        elif params[slot.param].dtype == torch.float8_e4m3fn and dtype not in FP8_HEADER_DTYPES:
+            raise CheckpointError(
+                f"{key_file[key]}: {key} is {dtype}, but the model keeps this weight in FP8 (keep_fp8=True): "
+                "load it with keep_fp8=False or use DeepSeek's block-FP8 checkpoint"
+            )
+
+    with torch.no_grad(), tqdm(total=len(expected), desc="Loading weights", unit="tensor", disable=not progress) as bar:
+        for path in files:
+            for key in handles[path].keys():
+                slot = expected.get(key)
+                if slot is None:
+                    continue
+                dst = slot.view(params[slot.param])
+                src = _read(handles, key_file, key)
+                if src.dtype == torch.float8_e4m3fn and dst.dtype != torch.float8_e4m3fn:
+                    scale = _read(handles, key_file, companions[key])
+                    src = dequantize_fp8_block(src, scale, config.fp8_block, dst.dtype)
+                dst.copy_(src)
+                bar.update()
+    model.post_load()
+
+
+def _read(handles: dict, key_file: dict[str, Path], key: str) -> torch.Tensor:
+    path = key_file[key]
+    try:
+        return handles[path].get_tensor(key)
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot read {key} ({e}); the file is truncated or corrupt: download it again") from e

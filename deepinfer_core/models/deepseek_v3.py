@@ -1,0 +1,399 @@
+"""DeepSeek V3 / V2 family (MLA attention, DeepSeek MoE, MTP), written on the OpTable.
+
+One class serves ``model_type`` deepseek_v3 and deepseek_v2: the differences (routing, rope
+layout, q_lora) are config values. Parameter names equal the HF checkpoint keys except that
+routed experts are fused (``mlp.experts.gate_up_proj`` / ``down_proj``) and MTP layer ``i``
+(checkpoint ``model.layers.{num_hidden_layers + i}``) lives at ``mtp.layers.{i}``.
+
+Parameters are allocated with ``torch.empty``: the model is unusable until the loader has
+filled every parameter and called ``post_load``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer_core.config import ModelConfig
+from deepinfer_core.models.batch import BatchMeta, CacheSpec
+from deepinfer_core.ops import OpTable
+from deepinfer_core.ops.linear import dequantize_fp8_block
+from deepinfer_core.ops.rope import rope_cos_sin_table, yarn_mscale
+
+FP8_DTYPE = torch.float8_e4m3fn
+# q_a_layernorm and kv_a_layernorm are built without an eps in transformers (its default).
+LATENT_NORM_EPS = 1e-6
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def _scale_grid(n: int, k: int, block: tuple[int, int]) -> tuple[int, int]:
+    return -(-n // block[0]), -(-k // block[1])
+
+
+class Alloc:
+    """Where and in which dtypes a model's parameters are created."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, fp8_block: tuple[int, int] | None):
+        self.dtype = dtype
+        self.device = device
+        self.fp8_block = fp8_block  # set only when block-FP8 weights are kept quantised
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b) through ops.linear, or ops.fp8_block_linear when W is block-FP8."""
+
+    def __init__(self, in_features: int, out_features: int, ops: OpTable, alloc: Alloc, *, bias: bool = False, fp8: bool = True):
+        super().__init__()
+        self.ops = ops
+        self.block = alloc.fp8_block if fp8 else None
+        if self.block is None:
+            self.weight = _param((out_features, in_features), alloc.dtype, alloc.device)
+            self.weight_scale_inv = None
+        else:
+            self.weight = _param((out_features, in_features), FP8_DTYPE, alloc.device)
+            self.weight_scale_inv = _param(_scale_grid(out_features, in_features, self.block), torch.float32, alloc.device)
+        self.bias = _param((out_features,), alloc.dtype, alloc.device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale_inv is None:
+            return self.ops.linear(x, self.weight, self.bias)
+        return self.ops.fp8_block_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.weight_scale_inv is None:
+            return self.weight.detach().to(dtype)
+        return dequantize_fp8_block(self.weight, self.weight_scale_inv, self.block, dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, alloc: Alloc):
+        super().__init__()
+        self.weight = _param((dim,), alloc.dtype, alloc.device)
+        self.eps = eps
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate x) * up x). Dense layers and the MoE shared experts."""
+
+    def __init__(self, hidden: int, intermediate: int, ops: OpTable, alloc: Alloc):
+        super().__init__()
+        self.ops = ops
+        self.gate_proj = Linear(hidden, intermediate, ops, alloc)
+        self.up_proj = Linear(hidden, intermediate, ops, alloc)
+        self.down_proj = Linear(intermediate, hidden, ops, alloc)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)))
+
+
+class Router(nn.Module):
+    """The MoE gate; weight and correction bias stay float32 whatever the compute dtype (as HF)."""
+
+    def __init__(self, config: ModelConfig, alloc: Alloc):
+        super().__init__()
+        self.weight = _param((config.n_routed_experts, config.hidden_size), torch.float32, alloc.device)
+        if config.topk_method == "noaux_tc":
+            self.e_score_correction_bias = _param((config.n_routed_experts,), torch.float32, alloc.device)
+        else:
+            self.e_score_correction_bias = None
+
+
+class Experts(nn.Module):
+    """Routed experts, fused: gate_up_proj [E, 2I, D] (gate rows, then up rows), down_proj [E, D, I]."""
+
+    def __init__(self, config: ModelConfig, alloc: Alloc):
+        super().__init__()
+        e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.block = alloc.fp8_block
+        if self.block is None:
+            self.gate_up_proj = _param((e, 2 * i, d), alloc.dtype, alloc.device)
+            self.down_proj = _param((e, d, i), alloc.dtype, alloc.device)
+            self.gate_up_proj_scale_inv = self.down_proj_scale_inv = None
+        else:
+            if i % self.block[0]:
+                raise ValueError(
+                    f"moe_intermediate_size={i} is not a multiple of the FP8 block {self.block[0]}: the fused "
+                    "gate/up scales cannot be kept; load with FP8 weights dequantised instead"
+                )
+            self.gate_up_proj = _param((e, 2 * i, d), FP8_DTYPE, alloc.device)
+            self.down_proj = _param((e, d, i), FP8_DTYPE, alloc.device)
+            self.gate_up_proj_scale_inv = _param((e, *_scale_grid(2 * i, d, self.block)), torch.float32, alloc.device)
+            self.down_proj_scale_inv = _param((e, *_scale_grid(d, i, self.block)), torch.float32, alloc.device)
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig, ops: OpTable, alloc: Alloc):
+        super().__init__()
+        self.config = config
+        self.ops = ops
+        self.gate = Router(config, alloc)
+        self.experts = Experts(config, alloc)
+        if config.n_shared_experts:
+            self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, ops, alloc)
+        else:
+            self.shared_experts = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        weights, ids = self.ops.moe_route(
+            x,
+            self.gate.weight,
+            self.gate.e_score_correction_bias,
+            top_k=c.num_experts_per_tok,
+            scoring_func=c.scoring_func,
+            topk_method=c.topk_method,
+            n_group=c.n_group,
+            topk_group=c.topk_group,
+            norm_topk_prob=c.norm_topk_prob,
+            routed_scaling_factor=c.routed_scaling_factor,
+        )
+        ex = self.experts
+        out = self.ops.moe_experts(
+            x, ex.gate_up_proj, ex.down_proj, weights, ids, ex.gate_up_proj_scale_inv, ex.down_proj_scale_inv, ex.block
+        )
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+def softmax_scale(config: ModelConfig) -> float:
+    """qk_head_dim^-1/2, times mscale(factor, mscale_all_dim)^2 for YaRN (transformers' yarn_apply_mscale)."""
+    scale = config.qk_head_dim**-0.5
+    params = config.rope_parameters
+    if params.get("rope_type", params.get("type", "default")) != "default" and params.get("mscale_all_dim"):
+        m = yarn_mscale(float(params["factor"]), float(params["mscale_all_dim"]))
+        scale = scale * m * m
+    return scale
+
+
+class Attention(nn.Module):
+    """Multi-head latent attention: naive (expanded) form for prefill, absorbed form for decode."""
+
+    def __init__(self, config: ModelConfig, ops: OpTable, alloc: Alloc):
+        super().__init__()
+        self.ops = ops
+        self.num_heads = h = config.num_attention_heads
+        self.kv_lora_rank = config.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.qk_dim = config.qk_head_dim
+        self.interleaved = config.rope_interleave
+        self.scale = softmax_scale(config)
+        d, bias = config.hidden_size, config.attention_bias
+        self.q_lora = config.q_lora_rank is not None
+        if not self.q_lora:
+            self.q_proj = Linear(d, h * self.qk_dim, ops, alloc)
+        else:
+            self.q_a_proj = Linear(d, config.q_lora_rank, ops, alloc, bias=bias)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS, alloc)
+            self.q_b_proj = Linear(config.q_lora_rank, h * self.qk_dim, ops, alloc)
+        self.kv_a_proj_with_mqa = Linear(d, self.kv_lora_rank + self.rope_dim, ops, alloc, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, alloc)
+        self.kv_b_proj = Linear(self.kv_lora_rank, h * (self.nope_dim + self.v_dim), ops, alloc)
+        self.o_proj = Linear(h * self.v_dim, d, ops, alloc, bias=bias)
+        # Derived by post_load from kv_b_proj: [H, d_n, d_c] and [H, d_v, d_c]. Not parameters.
+        self.w_uk: torch.Tensor | None = None
+        self.w_uv: torch.Tensor | None = None
+
+    def post_load(self, dtype: torch.dtype) -> None:
+        w = self.kv_b_proj.dequantized_weight(dtype).view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        self.w_uk, self.w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, batch: BatchMeta, kv_cache: torch.Tensor, cos_sin: torch.Tensor
+    ) -> torch.Tensor:
+        ops = self.ops
+        t = x.shape[0]
+        if not self.q_lora:
+            q = self.q_proj(x)
+        else:
+            qa = self.q_a_proj(x)
+            q = self.q_b_proj(ops.rms_norm(qa, self.q_a_layernorm.weight, self.q_a_layernorm.eps))
+        q = q.view(t, self.num_heads, self.qk_dim)
+        q_nope, q_pe = q[..., : self.nope_dim], q[..., self.nope_dim :]
+        ckv = self.kv_a_proj_with_mqa(x)
+        latent = ops.rms_norm(ckv[:, : self.kv_lora_rank], self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
+        q_pe, k_pe = ops.rotary_embedding(q_pe, ckv[:, self.kv_lora_rank :], positions, cos_sin, self.interleaved)
+        ops.write_latent_cache(kv_cache, latent, k_pe, batch.slot_mapping)
+
+        p = batch.num_prefill_tokens
+        outs = []
+        if p:
+            outs.append(self._prefill(q_nope[:p], q_pe[:p], batch, kv_cache).flatten(1))
+        if t > p:
+            outs.append(self._decode(q_nope[p:], q_pe[p:], batch, kv_cache).flatten(1))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        return self.o_proj(out)
+
+    def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: BatchMeta, kv_cache: torch.Tensor) -> torch.Tensor:
+        ctx = self.ops.gather_latent_cache(kv_cache, batch.prefill_context_slots).to(q_nope.dtype)
+        s = ctx.shape[0]
+        kv = self.kv_b_proj(ctx[:, : self.kv_lora_rank]).view(s, self.num_heads, self.nope_dim + self.v_dim)
+        k_pe = ctx[:, None, self.kv_lora_rank :].expand(s, self.num_heads, self.rope_dim)
+        k = torch.cat([kv[..., : self.nope_dim], k_pe], dim=-1)
+        v = kv[..., self.nope_dim :]
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        return self.ops.mla_prefill_attention(
+            q, k, v, batch.prefill_cu_seqlens_q, batch.prefill_cu_seqlens_k, self.scale
+        )
+
+    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: BatchMeta, kv_cache: torch.Tensor) -> torch.Tensor:
+        q_latent = torch.einsum("bhn,hnc->bhc", q_nope, self.w_uk)
+        u = self.ops.mla_decode_attention(
+            q_latent, q_pe, kv_cache, batch.decode_block_tables, batch.decode_seq_lens, self.scale
+        )
+        return torch.einsum("bhc,hvc->bhv", u, self.w_uv)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block; carries the residual separately so norms fuse with the residual add."""
+
+    def __init__(self, config: ModelConfig, ops: OpTable, alloc: Alloc, moe: bool):
+        super().__init__()
+        self.ops = ops
+        self.self_attn = Attention(config, ops, alloc)
+        self.mlp = MoE(config, ops, alloc) if moe else MLP(config.hidden_size, config.intermediate_size, ops, alloc)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, alloc)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, alloc)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        batch: BatchMeta,
+        kv_cache: torch.Tensor,
+        cos_sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (mlp output, residual); the caller adds them (into the next norm)."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual, hidden = hidden, self.ops.rms_norm(hidden, norm.weight, norm.eps)
+        else:
+            hidden, residual = self.ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        hidden = self.self_attn(hidden, positions, batch, kv_cache, cos_sin)
+        norm = self.post_attention_layernorm
+        hidden, residual = self.ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        return self.mlp(hidden), residual
+
+
+class MTPLayer(DecoderLayer):
+    """One multi-token-prediction module: a MoE decoder layer plus enorm, hnorm, eh_proj, shared_head.norm."""
+
+    def __init__(self, config: ModelConfig, ops: OpTable, alloc: Alloc):
+        super().__init__(config, ops, alloc, moe=True)
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.enorm = RMSNorm(d, eps, alloc)
+        self.hnorm = RMSNorm(d, eps, alloc)
+        # eh_proj is bf16 in DeepSeek's FP8 checkpoints, never quantised.
+        self.eh_proj = Linear(2 * d, d, ops, alloc, fp8=False)
+        self.shared_head = nn.ModuleDict({"norm": RMSNorm(d, eps, alloc)})
+
+
+class DeepseekV3Backbone(nn.Module):
+    def __init__(self, config: ModelConfig, ops: OpTable, alloc: Alloc):
+        super().__init__()
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = _param((config.vocab_size, config.hidden_size), alloc.dtype, alloc.device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, ops, alloc, moe=config.is_moe_layer(i)) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, alloc)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """DeepSeek V3/V2 causal LM over a paged latent cache (see ``forward`` for the batch contract).
+
+    MTP layers are built for ``config.num_nextn_predict_layers``; a loader that finds none in the
+    checkpoint calls ``drop_mtp_layers()`` (so ``num_mtp_layers`` and ``cache_specs()`` are only
+    final after loading).
+    """
+
+    def __init__(self, config: ModelConfig, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False):
+        super().__init__()
+        self.config = config
+        self.ops = ops
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.keep_fp8 = keep_fp8 and config.fp8_block is not None
+        alloc = Alloc(dtype, self.device, tuple(config.fp8_block) if self.keep_fp8 else None)
+        self.model = DeepseekV3Backbone(config, ops, alloc)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, ops, alloc, fp8=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp = nn.Module()
+        self.mtp.layers = nn.ModuleList(MTPLayer(config, ops, alloc) for _ in range(config.num_nextn_predict_layers))
+        # [max_position_embeddings, rope_dim] float32, shared by all layers; not a parameter.
+        self.cos_sin = rope_cos_sin_table(
+            config.qk_rope_head_dim, config.rope_theta, config.rope_parameters, config.max_position_embeddings
+        ).to(self.device)
+
+    @property
+    def num_mtp_layers(self) -> int:
+        return len(self.mtp.layers)
+
+    def drop_mtp_layers(self) -> None:
+        """Forget the MTP layers (the checkpoint has none); cache_specs() shrinks accordingly."""
+        self.mtp.layers = nn.ModuleList()
+
+    def attention_layers(self) -> list[tuple[str, Attention]]:
+        names = [f"model.layers.{i}.self_attn" for i in range(len(self.model.layers))]
+        names += [f"mtp.layers.{i}.self_attn" for i in range(self.num_mtp_layers)]
+        return [(name, self.get_submodule(name)) for name in names]
+
+    def cache_specs(self) -> list[CacheSpec]:
+        dim = self.config.latent_dim
+        return [CacheSpec(layer=name, kind="paged_latent", entry_dim=dim, dtype=self.dtype) for name, _ in self.attention_layers()]
+
+    @torch.no_grad()
+    def post_load(self) -> None:
+        """Derive the absorbed-decode matrices W_UK / W_UV from every kv_b_proj (dequantising FP8)."""
+        for _, attn in self.attention_layers():
+            attn.post_load(self.dtype)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens.weight[input_ids]
+
+    @torch.no_grad()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: BatchMeta, kv_caches: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] int64 packed as BatchMeta describes; kv_caches in cache_specs()
+        order. Returns the hidden states after the final norm, [T, D]."""
+        hidden, residual = self.embed(input_ids), None
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            hidden, residual = layer(hidden, residual, positions, batch, kv_cache, self.cos_sin)
+        norm = self.model.norm
+        return self.ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)[0]
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, D] -> [N, V] float32."""
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def forward_mtp(
+        self,
+        depth: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        batch: BatchMeta,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """MTP module ``depth``: input_ids are the tokens shifted by one (position p carries t_{p+1}),
+        prev_hidden the previous stage's hidden (depth 0: forward()'s output). Uses
+        kv_caches[num_hidden_layers + depth]; returns the hidden after shared_head.norm, [T, D]."""
+        if not 0 <= depth < self.num_mtp_layers:
+            raise ValueError(f"MTP depth {depth} requested but the model has {self.num_mtp_layers} MTP layers loaded")
+        layer: MTPLayer = self.mtp.layers[depth]
+        ops = self.ops
+        e = ops.rms_norm(self.embed(input_ids), layer.enorm.weight, layer.enorm.eps)
+        h = ops.rms_norm(prev_hidden, layer.hnorm.weight, layer.hnorm.eps)
+        z = layer.eh_proj(torch.cat([e, h], dim=-1))
+        kv_cache = kv_caches[len(self.model.layers) + depth]
+        hidden, residual = layer(z, None, positions, batch, kv_cache, self.cos_sin)
+        norm = layer.shared_head["norm"]
+        return ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)[0]

@@ -1,0 +1,21 @@
+"""model_type (from config.json) -> model class."""
+
+from __future__ import annotations
+
+from deepinfer_core.config import ConfigError
+from deepinfer_core.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+MODEL_CLASSES: dict[str, type] = {
+    "deepseek_v3": DeepseekV3ForCausalLM,
+    "deepseek_v2": DeepseekV3ForCausalLM,
+}
+
+
+def get_model_class(model_type: str) -> type:
+    """The class that serves ``model_type``; ConfigError listing the supported types otherwise."""
+    try:
+        return MODEL_CLASSES[model_type]
+    except KeyError:
+        raise ConfigError(
+            f"model_type {model_type!r} is not supported; supported model types: {', '.join(MODEL_CLASSES)}"
+        ) from None

@@ -1,0 +1,230 @@
+"""The checkpoint loader: layouts it accepts and the errors it gives for broken checkpoints."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from deepinfer_core.config import ConfigError, ModelConfig
+from deepinfer_core.loader import CheckpointError, load_model
+from deepinfer_core.models import get_model_class
+from deepinfer_core.ops import OpTable
+from tests.hf_checkpoints import add_mtp_weights, write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("loader") / "ckpt"
+    write_checkpoint("v3_yarn", path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def fp8(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("loader_fp8") / "ckpt"
+    write_checkpoint("v3_fp8", path)
+    return path
+
+
+def read_all(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def variant(src: Path, dst: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    dst.mkdir(parents=True)
+    shutil.copy(src / "config.json", dst / "config.json")
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def new_model(path: Path, keep_fp8: bool = False):
+    config = ModelConfig.from_dir(path)
+    model = get_model_class(config.model_type)(config, OpTable.reference(), torch.float32, torch.device("cpu"), keep_fp8=keep_fp8)
+    return config, model
+
+
+def load(path: Path, keep_fp8: bool = False):
+    config, model = new_model(path, keep_fp8)
+    load_model(path, config, model, progress=False)
+    return model
+
+
+def same_weights(a, b) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k].float(), sb[k].float()), k
+
+
+def test_sharded_loads_like_single_file(base, tmp_path):
+    sharded = tmp_path / "sharded"
+    write_checkpoint("v3_yarn", sharded, max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 2
+    same_weights(load(sharded), load(base))
+
+
+def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    fused = {k: t for k, t in tensors.items() if ".mlp.experts." not in k}
+    for layer in (1, 2):
+        p = f"model.layers.{layer}.mlp.experts"
+        for sfx, tl in [("weight", ""), ("weight_scale_inv", "_scale_inv")]:
+            if f"{p}.0.down_proj.{sfx}" not in tensors:
+                continue
+            fused[f"{p}.gate_up_proj{tl}"] = torch.stack(
+                [torch.cat([tensors[f"{p}.{e}.gate_proj.{sfx}"], tensors[f"{p}.{e}.up_proj.{sfx}"]]) for e in range(8)]
+            )
+            fused[f"{p}.down_proj{tl}"] = torch.stack([tensors[f"{p}.{e}.down_proj.{sfx}"] for e in range(8)])
+    return fused
+
+
+def test_fused_expert_keys_load_like_per_expert(base, tmp_path):
+    same_weights(load(variant(base, tmp_path / "fused", fuse_experts(read_all(base)))), load(base))
+
+
+@pytest.mark.parametrize("keep_fp8", [False, True])
+def test_fused_fp8_expert_keys_load_like_per_expert(fp8, tmp_path, keep_fp8):
+    fused = variant(fp8, tmp_path / "fused", fuse_experts(read_all(fp8)))
+    assert "model.layers.1.mlp.experts.gate_up_proj_scale_inv" in read_all(fused)
+    same_weights(load(fused, keep_fp8=keep_fp8), load(fp8, keep_fp8=keep_fp8))
+
+
+def test_fp8_dequantised_and_kept(fp8):
+    kept = load(fp8, keep_fp8=True)
+    deq = load(fp8, keep_fp8=False)
+    attn_k, attn_d = kept.model.layers[1].self_attn, deq.model.layers[1].self_attn
+    assert attn_k.q_b_proj.weight.dtype == torch.float8_e4m3fn and attn_d.q_b_proj.weight.dtype == torch.float32
+    assert "model.layers.1.mlp.experts.gate_up_proj_scale_inv" in kept.state_dict()
+    assert "model.layers.1.self_attn.q_b_proj.weight_scale_inv" not in deq.state_dict()
+    torch.testing.assert_close(attn_k.q_b_proj.dequantized_weight(torch.float32), attn_d.q_b_proj.weight, atol=0, rtol=0)
+    torch.testing.assert_close(attn_k.w_uk, attn_d.w_uk, atol=0, rtol=0)
+    ek, ed = kept.model.layers[2].mlp.experts, deq.model.layers[2].mlp.experts
+    from deepinfer_core.ops.linear import dequantize_fp8_block
+
+    for e in range(ek.gate_up_proj.shape[0]):
+        w = dequantize_fp8_block(ek.gate_up_proj[e], ek.gate_up_proj_scale_inv[e], ek.block, torch.float32)
+        torch.testing.assert_close(w, ed.gate_up_proj[e], atol=0, rtol=0)
+
+
+def test_mtp_weights_are_mapped(base, tmp_path):
+    path = tmp_path / "mtp"
+    hf = write_checkpoint("v3_yarn", path)
+    tensors = add_mtp_weights(path, hf)
+    model = load(path)
+    assert model.num_mtp_layers == 1
+    state = model.state_dict()
+    assert torch.equal(state["mtp.layers.0.eh_proj.weight"], tensors["eh_proj.weight"])
+    assert torch.equal(state["mtp.layers.0.shared_head.norm.weight"], tensors["post_norm.weight"])
+    assert torch.equal(state["mtp.layers.0.mlp.experts.gate_up_proj"], tensors["mtp_block.mlp.experts.gate_up_proj"])
+
+
+def test_config_mtp_without_keys_warns(base, caplog):
+    with caplog.at_level(logging.WARNING, logger="deepinfer.loader"):
+        model = load(base)
+    assert model.num_mtp_layers == 0
+    assert "MTP" in caplog.text
+
+
+def test_partial_mtp_layer_is_missing_key(base, tmp_path):
+    path = tmp_path / "mtp"
+    hf = write_checkpoint("v3_yarn", path)
+    add_mtp_weights(path, hf)
+    tensors = read_all(path)
+    del tensors["model.layers.3.eh_proj.weight"]
+    with pytest.raises(CheckpointError, match=r"model\.layers\.3\.eh_proj\.weight"):
+        load(variant(path, tmp_path / "partial", tensors))
+
+
+def test_partial_mtp_layers_error(base, tmp_path):
+    path = tmp_path / "mtp"
+    hf = write_checkpoint("v3_yarn", path)
+    add_mtp_weights(path, hf)
+    config = json.loads((path / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 2
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"only some of the 2 MTP layers.*\[4\]"):
+        load(path)
+
+
+def test_no_safetensors(tmp_path, base):
+    shutil.copy(base / "config.json", tmp_path / "config.json")
+    with pytest.raises(CheckpointError, match="safetensors"):
+        load(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(CheckpointError, match=r"pytorch_model\.bin.*refused"):
+        load(tmp_path)
+
+
+def test_index_with_missing_shard(tmp_path):
+    path = tmp_path / "sharded"
+    write_checkpoint("v3_yarn", path, max_shard_size="40KB")
+    shard = sorted(path.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"{shard.name}.*does not exist"):
+        load(path)
+
+
+def test_truncated_shard(base, tmp_path):
+    dst = tmp_path / "trunc"
+    shutil.copytree(base, dst)
+    data = (dst / "model.safetensors").read_bytes()
+    (dst / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*(truncated|corrupt)"):
+        load(dst)
+    (dst / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors"):
+        load(dst)
+
+
+def test_missing_key(base, tmp_path):
+    tensors = read_all(base)
+    del tensors["model.layers.2.self_attn.kv_b_proj.weight"]
+    del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
+    with pytest.raises(CheckpointError, match=r"lacks 2 tensor.*experts\.3\.up_proj\.weight.*kv_b_proj\.weight"):
+        load(variant(base, tmp_path / "missing", tensors))
+
+
+def test_unexpected_key(base, tmp_path):
+    tensors = read_all(base)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.zeros(4)
+    with pytest.raises(CheckpointError, match=r"does not use.*rotary_emb\.inv_freq \(model\.safetensors\)"):
+        load(variant(base, tmp_path / "unexpected", tensors))
+
+
+def test_shape_mismatch(base, tmp_path):
+    tensors = read_all(base)
+    tensors["model.layers.1.self_attn.o_proj.weight"] = torch.zeros(64, 60)
+    with pytest.raises(CheckpointError, match=r"o_proj\.weight has shape \[64, 60\] but config\.json implies \[64, 64\]"):
+        load(variant(base, tmp_path / "shape", tensors))
+    tensors = read_all(base)
+    tensors["model.layers.2.mlp.experts.5.down_proj.weight"] = torch.zeros(64, 16)
+    with pytest.raises(CheckpointError, match=r"experts\.5\.down_proj\.weight has shape \[64, 16\].*\[64, 32\]"):
+        load(variant(base, tmp_path / "shape2", tensors))
+
+
+@pytest.mark.parametrize("keep_fp8", [False, True])
+def test_fp8_weight_without_scale(fp8, tmp_path, keep_fp8):
+    tensors = read_all(fp8)
+    del tensors["model.layers.1.self_attn.q_b_proj.weight_scale_inv"]
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: FP8 weight model\.layers\.1\.self_attn\.q_b_proj\.weight has no scale"):
+        load(variant(fp8, tmp_path / "noscale", tensors), keep_fp8=keep_fp8)
+
+
+def test_fp8_scale_shape_mismatch(fp8, tmp_path):
+    tensors = read_all(fp8)
+    tensors["model.layers.0.self_attn.o_proj.weight_scale_inv"] = torch.ones(3, 3)
+    with pytest.raises(CheckpointError, match=r"o_proj\.weight_scale_inv has shape \[3, 3\]"):
+        load(variant(fp8, tmp_path / "badscale", tensors))
+
+
+def test_unknown_model_type():
+    with pytest.raises(ConfigError, match="deepseek_v3, deepseek_v2"):
+        get_model_class("llama")

@@ -95,6 +95,14 @@ class PluginManager:
         except ValueError as e:
             backend.error = f"could not register: {e}"
             return
+        self._inspect(backend)
+        if backend.error:
+            # A broken backend takes no further part: none of its hooks (e.g. a step observer)
+            # may run once it has been reported as broken.
+            self.pm.unregister(name=backend.name)
+
+    def _inspect(self, backend: Backend) -> None:
+        """Ask a registered backend for its BackendInfo and probe; set ``backend.error`` if broken."""
         try:
             info = self._call(backend.name, "deepinfer_backend")
         except Exception as e:

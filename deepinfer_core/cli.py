@@ -1,0 +1,112 @@
+"""The ``deepinfer`` command.
+
+``deepinfer backends [--accelerator NAME]``: every installed backend, whether it can run here
+(and why not, and the fix), which one would be selected, and op by op who provides it.
+``deepinfer generate --prompt TEXT ...``: offline generation through ``deepinfer_core.LLM``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+
+def _one_line(text: str) -> str:
+    """Plugin errors (pluggy's validation messages) span lines; a listing row must not."""
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _backends(args: argparse.Namespace) -> int:
+    from deepinfer_core.config import settings
+    from deepinfer_core.hookspecs import SPEC_VERSION
+    from deepinfer_core.ops import OP_NAMES
+    from deepinfer_core.plugins import ENTRY_POINT_GROUP, REFERENCE_BACKEND, BackendError, PluginManager
+
+    manager = PluginManager()
+    backends = manager.discover()
+    rows = sorted(backends.values(), key=lambda b: (-(b.info.priority if b.info else -1), b.name))
+    print(f"Backends (entry-point group {ENTRY_POINT_GROUP!r}, hookspec version {SPEC_VERSION}):")
+    width = max([len("BACKEND")] + [len(b.name) + (len(" (" + ", ".join(b.info.aliases) + ")") if b.info and b.info.aliases else 0) for b in rows])
+    print(f"  {'BACKEND':<{width}}  {'PRIORITY':>8}  STATUS")
+    for b in rows:
+        label = b.name + (f" ({', '.join(b.info.aliases)})" if b.info and b.info.aliases else "")
+        priority = str(b.info.priority) if b.info else "?"
+        print(f"  {label:<{width}}  {priority:>8}  {_one_line(b.status())}")
+        print(f"  {'':<{width}}  {'':>8}  source: {b.source}")
+        if b.info and b.info.description:
+            print(f"  {'':<{width}}  {'':>8}  about:  {b.info.description}")
+    print()
+
+    requested = args.accelerator or settings().accelerator
+    how = (
+        f"requested by {'--accelerator' if args.accelerator else 'DEEPINFER_ACCELERATOR'}={requested}"
+        if requested and requested.strip().lower() not in ("", "auto")
+        else "auto: the highest-priority available backend"
+    )
+    try:
+        backend = manager.select(requested)
+        print(f"Selected: {backend.name} ({how})")
+        platform, ops, _, fallback = manager.load(backend, model_config=None)
+    except BackendError as e:
+        print(f"error: {_one_line(str(e))}", file=sys.stderr)
+        return 1
+    print(f"Platform: {platform.name} on {platform.device}")
+    own = len(OP_NAMES) - len(fallback) if backend.name != REFERENCE_BACKEND else len(OP_NAMES)
+    print(f"Ops: {own} of {len(OP_NAMES)} from {backend.name}" + (f", {len(fallback)} fall back to the reference" if backend.name != REFERENCE_BACKEND else ""))
+    op_width = max(len(name) for name in OP_NAMES)
+    print(f"  {'OP':<{op_width}}  PROVIDER")
+    for name in OP_NAMES:
+        who = ops.providers[name]
+        mark = " (fallback)" if who != backend.name else ""
+        print(f"  {name:<{op_width}}  {who}{mark}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from deepinfer_core import LLM, SamplingParams
+    from deepinfer_core.config import ConfigError
+    from deepinfer_core.plugins import BackendError
+
+    try:
+        llm = LLM(model=args.model, accelerator=args.accelerator)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        outputs = llm.generate(args.prompt, params)
+    except (BackendError, ConfigError) as e:
+        print(f"error: {_one_line(str(e))}", file=sys.stderr)
+        return 1
+    for out in outputs:
+        print(f"=== {out.prompt!r}\n{out.outputs[0].text}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deepinfer", description="DeepInfer: inference for DeepSeek MoE models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("backends", help="list installed backends, the one selected, and who provides each op")
+    p.add_argument("--accelerator", help="backend to select (default: DEEPINFER_ACCELERATOR, else automatic)")
+    p.set_defaults(func=_backends)
+    g = sub.add_parser("generate", help="generate completions for prompts")
+    g.add_argument("--model", help="HF checkpoint directory or repo id (default: DEEPINFER_HF_MODEL_DIR or the built-in tiny model)")
+    g.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for several")
+    g.add_argument("--max-tokens", type=int, default=16)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--accelerator", help="backend to use (default: DEEPINFER_ACCELERATOR, else automatic)")
+    g.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # `deepinfer backends | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

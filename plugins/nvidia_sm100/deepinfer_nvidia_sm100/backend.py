@@ -1,0 +1,159 @@
+"""The ``nvidia`` DeepInfer backend: NVIDIA sm_90 (Hopper) and sm_100-family (Blackwell) GPUs.
+
+Cheap to import: nothing here imports torch at module level (the core imports this module on
+every machine to probe it). The probe goes from the cheapest check to the dearest and stops at
+the first that fails, so that its reason is the most basic thing missing:
+
+1. a driver node (``/dev/nvidiactl``, ``/proc/driver/nvidia/version`` or WSL2's ``/dev/dxg``),
+2. ``torch`` importable and built with CUDA (``torch.version.cuda``),
+3. ``torch.cuda.is_available()``, the device this rank uses (``LOCAL_RANK``) is visible, and
+   its compute capability is sm_90 or sm_100-family.
+
+Ops: none yet. ``deepinfer_ops`` returns ``{}``, so every op falls back to the reference
+implementation, which runs on the CUDA device like on any torch device. The CUDA/FP8 kernels
+are tracked separately; no stub kernels live here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from deepinfer_core.hookspecs import BackendInfo, ProbeResult, hookimpl
+
+NAME = "nvidia"
+# Any one of these shows an NVIDIA driver (Linux: /dev/nvidiactl and /proc/driver/nvidia;
+# WSL2 exposes the GPU through /dev/dxg instead).
+DRIVER_FILES: tuple[str, ...] = ("/dev/nvidiactl", "/proc/driver/nvidia/version", "/dev/dxg")
+SUPPORTED = "sm_90 and sm_100"
+CPU_FIX = "run on a machine with an NVIDIA GPU or choose DEEPINFER_ACCELERATOR=cpu"
+TORCH_CUDA_FIX = "install a CUDA build of torch (pip install torch --index-url https://download.pytorch.org/whl/cu130)"
+
+
+def _supported(capability: tuple[int, int]) -> bool:
+    major, minor = capability
+    return (major, minor) == (9, 0) or major == 10  # sm_90; sm_100 family (sm_100, sm_103)
+
+
+def _platform_name(capability: tuple[int, int]) -> str:
+    return "nvidia-sm90" if capability[0] == 9 else "nvidia-sm100"
+
+
+def _device_index() -> int:
+    """The CUDA device this process uses: LOCAL_RANK under a multi-process launcher, else 0."""
+    raw = os.environ.get("LOCAL_RANK", "0").strip() or "0"
+    try:
+        index = int(raw)
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK={raw!r} is not an integer") from None
+    if index < 0:
+        raise ValueError(f"LOCAL_RANK={raw!r} is negative")
+    return index
+
+
+@hookimpl
+def deepinfer_backend() -> BackendInfo:
+    return BackendInfo(
+        name=NAME,
+        priority=100,
+        description="NVIDIA Hopper sm_90 / Blackwell sm_100 GPUs (CUDA); ops fall back to the reference for now",
+    )
+
+
+@hookimpl
+def deepinfer_probe() -> ProbeResult:
+    # 1. A driver, from the file system alone.
+    if not any(os.path.exists(path) for path in DRIVER_FILES):
+        return ProbeResult(False, reason="no NVIDIA driver/device found (/dev/nvidiactl missing)", fix=CPU_FIX)
+
+    # 2. A CUDA build of torch. torch is the core's own dependency, so importing it is safe.
+    if importlib.util.find_spec("torch") is None:
+        return ProbeResult(False, reason="torch is not installed", fix=TORCH_CUDA_FIX)
+    import torch
+
+    if torch.version.cuda is None:
+        if getattr(torch.version, "hip", None):
+            kind = f"a ROCm build (torch {torch.__version__})"
+        else:
+            kind = f"a CPU-only build (torch {torch.__version__})"
+        return ProbeResult(False, reason=f"torch is {kind}", fix=TORCH_CUDA_FIX)
+
+    # 3. A visible device of a supported architecture.
+    try:
+        index = _device_index()
+    except ValueError as e:
+        return ProbeResult(False, reason=str(e), fix="set LOCAL_RANK to this process's local GPU index (0, 1, ...)")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        if not torch.cuda.is_available():
+            if visible is not None and visible.strip() in ("", "-1"):
+                return ProbeResult(
+                    False,
+                    reason=f"no CUDA device visible (CUDA_VISIBLE_DEVICES={visible!r})",
+                    fix="unset CUDA_VISIBLE_DEVICES or list a GPU in it, or choose DEEPINFER_ACCELERATOR=cpu",
+                )
+            return ProbeResult(
+                False,
+                reason=f"an NVIDIA driver is present but torch (CUDA {torch.version.cuda}) sees no usable GPU",
+                fix="check `nvidia-smi`, and that the driver supports CUDA "
+                f"{torch.version.cuda} (or install a torch built for an older CUDA)",
+            )
+        count = torch.cuda.device_count()
+        if index >= count:
+            return ProbeResult(
+                False,
+                reason=f"LOCAL_RANK={index} but only {count} CUDA device(s) are visible",
+                fix="start at most one process per visible GPU, or widen CUDA_VISIBLE_DEVICES",
+            )
+        capability = tuple(torch.cuda.get_device_capability(index))
+        device_name = torch.cuda.get_device_name(index)
+    except Exception as e:  # a driver/runtime mismatch surfaces here; it is "not here", not a bug
+        return ProbeResult(
+            False,
+            reason=f"CUDA initialisation failed: {type(e).__name__}: {e}",
+            fix=f"check `nvidia-smi` and that the driver supports CUDA {torch.version.cuda}",
+        )
+    if not _supported(capability):  # type: ignore[arg-type]
+        return ProbeResult(
+            False,
+            reason=f"found sm_{capability[0]}{capability[1]}; this backend supports {SUPPORTED}",
+            fix="run on an H100/H200 (sm_90) or B200/B300/GB200 (sm_100) GPU, or choose DEEPINFER_ACCELERATOR=cpu",
+        )
+    return ProbeResult(
+        True,
+        detail=f"{device_name}, sm_{capability[0]}{capability[1]}, cuda:{index}, CUDA {torch.version.cuda}",
+    )
+
+
+@hookimpl
+def deepinfer_platform():
+    import torch
+
+    from deepinfer_core.platform import Platform
+
+    index = _device_index()
+    capability = tuple(torch.cuda.get_device_capability(index))
+    if not _supported(capability):  # type: ignore[arg-type]
+        raise RuntimeError(f"cuda:{index} is sm_{capability[0]}{capability[1]}; this backend supports {SUPPORTED}")
+    return Platform(
+        name=_platform_name(capability),  # type: ignore[arg-type]
+        device=f"cuda:{index}",
+        backend=NAME,
+        supported_dtypes=(torch.bfloat16, torch.float16, torch.float32),
+        fp8_weights=False,  # FP8 kernels are a separate issue; the loader dequantises FP8 checkpoints
+        graph_capture=False,  # CUDA graphs come with the kernels
+        batch_invariant=False,
+        extra={"capability": capability, "device_name": torch.cuda.get_device_name(index)},
+    )
+
+
+@hookimpl
+def deepinfer_ops(platform, model_config):
+    # No kernels yet (a separate issue): every op falls back to the reference implementation,
+    # which runs on cuda:N like on any torch device. `deepinfer backends` shows each as a fallback.
+    return {}
+
+
+@hookimpl
+def deepinfer_scheduler_limits(platform, model_config):
+    return None  # the engine's defaults

@@ -1,0 +1,1 @@
+"""Test fakes that are broken: fakebroken_probe, fakeversion, fakebadhook, fakeimporterror."""

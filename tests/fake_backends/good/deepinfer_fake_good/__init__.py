@@ -1,0 +1,1 @@
+"""Test fakes that load: fakegood (partial, priority 50), fakeunavail, fakerequired."""

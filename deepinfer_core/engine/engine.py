@@ -111,19 +111,22 @@ class Engine:
 
     # ---- set-up helpers ----------------------------------------------------------------------
     def _auto_num_blocks(self, specs, block_size: int) -> int:
+        """Enough blocks for max_num_seqs sequences of the longest allowed length, capped by memory:
+        a quarter of free host memory on the CPU, gpu_memory_utilization of the device otherwise."""
         per_block = KVCache.bytes_per_block(specs, block_size)
+        max_len = self.config.max_model_len or self.model_config.max_position_embeddings
+        wanted = math.ceil(self.config.max_num_seqs * max_len / block_size)
         free, total = self.platform.memory_info()
         if self.device.type == "cpu":
             budget = free * CPU_KV_MEMORY_FRACTION
-            wanted_tokens = self.config.max_num_seqs * (self.config.max_model_len or min(self.model_config.max_position_embeddings, 8192))
-            return max(1, min(int(budget // per_block), math.ceil(wanted_tokens / block_size)))
-        budget = total * self.config.gpu_memory_utilization - (total - free)
+        else:
+            budget = total * self.config.gpu_memory_utilization - (total - free)
         if budget < per_block:
             raise ConfigError(
-                f"no device memory left for the KV cache ({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB "
-                f"after loading weights); raise gpu_memory_utilization or use a smaller model"
+                f"no memory left for the KV cache ({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB after "
+                f"loading weights); raise gpu_memory_utilization, set num_kv_blocks, or use a smaller model"
             )
-        return int(budget // per_block)
+        return min(int(budget // per_block), wanted)
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
@@ -172,7 +175,8 @@ class Engine:
             raise RequestError(f"request id {rid!r} is already in use")
         req = Request(rid, text, ids, params)
         for i in range(params.n):
-            seq = Sequence(next(self._seq_ids), rid, i, list(ids), params, self._generator(params, i))
+            seq_id = next(self._seq_ids)
+            seq = Sequence(seq_id, rid, i, list(ids), params, self._generator(params, i, seq_id))
             if params.logprobs is not None:
                 seq.output_logprobs = []
             req.seqs.append(seq)
@@ -180,13 +184,13 @@ class Engine:
         self.requests[rid] = req
         return rid
 
-    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+    def _generator(self, params: SamplingParams, index: int, seq_id: int) -> torch.Generator | None:
+        """Seeded requests: seed + sample index. Others: derived from the engine seed and the
+        sequence id, so a run is reproducible for the same engine seed and request order."""
         if params.greedy:
             return None
-        gen = torch.Generator(device=self.device)
-        seed = params.seed + index if params.seed is not None else hash((self.config.seed, next(self._seq_ids))) & 0x7FFFFFFF
-        gen.manual_seed(seed)
-        return gen
+        seed = params.seed + index if params.seed is not None else self.config.seed * 1_000_003 + seq_id
+        return torch.Generator(device=self.device).manual_seed(seed)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

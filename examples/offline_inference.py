@@ -27,13 +27,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="engine seed: each sequence draws its own stream from it")
     args = parser.parse_args()
 
-    llm = LLM(model=args.model, accelerator=args.accelerator)
+    llm = LLM(model=args.model, accelerator=args.accelerator, seed=args.seed)
     engine = llm.engine
     print(f"model: {llm.model_dir}  backend: {engine.backend.name} ({engine.platform.name})  dtype: {engine.dtype}")
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
     for out in llm.generate(PROMPTS, params):
         completion = out.outputs[0]
         print("=" * 72)

@@ -15,9 +15,6 @@ from deepinfer_core.config import DEFAULT_MODEL_DIR, ConfigError, EngineConfig, 
 from deepinfer_core.engine.engine import Engine, Request
 from deepinfer_core.sampling.params import SamplingParams
 
-log = logging.getLogger("deepinfer")
-
-
 @dataclass
 class CompletionOutput:
     index: int
@@ -47,6 +44,18 @@ class GenerationError(RuntimeError):
     def __init__(self, message: str, outputs: list[RequestOutput]):
         super().__init__(message)
         self.outputs = outputs
+
+
+def _configure_logging(level: str) -> None:
+    logger = logging.getLogger("deepinfer")
+    try:
+        logger.setLevel(level.upper())
+    except ValueError as e:
+        raise ConfigError(f"DEEPINFER_LOG_LEVEL={level!r} is not a logging level (DEBUG, INFO, WARNING, ERROR)") from e
+    if not logger.handlers and not logging.getLogger().handlers:  # leave configured apps alone
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s deepinfer: %(message)s"))
+        logger.addHandler(handler)
 
 
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
@@ -95,7 +104,7 @@ class LLM:
         progress: bool = True,
     ):
         env = settings()
-        logging.getLogger("deepinfer").setLevel(env.log_level.upper())
+        _configure_logging(env.log_level)
         self.model_dir = resolve_model_dir(model)
         config = EngineConfig(
             block_size=block_size,

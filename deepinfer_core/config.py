@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
@@ -129,7 +129,10 @@ class ModelConfig(BaseModel):
             hf = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
         except Exception as e:  # transformers raises many types for a bad config
             raise ConfigError(f"{path}: transformers could not read it: {e}") from e
-        return cls.from_hf(hf, raw)
+        try:
+            return cls.from_hf(hf, raw)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from e
 
     @classmethod
     def from_hf(cls, hf: Any, raw: dict | None = None) -> ModelConfig:
@@ -196,8 +199,12 @@ class ModelConfig(BaseModel):
             )
         try:
             return cls(**fields)
-        except ValueError as e:
-            raise ConfigError(f"config.json is not usable: {e}") from e
+        except ValidationError as e:
+            problems = "; ".join(
+                (f"{'.'.join(map(str, err['loc']))}: " if err["loc"] else "") + err["msg"].removeprefix("Value error, ")
+                for err in e.errors()
+            )
+            raise ConfigError(f"not usable: {problems}") from e
 
 
 class EngineConfig(BaseModel):

@@ -205,7 +205,10 @@ class PluginManager:
             limits = self._call(backend.name, "deepinfer_scheduler_limits", platform=platform, model_config=model_config)
         fallback = [name for name, who in ops.providers.items() if who != backend.name]
         if fallback and backend.name != REFERENCE_BACKEND:
-            log.info("backend %r lacks ops %s; using the reference implementations", backend.name, ", ".join(fallback))
+            log.warning(
+                "backend %r does not provide ops %s; they run the reference implementations (`deepinfer backends` lists them)",
+                backend.name, ", ".join(fallback),
+            )
         return platform, ops, limits, fallback
 
     def resolve_ops(self, backend: Backend, platform: Any, model_config: Any = None) -> OpTable:

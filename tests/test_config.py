@@ -1,0 +1,73 @@
+"""config.json validation, dtype choice and DEEPINFER_* settings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from deepinfer_core.config import DEFAULT_MODEL_DIR, ConfigError, ModelConfig, settings
+from deepinfer_core.engine.engine import resolve_dtype
+
+
+def write_config(tmp_path, **changes):
+    config = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
+    config.update(changes)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_default_config_reads():
+    config = ModelConfig.from_dir(DEFAULT_MODEL_DIR)
+    assert config.model_type == "deepseek_v3" and config.num_nextn_predict_layers == 1
+    assert config.latent_dim == config.kv_lora_rank + config.qk_rope_head_dim
+    assert config.rope_parameters["rope_type"] == "yarn" and config.fp8_block is None
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"model_type": "llama"}, "model_type 'llama' is not supported; supported model types: deepseek_v3, deepseek_v2"),
+        ({"n_routed_experts": 7}, "not divisible by n_group"),
+        ({"topk_group": 5}, "topk_group=5 exceeds n_group"),
+        ({"num_experts_per_tok": 99}, "exceeds n_routed_experts"),
+        ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "only DeepSeek's block FP8"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+    ],
+)
+def test_bad_config_is_a_clear_error(tmp_path, changes, message):
+    with pytest.raises(ConfigError, match="config.json") as info:
+        ModelConfig.from_dir(write_config(tmp_path, **changes))
+    assert message in str(info.value)
+
+
+def test_missing_and_broken_config(tmp_path):
+    with pytest.raises(ConfigError, match="config.json not found"):
+        ModelConfig.from_dir(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        ModelConfig.from_dir(tmp_path)
+
+
+def test_fp8_block_is_read(tmp_path):
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert ModelConfig.from_dir(write_config(tmp_path, quantization_config=quant)).fp8_block == (128, 128)
+
+
+def test_dtype_resolution():
+    config = ModelConfig.from_dir(DEFAULT_MODEL_DIR)
+    every = (torch.float32, torch.bfloat16, torch.float16)
+    assert resolve_dtype("auto", config, every) == torch.bfloat16  # the checkpoint's own dtype
+    assert resolve_dtype("float32", config, every) == torch.float32
+    with pytest.raises(ConfigError, match="dtype 'int8' is not supported"):
+        resolve_dtype("int8", config, every)
+    with pytest.raises(ConfigError, match="not supported by this backend"):
+        resolve_dtype("float16", config, (torch.float32,))
+
+
+def test_settings_read_the_environment(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_ACCELERATOR", "nvidia")
+    monkeypatch.setenv("DEEPINFER_HF_MODEL_DIR", "/models/x")
+    s = settings()
+    assert s.accelerator == "nvidia" and s.hf_model_dir == "/models/x" and s.log_level == "WARNING"

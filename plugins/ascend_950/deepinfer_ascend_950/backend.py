@@ -19,6 +19,7 @@ import logging
 import os
 from importlib.metadata import PackageNotFoundError, version
 
+from deepinfer_core.dist import local_rank
 from deepinfer_core.hookspecs import BackendInfo, ProbeResult, hookimpl
 
 NAME = "ascend"
@@ -37,17 +38,6 @@ def _torch_npu_fix() -> str:
     except (PackageNotFoundError, ValueError):
         pin = " torch-npu"
     return f"install torch_npu matching your torch and CANN: pip install deepinfer[ascend]{pin} on a machine with CANN"
-
-
-def _device_index() -> int:
-    raw = os.environ.get("LOCAL_RANK", "0").strip() or "0"
-    try:
-        index = int(raw)
-    except ValueError:
-        raise ValueError(f"LOCAL_RANK={raw!r} is not an integer") from None
-    if index < 0:
-        raise ValueError(f"LOCAL_RANK={raw!r} is negative")
-    return index
 
 
 @hookimpl
@@ -96,7 +86,7 @@ def deepinfer_probe() -> ProbeResult:
             fix="run on a machine with an Ascend NPU (check `npu-smi info`) or choose DEEPINFER_ACCELERATOR=cpu",
         )
     try:
-        index = _device_index()
+        index = local_rank()
     except ValueError as e:
         return ProbeResult(False, reason=str(e), fix="set LOCAL_RANK to this process's local NPU index (0, 1, ...)")
     if index >= len(devices):
@@ -121,7 +111,7 @@ def deepinfer_platform():
 
     from deepinfer_core.platform import Platform
 
-    index = _device_index()
+    index = local_rank()
     try:
         device_name = torch.npu.get_device_name(index)
     except Exception as e:  # the name is informative only

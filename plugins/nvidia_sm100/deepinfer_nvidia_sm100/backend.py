@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from deepinfer_core.dist import local_rank
 from deepinfer_core.hookspecs import BackendInfo, ProbeResult, hookimpl
 
 NAME = "nvidia"
@@ -37,18 +38,6 @@ def _supported(capability: tuple[int, int]) -> bool:
 
 def _platform_name(capability: tuple[int, int]) -> str:
     return "nvidia-sm90" if capability[0] == 9 else "nvidia-sm100"
-
-
-def _device_index() -> int:
-    """The CUDA device this process uses: LOCAL_RANK under a multi-process launcher, else 0."""
-    raw = os.environ.get("LOCAL_RANK", "0").strip() or "0"
-    try:
-        index = int(raw)
-    except ValueError:
-        raise ValueError(f"LOCAL_RANK={raw!r} is not an integer") from None
-    if index < 0:
-        raise ValueError(f"LOCAL_RANK={raw!r} is negative")
-    return index
 
 
 @hookimpl
@@ -80,7 +69,7 @@ def deepinfer_probe() -> ProbeResult:
 
     # 3. A visible device of a supported architecture.
     try:
-        index = _device_index()
+        index = local_rank()
     except ValueError as e:
         return ProbeResult(False, reason=str(e), fix="set LOCAL_RANK to this process's local GPU index (0, 1, ...)")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -131,7 +120,7 @@ def deepinfer_platform():
 
     from deepinfer_core.platform import Platform
 
-    index = _device_index()
+    index = local_rank()
     capability = tuple(torch.cuda.get_device_capability(index))
     if not _supported(capability):  # type: ignore[arg-type]
         raise RuntimeError(f"cuda:{index} is sm_{capability[0]}{capability[1]}; this backend supports {SUPPORTED}")

@@ -135,7 +135,7 @@ class LLM:
         all prompts or one per prompt. Every request is checked before any runs: a bad one
         raises and nothing is queued.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
         prompts = list(prompts)
         if sampling_params is None:
@@ -143,16 +143,24 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params; give one, or one per prompt")
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] is a {type(p).__name__}, not a SamplingParams")
         engine = self.engine
         encoded = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             text, ids = engine.encode(prompt)
             engine.check(ids, p, label=f"prompt {i}")
-            encoded.append((ids, p))
-        order = [engine.add_request(ids, p) for ids, p in encoded]
-        for rid, prompt in zip(order, prompts):
-            if isinstance(prompt, str):
-                engine.requests[rid].prompt = prompt
+            encoded.append((text, ids, p))
+        order: list[str] = []
+        try:
+            for text, ids, p in encoded:
+                order.append(engine.add_request(ids, p))
+                engine.requests[order[-1]].prompt = text
+        except Exception:
+            for rid in order:  # all or nothing: a failed call leaves no request behind
+                engine.abort(rid)
+            raise
 
         done: dict[str, Request] = {}
         bar = tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm)

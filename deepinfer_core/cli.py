@@ -65,15 +65,14 @@ def _backends(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from deepinfer_core import LLM, SamplingParams
-    from deepinfer_core.config import ConfigError
+    from deepinfer_core import LLM, GenerationError, SamplingParams
     from deepinfer_core.plugins import BackendError
 
     try:
         llm = LLM(model=args.model, accelerator=args.accelerator)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
         outputs = llm.generate(args.prompt, params)
-    except (BackendError, ConfigError) as e:
+    except (BackendError, GenerationError, ValueError) as e:  # ValueError: bad config, checkpoint, request or parameter
         print(f"error: {_one_line(str(e))}", file=sys.stderr)
         return 1
     for out in outputs:

@@ -77,6 +77,8 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError(f"weight_map is a {type(weight_map).__name__}")
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index (needs a 'weight_map' object): {e}") from e
         files = []

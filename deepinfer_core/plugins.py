@@ -66,10 +66,16 @@ class PluginManager:
     # ---- discovery -------------------------------------------------------------------------
     def discover(self) -> dict[str, Backend]:
         for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-            if ep.name in self.backends:
-                continue
             dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
-            backend = Backend(name=ep.name, module=None, source=f"{ep.value} ({dist})")
+            source = f"{ep.value} ({dist})"
+            if ep.name in self.backends:
+                twice = self.backends[ep.name]
+                if twice.source != source:  # two distributions claim one name: neither may be picked silently
+                    twice.error = f"the name is registered twice, by {twice.source} and by {source}; uninstall one of them"
+                    if self.pm.has_plugin(ep.name):
+                        self.pm.unregister(name=ep.name)
+                continue
+            backend = Backend(name=ep.name, module=None, source=source)
             self.backends[ep.name] = backend
             try:
                 backend.module = ep.load()
@@ -141,9 +147,11 @@ class PluginManager:
     # ---- selection -------------------------------------------------------------------------
     def find(self, requested: str) -> Backend:
         wanted = requested.strip().lower()
+        for backend in self.backends.values():  # a backend's own name wins over another's alias
+            if backend.name.lower() == wanted:
+                return backend
         for backend in self.backends.values():
-            names = {backend.name.lower()} | {a.lower() for a in (backend.info.aliases if backend.info else ())}
-            if wanted in names:
+            if wanted in {a.lower() for a in (backend.info.aliases if backend.info else ())}:
                 return backend
         known = ", ".join(self._names()) or "none"
         raise BackendError(

@@ -151,28 +151,70 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(v3):
 
 def test_penalties_change_the_choice(v3):
     llm = make_llm(v3)
-    base = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0]
-    rep = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1e6), use_tqdm=False)[0].outputs[0]
+    base = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(set(base.token_ids)) < 40, "the unpenalised greedy output should repeat itself for this test to mean much"
+    rep = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1e6), use_tqdm=False)[0].outputs[0]
     # an enormous repetition penalty forbids every token already seen in the prompt or output
-    assert len(set(rep.token_ids)) == 12 and not set(rep.token_ids) & set(PROMPTS[0])
-    freq = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, presence_penalty=2.0, frequency_penalty=2.0), use_tqdm=False)[0].outputs[0]
-    assert len(base.token_ids) == len(freq.token_ids) == 12
+    assert len(set(rep.token_ids)) == 40 and not set(rep.token_ids) & set(PROMPTS[0])
+    freq = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, presence_penalty=2.0, frequency_penalty=2.0), use_tqdm=False)[0].outputs[0]
+    assert freq.token_ids != base.token_ids and len(set(freq.token_ids)) > len(set(base.token_ids))
 
 
 def test_text_prompts_stop_strings_and_detokenisation():
     llm = LLM(accelerator="cpu", dtype="float32", progress=False)  # the embedded default, with a tokenizer
-    free = llm.generate("def foo(x):", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
-    text = free.outputs[0].text
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    free = llm.generate("def foo(x):", greedy, use_tqdm=False)[0]
+    text, ids = free.outputs[0].text, free.outputs[0].token_ids
     assert free.prompt == "def foo(x):" and free.prompt_token_ids[0] == 0  # BOS added
-    assert text == llm.tokenizer.decode(free.outputs[0].token_ids, skip_special_tokens=True)
-    stop = text[len(text) // 2 : len(text) // 2 + 2]
-    if not stop.strip():
-        pytest.skip("greedy text has no usable stop string")
-    cut = llm.generate("def foo(x):", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert text == llm.tokenizer.decode(ids, skip_special_tokens=True)
+    # a stop string made of the last character of one token and the first of the next
+    pieces = [llm.tokenizer.decode(ids[: i + 1], skip_special_tokens=True) for i in range(len(ids))]
+    i = next(i for i in range(2, len(ids) - 1) if len(pieces[i]) > len(pieces[i - 1]) and len(pieces[i + 1]) > len(pieces[i]))
+    stop = pieces[i][-1] + pieces[i + 1][len(pieces[i])]
+    cut = llm.generate("def foo(x):", greedy.model_copy(update={"stop": [stop]}), use_tqdm=False)[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
-    assert cut.text == text[: text.index(stop)]
-    kept = llm.generate("def foo(x):", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=stop, include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert cut.text == text[: text.index(stop)] and len(cut.token_ids) <= i + 2
+    kept = llm.generate("def foo(x):", greedy.model_copy(update={"stop": [stop], "include_stop_str_in_output": True}), use_tqdm=False)[0].outputs[0]
     assert kept.text == text[: text.index(stop) + len(stop)]
+    # stop strings wait for min_tokens
+    late = llm.generate("def foo(x):", greedy.model_copy(update={"stop": [stop], "min_tokens": 12}), use_tqdm=False)[0].outputs[0]
+    assert late.token_ids == ids and late.finish_reason == "length"
+
+
+def test_one_token_chunks_in_the_middle_of_a_prompt_do_not_sample(v3):
+    """A budget of 2 tokens leaves one-token chunks beside decodes: the batch mixes prefill and decode."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    prompts = [[5, 17, 42], [150, 2, 2, 8, 33, 41, 90, 100, 120, 7]]
+    alone = run_alone(make_llm(v3), prompts, params)
+    tight = make_llm(v3, max_num_batched_tokens=2).generate(prompts, params, use_tqdm=False)
+    for a, b in zip(alone, tight):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert len(b.prompt_logprobs) == len(b.prompt_token_ids)
+        for la, lb in zip(a.prompt_logprobs[1:] + a.outputs[0].logprobs, b.prompt_logprobs[1:] + b.outputs[0].logprobs):
+            assert la.keys() == lb.keys() and all(abs(la[t] - lb[t]) < 1e-5 for t in la)
+
+
+def test_prompt_logprobs_survive_preemption_and_rechunking(v3):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=1)
+    prompts = [[(7 * i + j) % 150 + 1 for j in range(9 + i)] for i in range(6)]
+    alone = run_alone(make_llm(v3), prompts, params)
+    tight = make_llm(v3, block_size=2, num_kv_blocks=20, max_num_batched_tokens=16, max_model_len=40)
+    outs = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.engine.num_preemptions > 0
+    for a, b in zip(alone, outs):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert len(b.prompt_logprobs) == len(b.prompt_token_ids)
+        for la, lb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert la.keys() == lb.keys() and all(abs(la[t] - lb[t]) < 1e-5 for t in la)
+
+
+def test_small_requests_and_shapes(v3):
+    llm = make_llm(v3)
+    one = llm.generate([[9]], SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)[0]
+    assert one.prompt_logprobs == [None] and len(one.outputs[0].token_ids) == 2
+    as_tuple = llm.generate((5, 17, 42), GREEDY, use_tqdm=False)
+    assert len(as_tuple) == 1 and as_tuple[0].prompt_token_ids == [5, 17, 42]
+    assert llm.generate([], GREEDY, use_tqdm=False) == []
 
 
 def test_bad_input_is_reported_and_the_engine_keeps_working(v3):
@@ -183,6 +225,14 @@ def test_bad_input_is_reported_and_the_engine_keeps_working(v3):
         SamplingParams(top_p=0)
     with pytest.raises(ValidationError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+    with pytest.raises(ValidationError, match="min_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3)
+    with pytest.raises(ValidationError, match="seed"):
+        SamplingParams(seed=2**64)
+    with pytest.raises(TypeError, match="not a SamplingParams"):
+        llm.generate([PROMPTS[0]], [dict(temperature=0)], use_tqdm=False)
+    with pytest.raises(RequestError, match="stop strings need a tokenizer"):
+        llm.generate([PROMPTS[0]], SamplingParams(stop=["x"]), use_tqdm=False)
     with pytest.raises(RequestError, match="outside the vocabulary"):
         llm.generate([[1, 2, 10**6]], GREEDY, use_tqdm=False)
     with pytest.raises(RequestError, match="no tokenizer"):
@@ -195,6 +245,23 @@ def test_bad_input_is_reported_and_the_engine_keeps_working(v3):
     with pytest.raises(RequestError, match="prompt 1"):
         llm.generate([PROMPTS[0], [10**6]], GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished()
+    assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == 3
+
+
+def test_a_request_that_fails_to_queue_leaves_nothing_behind(v3, monkeypatch):
+    llm = make_llm(v3)
+    real_seed = llm.engine._seed
+
+    def seed_fails_for_the_second(params, index, seq_id):
+        if seq_id >= 1:
+            raise RuntimeError("cannot build the sequence")
+        return real_seed(params, index, seq_id)
+
+    monkeypatch.setattr(llm.engine, "_seed", seed_fails_for_the_second)
+    with pytest.raises(RuntimeError, match="cannot build"):
+        llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished() and not llm.engine.requests
+    monkeypatch.setattr(llm.engine, "_seed", real_seed)
     assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == 3
 
 

@@ -76,6 +76,12 @@ class Engine:
         self.tokenizer = load_tokenizer(model_dir)
         self.eos_ids = self._eos_ids()
 
+        # A backend's limits cap what the user asked for; they never raise it.
+        self.max_num_seqs = min(engine_config.max_num_seqs, (limits and limits.max_num_seqs) or engine_config.max_num_seqs)
+        self.max_num_batched_tokens = min(
+            engine_config.max_num_batched_tokens,
+            (limits and limits.max_num_batched_tokens) or engine_config.max_num_batched_tokens,
+        )
         specs = self.model.cache_specs()
         block_size = engine_config.block_size
         num_blocks = engine_config.num_kv_blocks or self._auto_num_blocks(specs, block_size)
@@ -94,9 +100,7 @@ class Engine:
         self.max_model_len = max_len
         self.kv_cache = KVCache(specs, num_blocks, block_size, self.device)
         self.block_manager = BlockManager(num_blocks, block_size)
-        max_seqs = (limits.max_num_seqs if limits and limits.max_num_seqs else None) or engine_config.max_num_seqs
-        max_tokens = (limits.max_num_batched_tokens if limits and limits.max_num_batched_tokens else None) or engine_config.max_num_batched_tokens
-        self.scheduler = Scheduler(self.block_manager, max_seqs, max_tokens)
+        self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device)
         self.observer = self.plugins.step_observer()
         self.requests: dict[str, Request] = {}
@@ -115,7 +119,7 @@ class Engine:
         a quarter of free host memory on the CPU, gpu_memory_utilization of the device otherwise."""
         per_block = KVCache.bytes_per_block(specs, block_size)
         max_len = self.config.max_model_len or self.model_config.max_position_embeddings
-        wanted = math.ceil(self.config.max_num_seqs * max_len / block_size)
+        wanted = math.ceil(self.max_num_seqs * max_len / block_size)
         free, total = self.platform.memory_info()
         if self.device.type == "cpu":
             budget = free * CPU_KV_MEMORY_FRACTION
@@ -161,6 +165,8 @@ class Engine:
                 f"{label} is too long: {n} tokens, but max_model_len is {self.max_model_len} (the prompt plus at "
                 f"least one generated token must fit); shorten it or raise max_model_len"
             )
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer, and this model directory has none; use stop_token_ids")
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:
             raise RequestError(f"stop_token_ids {bad_stop} are outside the vocabulary [0, {vocab})")
@@ -176,35 +182,32 @@ class Engine:
         req = Request(rid, text, ids, params)
         for i in range(params.n):
             seq_id = next(self._seq_ids)
-            seq = Sequence(seq_id, rid, i, list(ids), params, self._generator(params, i, seq_id))
-            if params.logprobs is not None:
-                seq.output_logprobs = []
-            req.seqs.append(seq)
+            req.seqs.append(Sequence(seq_id, rid, i, list(ids), params, self._seed(params, i, seq_id)))
+        for seq in req.seqs:  # queued only once every sequence could be built
             self.scheduler.add(seq)
         self.requests[rid] = req
         return rid
 
-    def _generator(self, params: SamplingParams, index: int, seq_id: int) -> torch.Generator | None:
+    def _seed(self, params: SamplingParams, index: int, seq_id: int) -> int:
         """Seeded requests: seed + sample index. Others: derived from the engine seed and the
         sequence id, so a run is reproducible for the same engine seed and request order."""
-        if params.greedy:
-            return None
         seed = params.seed + index if params.seed is not None else self.config.seed * 1_000_003 + seq_id
-        return torch.Generator(device=self.device).manual_seed(seed)
+        return seed % 2**63
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def abort(self, request_id: str) -> Request:
+        """Stop a request (unfinished samples get finish_reason "abort"), free its blocks, return it."""
+        req = self.requests.pop(request_id)
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        return req
+
     def abort_all(self) -> list[Request]:
-        """Stop every unfinished request (finish_reason "abort"), free its blocks, return them."""
-        aborted = []
-        for req in list(self.requests.values()):
-            for seq in req.seqs:
-                if not seq.is_finished:
-                    seq.finish_reason = "abort"
-                    self.scheduler.finish(seq)
-            aborted.append(self.requests.pop(req.request_id))
-        return aborted
+        return [self.abort(rid) for rid in list(self.requests)]
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -219,7 +222,7 @@ class Engine:
         out = self.runner.run(batch)
         for seq, first, logits in out.prompt_logits:
             self._record_prompt_logprobs(seq, first, logits)
-        results = sample(out.sample_logits, out.sample_seqs, self.eos_ids) if out.sample_seqs else []
+        results = sample(self.ops, out.sample_logits, out.sample_seqs, self.eos_ids) if out.sample_seqs else []
         for seq, (token, logprob, top) in zip(out.sample_seqs, results):
             self._append(seq, token, logprob, top)
         finished = [r for r in self.requests.values() if r.finished]
@@ -240,27 +243,28 @@ class Engine:
         return finished
 
     def _record_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
-        if seq.prompt_logprobs is None:
-            seq.prompt_logprobs = [None]  # nothing predicts the first prompt token
-        if len(seq.prompt_logprobs) != first:
-            return  # recomputed after a preemption: already recorded
-        lps = torch.log_softmax(logits.float(), dim=-1)
+        """Rows of ``logits`` predict prompt positions first, first+1, ...; positions already
+        recorded (a recompute after preemption, maybe chunked differently) are skipped."""
+        have = len(seq.prompt_logprobs)
+        if not first <= have < first + logits.shape[0]:
+            return
+        lps = torch.log_softmax(logits[have - first :].float(), dim=-1)
         k = seq.params.prompt_logprobs
         for i in range(lps.shape[0]):
-            seq.prompt_logprobs.append(top_logprobs(lps[i], k, seq.prompt_token_ids[first + i]))
+            seq.prompt_logprobs.append(top_logprobs(lps[i], k, seq.prompt_token_ids[have + i]))
 
-    def _append(self, seq: Sequence, token: int, logprob: float, top: dict[int, float] | None) -> None:
+    def _append(self, seq: Sequence, token: int, logprob: float | None, top: dict[int, float] | None) -> None:
         seq.output_token_ids.append(token)
-        seq.cumulative_logprob += logprob
         if seq.output_logprobs is not None:
-            seq.output_logprobs.append(top or {})
+            seq.cumulative_logprob += logprob
+            seq.output_logprobs.append(top)
         p = seq.params
         reason, stop = None, None
         if not p.ignore_eos and token in self.eos_ids:
             reason = "stop"
         elif token in p.stop_token_ids:
             reason, stop = "stop", token
-        elif p.stop and self.tokenizer is not None:
+        elif p.stop:
             hit = self._stop_string(seq)
             if hit is not None:
                 reason, stop = "stop", hit
@@ -273,10 +277,16 @@ class Engine:
             self.scheduler.finish(seq)
 
     def _stop_string(self, seq: Sequence) -> str | None:
+        """The stop string that the latest token completed, if any (text before min_tokens outputs
+        is scanned but cannot stop the sequence); trims seq.text at it."""
         text = self.detokenize(seq)
+        start = max(0, seq.stop_scanned_chars - max(len(s) for s in seq.params.stop) + 1)
+        seq.stop_scanned_chars = len(text)
+        if len(seq.output_token_ids) < seq.params.min_tokens:
+            return None
         earliest = None
         for s in seq.params.stop:
-            idx = text.find(s)
+            idx = text.find(s, start)
             if idx >= 0 and (earliest is None or idx < earliest[0]):
                 earliest = (idx, s)
         if earliest is None:

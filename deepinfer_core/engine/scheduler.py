@@ -82,7 +82,9 @@ class Scheduler:
 
     @staticmethod
     def _is_decode(seq: Sequence, num_new: int) -> bool:
-        return num_new == 1 and seq.num_computed_tokens > 0
+        """One new token after a computed context, and it is the sequence's last known token (a
+        one-token chunk in the middle of a prompt is a prefill: it must not sample)."""
+        return num_new == 1 and seq.num_computed_tokens == seq.num_tokens - 1 > 0
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from deepinfer_core.sampling.params import SamplingParams
 
 
@@ -28,7 +26,7 @@ class Sequence:
     index: int  # which of the request's n samples
     prompt_token_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int  # the sampling stream of this sequence (see ops.sampling.sample_tokens)
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
@@ -37,6 +35,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[dict[int, float] | None] | None = None
     text: str = ""
+    stop_scanned_chars: int = 0  # detokenised characters already searched for stop strings
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
@@ -60,9 +59,13 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # nothing predicts the first prompt token
+        if self.params.logprobs is not None:
+            self.output_logprobs = []
+
     @property
     def wants_prompt_logprobs(self) -> bool:
-        """Prompt logprobs still to compute (they are computed once, on the first prefill)."""
-        return self.params.prompt_logprobs is not None and (
-            self.prompt_logprobs is None or len(self.prompt_logprobs) < self.num_prompt_tokens
-        )
+        """Prompt logprobs still to compute (each is recorded once, even across a preemption)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens

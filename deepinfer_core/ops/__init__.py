@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from deepinfer_core.ops import activation, attention, linear, moe, norm, rope
+from deepinfer_core.ops import activation, attention, linear, moe, norm, rope, sampling
 
 # name -> reference implementation. The order is the order ``deepinfer backends`` prints.
 REFERENCE_OPS: dict[str, Callable] = {
@@ -26,6 +26,7 @@ REFERENCE_OPS: dict[str, Callable] = {
     "gather_latent_cache": attention.gather_latent_cache,
     "mla_prefill_attention": attention.mla_prefill_attention,
     "mla_decode_attention": attention.mla_decode_attention,
+    "sample_tokens": sampling.sample_tokens,
 }
 
 OP_NAMES: tuple[str, ...] = tuple(REFERENCE_OPS)

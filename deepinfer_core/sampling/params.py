@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _EPS = 1e-5
 
@@ -25,7 +25,7 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
     max_tokens: int = Field(16, ge=1)
     min_tokens: int = Field(0, ge=0)
     stop: list[str] = Field(default_factory=list)
@@ -58,6 +58,12 @@ class SamplingParams(BaseModel):
         if any(t < 0 for t in v):
             raise ValueError("stop_token_ids must be non-negative token ids")
         return v
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
 
     @property
     def greedy(self) -> bool:

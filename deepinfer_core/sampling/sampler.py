@@ -1,7 +1,8 @@
-"""Logits -> next tokens (+ logprobs), per sequence settings, on the logits' device.
+"""Logits -> next tokens (+ logprobs) for a batch of sequences, on the logits' device.
 
-Logprobs are those of the model's distribution (log_softmax of the raw logits, before
-penalties, temperature and truncation), as vLLM reports them by default.
+Penalties and min_tokens are applied here, batched; the draw itself is the ``sample_tokens``
+op of the backend's op table. Logprobs are those of the model's distribution (log_softmax of
+the raw logits, before penalties, temperature and truncation), as vLLM reports them.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import torch
 
 from deepinfer_core.engine.sequence import Sequence
+
+NEG_INF = float("-inf")
 
 
 def top_logprobs(logprobs_row: torch.Tensor, k: int, token: int | None = None) -> dict[int, float]:
@@ -22,57 +25,62 @@ def top_logprobs(logprobs_row: torch.Tensor, k: int, token: int | None = None) -
     return out
 
 
-def _apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    p = seq.params
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(seq.token_ids())), dtype=torch.int64, device=logits.device)
-        vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
-        out_ids = torch.tensor(seq.output_token_ids, dtype=torch.int64, device=logits.device)
-        counts = torch.zeros_like(logits).index_add_(0, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
-        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+def _token_mask(rows: list[list[int]], vocab: int, device: torch.device, counts: bool) -> torch.Tensor:
+    """[len(rows), vocab]: how often (counts) or whether each token occurs in each row's list."""
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.tensor([r + [vocab] * (width - len(r)) for r in rows], dtype=torch.int64).to(device)
+    out = torch.zeros(len(rows), vocab + 1, device=device)  # column `vocab` absorbs the padding
+    out.scatter_add_(1, ids, torch.ones_like(ids, dtype=out.dtype))
+    out = out[:, :vocab]
+    return out if counts else out > 0
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> torch.Tensor:
+    """A processed copy of ``logits`` [N, V]: repetition / presence / frequency penalties (vLLM's
+    definitions) and, before min_tokens outputs, EOS and stop tokens made impossible."""
+    logits = logits.float().clone()
+    vocab, device = logits.shape[-1], logits.device
+    rep = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
+    if rep:
+        seen = _token_mask([seqs[i].token_ids() for i in rep], vocab, device, counts=False)
+        penalty = torch.tensor([seqs[i].params.repetition_penalty for i in rep], device=device)[:, None]
+        rows = logits[rep]
+        scaled = torch.where(rows > 0, rows / penalty, rows * penalty)
+        logits[rep] = torch.where(seen, scaled, rows)
+    freq = [i for i, s in enumerate(seqs) if (s.params.presence_penalty or s.params.frequency_penalty) and s.output_token_ids]
+    if freq:
+        counts = _token_mask([seqs[i].output_token_ids for i in freq], vocab, device, counts=True)
+        fp = torch.tensor([seqs[i].params.frequency_penalty for i in freq], device=device)[:, None]
+        pp = torch.tensor([seqs[i].params.presence_penalty for i in freq], device=device)[:, None]
+        logits[freq] -= fp * counts + pp * (counts > 0).float()
+    for i, s in enumerate(seqs):
+        if len(s.output_token_ids) < s.params.min_tokens:
+            banned = list(s.params.stop_token_ids) + ([] if s.params.ignore_eos else list(eos_ids))
+            if banned:
+                logits[i, torch.tensor(banned, device=device)] = NEG_INF
     return logits
 
 
-def _truncate(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token when the tokens ranked above it already cover top_p
-        drop = (probs.cumsum(-1) - probs) >= top_p
-        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
-    if min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    return logits
-
-
-def _suppress_stop_tokens(logits: torch.Tensor, seq: Sequence, eos_ids: tuple[int, ...]) -> None:
-    """Before min_tokens outputs, EOS and stop tokens cannot be chosen."""
-    if len(seq.output_token_ids) < seq.params.min_tokens:
-        banned = list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else list(eos_ids))
-        if banned:
-            logits[torch.tensor(banned, device=logits.device)] = float("-inf")
-
-
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...] = ()) -> list[tuple[int, float, dict[int, float] | None]]:
-    """For each row of ``logits`` [N, V] (float32) and its sequence: (token, logprob, top logprobs or None)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    results = []
-    for row, seq in enumerate(seqs):
-        p = seq.params
-        scores = _apply_penalties(logits[row].float().clone(), seq)
-        _suppress_stop_tokens(scores, seq, eos_ids)
-        if p.greedy:
-            token = int(scores.argmax())
-        else:
-            scores = _truncate(scores / p.temperature, p.top_k, p.top_p, p.min_p)
-            token = int(torch.multinomial(scores.softmax(-1), 1, generator=seq.generator))
-        lp = float(logprobs[row, token])
-        top = top_logprobs(logprobs[row], p.logprobs, token) if p.logprobs is not None else None
-        results.append((token, lp, top))
+def sample(ops, logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...] = ()) -> list[tuple[int, float | None, dict[int, float] | None]]:
+    """For each row of ``logits`` [N, V] and its sequence: (token, logprob, top logprobs), the last
+    two None unless the sequence asked for logprobs."""
+    device = logits.device
+    processed = apply_penalties(logits, seqs, eos_ids)
+    params = [s.params for s in seqs]
+    tokens = ops.sample_tokens(
+        processed,
+        torch.tensor([p.temperature for p in params], dtype=torch.float32).to(device),
+        torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64).to(device),
+        torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device),
+        torch.tensor([p.min_p for p in params], dtype=torch.float32).to(device),
+        torch.tensor([s.seed for s in seqs], dtype=torch.int64).to(device),
+        torch.tensor([len(s.output_token_ids) for s in seqs], dtype=torch.int64).to(device),
+    ).tolist()
+    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+    results: list[tuple[int, float | None, dict[int, float] | None]] = [(t, None, None) for t in tokens]
+    if wanted:
+        logprobs = torch.log_softmax(logits[wanted].float(), dim=-1)
+        for row, i in enumerate(wanted):
+            top = top_logprobs(logprobs[row], params[i].logprobs, tokens[i])
+            results[i] = (tokens[i], top[tokens[i]], top)
     return results

@@ -1,0 +1,62 @@
+"""Token sampling from processed logits (temperature, top-k, top-p, min-p), seeded per row."""
+
+from __future__ import annotations
+
+import torch
+
+_MIX = 0x9E3779B97F4A7C15  # spreads (seed, step) pairs over the generator's seed space
+
+
+def row_seed(seed: int, step: int) -> int:
+    """The generator seed of a row that samples its ``step``-th token under request seed ``seed``."""
+    return (seed * _MIX + step) % 2**63
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row of ``logits`` [N, V] (float32, penalties already applied). Returns [N] int64.
+
+    temperature [N] float32: 0 means greedy (argmax of logits; ties go to the lowest id). Other
+    rows sample from softmax(logits / temperature) restricted to the top_k [N] int64 (0: off)
+    largest, then to the smallest set whose probability reaches top_p [N] float32 (1: off), then
+    to tokens with probability >= min_p [N] float32 (0: off) times the largest. Randomness is a
+    function of (seeds[i], steps[i]) [N] int64 alone, so a row's draw does not depend on the
+    batch it runs in; backends may use their own generator (conformance of sampled rows is
+    statistical, greedy rows must match exactly). Inputs are not modified.
+    """
+    greedy = temperature <= 0
+    tokens = logits.argmax(dim=-1)
+    if bool(greedy.all()):
+        return tokens
+    rows = (~greedy).nonzero().flatten()
+    scaled = logits[rows] / temperature[rows, None]
+    scaled = _restrict(scaled, top_k[rows], top_p[rows], min_p[rows])
+    probs = scaled.softmax(dim=-1)
+    noise = torch.empty_like(probs)
+    for i, (seed, step) in enumerate(zip(seeds[rows].tolist(), steps[rows].tolist())):
+        gen = torch.Generator(device=probs.device).manual_seed(row_seed(seed, step))
+        noise[i].exponential_(generator=gen)
+    # argmax(p / E) with E ~ Exp(1) draws from the categorical p (the exponential race).
+    tokens[rows] = (probs / noise).argmax(dim=-1)
+    return tokens
+
+
+def _restrict(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    vocab = scaled.shape[-1]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    keep = torch.ones_like(sorted_logits, dtype=torch.bool)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    keep &= torch.arange(vocab, device=scaled.device)[None, :] < k[:, None]
+    probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+    # drop a token when the tokens ranked above it already reach top_p
+    keep &= ((probs.cumsum(dim=-1) - probs) < top_p[:, None]) | (top_p[:, None] >= 1)
+    probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+    keep &= probs >= min_p[:, None] * probs[:, :1]
+    return scaled.masked_fill(~keep.scatter(1, order, keep), float("-inf"))

@@ -28,7 +28,7 @@ class Settings(BaseSettings):
     hf_model_dir: str | None = Field(None, description="Model used when LLM() / the example get none.")
     accelerator: str | None = Field(None, description="Backend name: cpu, nvidia, ascend or any installed backend; auto when unset.")
     dtype: str | None = Field(None, description="Compute dtype override: auto, float32, bfloat16, float16.")
-    log_level: str = Field("WARNING", description="Python logging level for the deepinfer logger.")
+    log_level: str = Field("INFO", description="Python logging level for the deepinfer logger.")
 
 
 def settings() -> Settings:

@@ -82,6 +82,9 @@ CONFIGS: dict[str, tuple[str, dict, tuple[int, int] | None]] = {
         None,
     ),
     "v3_fp8": ("v3", dict(q_lora_rank=48, n_shared_experts=1, n_group=2, topk_group=1, rope_parameters=YARN), (32, 32)),
+    # every dimension a multiple of the block: transformers itself can dequantise this one
+    # (it derives the block from the scale grid, which partial blocks like v3_fp8's defeat)
+    "v3_fp8_aligned": ("v3", dict(q_lora_rank=48, n_shared_experts=1, n_group=2, topk_group=1, rope_parameters=YARN), (8, 8)),
 }
 
 # Linear weights DeepSeek ships in block FP8 (everything but embeddings, head, norms, router, eh_proj).

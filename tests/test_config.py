@@ -70,4 +70,4 @@ def test_settings_read_the_environment(monkeypatch):
     monkeypatch.setenv("DEEPINFER_ACCELERATOR", "nvidia")
     monkeypatch.setenv("DEEPINFER_HF_MODEL_DIR", "/models/x")
     s = settings()
-    assert s.accelerator == "nvidia" and s.hf_model_dir == "/models/x" and s.log_level == "WARNING"
+    assert s.accelerator == "nvidia" and s.hf_model_dir == "/models/x" and s.log_level == "INFO"

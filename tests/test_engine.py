@@ -64,6 +64,27 @@ def test_prompt_logprobs_match_transformers(checkpoint):
         assert all(t in entry for t in top2) and len(entry) in (2, 3)
 
 
+def test_fp8_checkpoint_matches_transformers_reading_it(tmp_path):
+    """transformers dequantises the block-FP8 checkpoint itself (FineGrainedFP8Config); our
+    loader's dequantisation must give the same model."""
+    from transformers import DeepseekV3ForCausalLM, FineGrainedFP8Config
+
+    path = tmp_path / "fp8"
+    write_checkpoint("v3_fp8_aligned", path)
+    hf = DeepseekV3ForCausalLM.from_pretrained(
+        str(path),
+        quantization_config=FineGrainedFP8Config(dequantize=True, weight_block_size=(8, 8)),
+        attn_implementation="eager",
+        experts_implementation="eager",
+        dtype=torch.float32,
+    ).eval()
+    gen = make_llm(path).generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0]
+    ref = hf_logprobs(hf, PROMPTS[0] + gen.token_ids)
+    for i, token in enumerate(gen.token_ids):
+        row = ref[len(PROMPTS[0]) - 1 + i]
+        assert int(row.argmax()) == token and abs(gen.logprobs[i][token] - float(row[token])) < 1e-4
+
+
 @pytest.fixture(scope="module")
 def v3(tmp_path_factory):
     path = tmp_path_factory.mktemp("v3") / "ckpt"

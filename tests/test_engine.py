@@ -10,7 +10,7 @@ from deepinfer_core import LLM, GenerationError, SamplingParams
 from deepinfer_core.config import DEFAULT_MODEL_DIR, ConfigError
 from deepinfer_core.engine.engine import RequestError
 from deepinfer_core.plugins import BackendError
-from tests.hf_checkpoints import write_checkpoint
+from tests.hf_checkpoints import CONFIGS, write_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
 PROMPTS = [[5, 17, 42, 99, 3, 64, 7], [11, 12], [150, 2, 2, 8, 33, 41, 90, 100, 120, 7, 6, 5, 4]]
@@ -21,7 +21,7 @@ def make_llm(path, **kw) -> LLM:
     return LLM(model=str(path), accelerator="cpu", progress=False, **kw)
 
 
-@pytest.fixture(scope="module", params=["v3_yarn", "v2_greedy", "v3_fp8"])
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
 def checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param) / "ckpt"
     golden = write_checkpoint(request.param, path)

@@ -147,16 +147,10 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params[{i}] is a {type(p).__name__}, not a SamplingParams")
         engine = self.engine
-        encoded = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            text, ids = engine.encode(prompt)
-            engine.check(ids, p, label=f"prompt {i}")
-            encoded.append((text, ids, p))
         order: list[str] = []
         try:
-            for text, ids, p in encoded:
-                order.append(engine.add_request(ids, p))
-                engine.requests[order[-1]].prompt = text
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                order.append(engine.add_request(prompt, p, label=f"prompt {i}"))
         except Exception:
             for rid in order:  # all or nothing: a failed call leaves no request behind
                 engine.abort(rid)

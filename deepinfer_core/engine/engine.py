@@ -173,9 +173,9 @@ class Engine:
         if params.logprobs is not None and params.logprobs > vocab or params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
             raise RequestError(f"logprobs / prompt_logprobs exceed the vocabulary size {vocab}")
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, label: str = "prompt") -> str:
         text, ids = self.encode(prompt)
-        self.check(ids, params)
+        self.check(ids, params, label)
         rid = request_id if request_id is not None else str(next(self._req_ids))
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
@@ -272,7 +272,7 @@ class Engine:
             reason = "length"
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason, stop
-            if not (stop is not None and isinstance(stop, str)):
+            if not isinstance(stop, str):  # a stop string already trimmed seq.text
                 seq.text = self.detokenize(seq)
             self.scheduler.finish(seq)
 

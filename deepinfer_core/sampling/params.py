@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-_EPS = 1e-5
-
 
 class SamplingParams(BaseModel):
     """Per-request sampling settings, shaped like vLLM's.
@@ -64,7 +62,3 @@ class SamplingParams(BaseModel):
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         return self
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < _EPS

@@ -86,7 +86,9 @@ class LLM:
 
     model: local HF checkpoint directory, HF repo id, or None for DEEPINFER_HF_MODEL_DIR / the
     embedded default. accelerator: backend name (cpu, nvidia, ascend, ...); None reads
-    DEEPINFER_ACCELERATOR, else picks automatically.
+    DEEPINFER_ACCELERATOR, else picks automatically. load_format "dummy" fills the weights with
+    random values instead of reading them (benchmarks: only config.json is needed). enforce_eager
+    turns off CUDA-graph capture of decode steps.
     """
 
     def __init__(
@@ -101,6 +103,8 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         gpu_memory_utilization: float = 0.9,
         seed: int = 0,
+        load_format: str = "safetensors",
+        enforce_eager: bool = False,
         progress: bool = True,
     ):
         env = settings()
@@ -114,6 +118,8 @@ class LLM:
             max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
             seed=seed,
+            load_format=load_format,
+            enforce_eager=enforce_eager,
         )
         if dtype == "auto" and env.dtype:
             dtype = env.dtype

@@ -56,11 +56,12 @@ def _backends(args: argparse.Namespace) -> int:
     own = len(OP_NAMES) - len(fallback) if backend.name != REFERENCE_BACKEND else len(OP_NAMES)
     print(f"Ops: {own} of {len(OP_NAMES)} from {backend.name}" + (f", {len(fallback)} fall back to the reference" if backend.name != REFERENCE_BACKEND else ""))
     op_width = max(len(name) for name in OP_NAMES)
-    print(f"  {'OP':<{op_width}}  PROVIDER")
+    who = {name: ops.providers[name] + (" (fallback)" if ops.providers[name] != backend.name else "") for name in OP_NAMES}
+    who_width = max(len("PROVIDER"), *(len(w) for w in who.values()))
+    print(f"  {'OP':<{op_width}}  {'PROVIDER':<{who_width}}  IMPLEMENTATION")
     for name in OP_NAMES:
-        who = ops.providers[name]
-        mark = " (fallback)" if who != backend.name else ""
-        print(f"  {name:<{op_width}}  {who}{mark}")
+        impl = ops.implementations[name] or ("torch reference" if ops.providers[name] == REFERENCE_BACKEND else "")
+        print(f"  {name:<{op_width}}  {who[name]:<{who_width}}  {impl}")
     return 0
 
 

@@ -219,3 +219,8 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, gt=0)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     seed: int = 0
+    # "safetensors": read the checkpoint's weights. "dummy": random weights of the right shapes and
+    # dtypes (benchmarks of real architectures without downloading them; outputs are noise).
+    load_format: Literal["safetensors", "dummy"] = "safetensors"
+    # Run every step eagerly even where the platform can capture decode steps as graphs.
+    enforce_eager: bool = False

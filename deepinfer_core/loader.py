@@ -264,9 +264,11 @@ def load_model(model_dir: str | Path, config: ModelConfig, model: torch.nn.Modul
                 if slot is None:
                     continue
                 dst = slot.view(params[slot.param])
-                src = _read(handles, key_file, key)
+                # Each tensor goes straight from the memory-mapped file to the model's device; FP8
+                # weights that the model does not keep are dequantised there, not on the host.
+                src = _read(handles, key_file, key).to(dst.device, non_blocking=True)
                 if src.dtype == torch.float8_e4m3fn and dst.dtype != torch.float8_e4m3fn:
-                    scale = _read(handles, key_file, companions[key])
+                    scale = _read(handles, key_file, companions[key]).to(dst.device)
                     src = dequantize_fp8_block(src, scale, config.fp8_block, dst.dtype)
                 dst.copy_(src)
                 bar.update()
@@ -279,3 +281,30 @@ def _read(handles: dict, key_file: dict[str, Path], key: str) -> torch.Tensor:
         return handles[path].get_tensor(key)
     except Exception as e:
         raise CheckpointError(f"{path}: cannot read {key} ({e}); the file is truncated or corrupt: download it again") from e
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0, progress: bool = True) -> None:
+    """Random weights of the right shapes and dtypes, for benchmarks (``load_format="dummy"``).
+
+    Matrices ~ N(0, 1/fan_in) so activations stay O(1) through the layers; norm weights ~ 1;
+    router biases ~ 0.01 N(0, 1); block-FP8 weights are N(0, 1) values in float8_e4m3fn with every
+    block scale 1/sqrt(fan_in). Generated on the model's device (no host copy). The outputs are
+    noise; routing is close to uniform over the experts.
+    """
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    params = dict(model.named_parameters())
+    with tqdm(total=len(params), desc="Random weights", unit="tensor", disable=not progress) as bar:
+        for name, p in params.items():
+            if name.endswith("_scale_inv"):
+                p.fill_(params[name[: -len("_scale_inv")]].shape[-1] ** -0.5)
+            elif name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("e_score_correction_bias"):
+                p.copy_(torch.randn(p.shape, generator=gen, device=p.device) * 0.01)
+            else:
+                std = 1.0 if p.dtype == torch.float8_e4m3fn else p.shape[-1] ** -0.5
+                for part in p if p.dim() == 3 else [p]:  # one expert at a time bounds the float32 temporary
+                    part.copy_(torch.randn(part.shape, generator=gen, device=p.device) * std)
+            bar.update()
+    model.post_load()

@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 
 from deepinfer_core.config import ConfigError, EngineConfig, ModelConfig
+from deepinfer_core.engine.graphs import DecodeGraphs
 from deepinfer_core.engine.kv_cache import BlockManager, KVCache
 from deepinfer_core.engine.runner import ModelRunner
-from deepinfer_core.engine.scheduler import Scheduler
+from deepinfer_core.engine.scheduler import ScheduledBatch, Scheduler
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.hookspecs import StepStats
 from deepinfer_core.sampling.params import SamplingParams
@@ -60,7 +61,7 @@ def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, supported: tupl
 
 class Engine:
     def __init__(self, model_dir: Path, engine_config: EngineConfig, backend_name: str | None, dtype: str | torch.dtype, progress: bool = True):
-        from deepinfer_core.loader import load_model
+        from deepinfer_core.loader import init_dummy_weights, load_model
         from deepinfer_core.models.registry import get_model_class
         from deepinfer_core.plugins import load_backend
 
@@ -70,9 +71,19 @@ class Engine:
         self.device = self.platform.torch_device
         self.dtype = resolve_dtype(dtype, self.model_config, self.platform.supported_dtypes)
         keep_fp8 = bool(self.platform.fp8_weights and self.model_config.fp8_block)
+        if keep_fp8 and self.model_config.n_routed_experts and self.model_config.moe_intermediate_size % self.model_config.fp8_block[0]:
+            log.warning(
+                "moe_intermediate_size %d is not a multiple of the FP8 block %d: the fused expert scales cannot be "
+                "kept, so FP8 weights are dequantised to %s at load", self.model_config.moe_intermediate_size,
+                self.model_config.fp8_block[0], self.dtype,
+            )
+            keep_fp8 = False
         model_cls = get_model_class(self.model_config.model_type)
         self.model = model_cls(self.model_config, self.ops, self.dtype, self.device, keep_fp8=keep_fp8)
-        load_model(model_dir, self.model_config, self.model, progress=progress)
+        if engine_config.load_format == "dummy":
+            init_dummy_weights(self.model, seed=engine_config.seed, progress=progress)
+        else:
+            load_model(model_dir, self.model_config, self.model, progress=progress)
         self.tokenizer = load_tokenizer(model_dir)
         self.eos_ids = self._eos_ids()
 
@@ -101,7 +112,11 @@ class Engine:
         self.kv_cache = KVCache(specs, num_blocks, block_size, self.device)
         self.block_manager = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device)
+        graphs = None
+        sizes = tuple(b for b in ((limits and limits.graph_batch_sizes) or ()) if b <= self.max_num_seqs)
+        if self.platform.graph_capture and sizes and not engine_config.enforce_eager and self.device.type == "cuda":
+            graphs = DecodeGraphs(self.model, self.kv_cache.tensors, sizes, math.ceil(max_len / block_size), self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, graphs)
         self.observer = self.plugins.step_observer()
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
@@ -109,8 +124,9 @@ class Engine:
         self._step = 0
         self.num_preemptions = 0  # total, for tests and metrics
         log.info(
-            "engine ready: backend %s (%s), dtype %s, %d KV blocks x %d tokens, max_model_len %d",
+            "engine ready: backend %s (%s), dtype %s, %d KV blocks x %d tokens, max_model_len %d, decode graphs %s",
             self.backend.name, self.platform.name, self.dtype, num_blocks, block_size, max_len,
+            f"for batch sizes up to {graphs.max_batch}" if graphs else "off",
         )
 
     # ---- set-up helpers ----------------------------------------------------------------------
@@ -124,13 +140,38 @@ class Engine:
         if self.device.type == "cpu":
             budget = free * CPU_KV_MEMORY_FRACTION
         else:
-            budget = total * self.config.gpu_memory_utilization - (total - free)
+            budget = total * self.config.gpu_memory_utilization - (total - free) - self._activation_bytes(specs, block_size)
         if budget < per_block:
             raise ConfigError(
                 f"no memory left for the KV cache ({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB after "
                 f"loading weights); raise gpu_memory_utilization, set num_kv_blocks, or use a smaller model"
             )
         return min(int(budget // per_block), wanted)
+
+    def _activation_bytes(self, specs, block_size: int) -> int:
+        """Peak memory of the largest step, measured by running one: a prefill of
+        max_num_batched_tokens tokens over a throw-away cache, plus the logits of max_num_seqs rows
+        (decode graphs keep theirs) and a margin for the graph pool."""
+        if self.device.type != "cuda":
+            return 0
+        from deepinfer_core.engine.sequence import Sequence
+
+        tokens = min(self.max_num_batched_tokens, self.model_config.max_position_embeddings)
+        blocks = -(-tokens // block_size)
+        cache = KVCache(specs, blocks, block_size, self.device)
+        manager = BlockManager(blocks, block_size)
+        seq = Sequence(-1, "profile", 0, [0] * tokens, SamplingParams(max_tokens=1), 0)
+        manager.allocate(seq, tokens)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        ModelRunner(self.model, cache, manager, self.device).run(ScheduledBatch([(seq, tokens)], []))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del cache
+        torch.cuda.empty_cache()
+        logits = self.max_num_seqs * self.model_config.vocab_size * 4 * 3  # logits, sampler temporaries
+        return int(peak + logits + 256 * 2**20)
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)

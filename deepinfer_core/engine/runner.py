@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer_core.engine.graphs import DecodeGraphs
 from deepinfer_core.engine.kv_cache import BlockManager, KVCache
 from deepinfer_core.engine.scheduler import ScheduledBatch
 from deepinfer_core.engine.sequence import Sequence
@@ -23,11 +24,14 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: KVCache, block_manager: BlockManager, device: torch.device):
+    """``graphs``: when given, decode-only steps that fit its buckets replay CUDA graphs."""
+
+    def __init__(self, model, kv_cache: KVCache, block_manager: BlockManager, device: torch.device, graphs: DecodeGraphs | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.blocks = block_manager
         self.device = device
+        self.graphs = graphs
 
     def _tensor(self, values, dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
@@ -93,6 +97,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepOutput:
+        if self.graphs is not None and not batch.prefills and self.graphs.can_run(len(batch.decodes)):
+            return self._run_graph(batch.decodes)
         ids, positions, meta, logits_rows, sample_seqs, sample_rows, prompt_rows = self.prepare(batch)
         hidden = self.model.forward(ids, positions, meta, self.kv_cache.tensors)
         rows = self._tensor(logits_rows, torch.int64)
@@ -103,3 +109,15 @@ class ModelRunner:
             seq.num_computed_tokens += 1
         prompt_logits = [(seq, first, logits[r0 : r0 + n]) for seq, first, r0, n in prompt_rows]
         return StepOutput(sample_seqs, logits[sample_rows], prompt_logits)
+
+    def _run_graph(self, decodes: list[Sequence]) -> StepOutput:
+        ids, positions, slots = [], [], []
+        for seq in decodes:
+            pos = seq.num_computed_tokens
+            ids.append(seq.token_at(pos))
+            positions.append(pos)
+            slots.append(self.blocks.slot(seq, pos))
+        logits = self.graphs.run(ids, positions, slots, [s.block_table for s in decodes], [p + 1 for p in positions])
+        for seq in decodes:
+            seq.num_computed_tokens += 1
+        return StepOutput(list(decodes), logits, [])

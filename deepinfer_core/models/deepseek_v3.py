@@ -62,6 +62,23 @@ class Linear(nn.Module):
             return self.ops.linear(x, self.weight, self.bias)
         return self.ops.fp8_block_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias)
 
+    @classmethod
+    def stacked(cls, first: Linear, second: Linear) -> Linear:
+        """One Linear computing [first(x) | second(x)] (same input; no bias, same block layout)."""
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused.ops, fused.block, fused.bias = first.ops, first.block, None
+        fused.weight = nn.Parameter(torch.cat([first.weight, second.weight]), requires_grad=False)
+        scales = first.weight_scale_inv
+        fused.weight_scale_inv = None if scales is None else nn.Parameter(torch.cat([scales, second.weight_scale_inv]), requires_grad=False)
+        return fused
+
+    def release(self) -> None:
+        """Free the weights (after they were copied into a fused layer)."""
+        for name in ("weight", "weight_scale_inv"):
+            if getattr(self, name) is not None:
+                getattr(self, name).data = torch.empty(0, dtype=getattr(self, name).dtype, device=getattr(self, name).device)
+
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         if self.weight_scale_inv is None:
             return self.weight.detach().to(dtype)
@@ -84,9 +101,23 @@ class MLP(nn.Module):
         self.gate_proj = Linear(hidden, intermediate, ops, alloc)
         self.up_proj = Linear(hidden, intermediate, ops, alloc)
         self.down_proj = Linear(intermediate, hidden, ops, alloc)
+        self.gate_up_proj: Linear | None = None  # set by fuse(): one GEMM instead of two
+
+    def fuse(self) -> None:
+        """After loading: stack gate and up into one weight (unless FP8 blocks would straddle them)."""
+        g, u = self.gate_proj, self.up_proj
+        if self.gate_up_proj is not None or g.bias is not None or (g.block is not None and g.weight.shape[0] % g.block[0]):
+            return
+        self.gate_up_proj = Linear.stacked(g, u)
+        g.release()
+        u.release()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)))
+        if self.gate_up_proj is not None:
+            gate_up = self.gate_up_proj(x)
+        else:
+            gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
+        return self.down_proj(self.ops.silu_and_mul(gate_up))
 
 
 class Router(nn.Module):
@@ -349,9 +380,13 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def post_load(self) -> None:
-        """Derive the absorbed-decode matrices W_UK / W_UV from every kv_b_proj (dequantising FP8)."""
+        """Derive the absorbed-decode matrices W_UK / W_UV from every kv_b_proj (dequantising FP8)
+        and fuse every MLP's gate and up projections."""
         for _, attn in self.attention_layers():
             attn.post_load(self.dtype)
+        for module in self.modules():
+            if isinstance(module, MLP):
+                module.fuse()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens.weight[input_ids]

@@ -36,7 +36,8 @@ class OpTable:
     """The ops a model calls, resolved once at start-up.
 
     Attribute access gives the plain callable (``ops.rms_norm(x, w, eps)``); ``providers`` maps
-    each op name to the backend that supplied it.
+    each op name to the backend that supplied it, ``implementations`` to the callable's ``impl``
+    attribute (a backend's one-line description of the kernel behind it), or "" when it has none.
     """
 
     def __init__(self, impls: dict[str, Callable], providers: dict[str, str]):
@@ -48,6 +49,8 @@ class OpTable:
             raise ValueError(f"op table lacks {sorted(missing)}")
         self.__dict__.update(impls)
         self.providers = dict(providers)
+        # op -> what implements it, from the callable's ``impl`` attribute ("triton: ...", "cublas")
+        self.implementations = {name: getattr(fn, "impl", None) or "" for name, fn in impls.items()}
 
     @classmethod
     def reference(cls) -> OpTable:

@@ -67,15 +67,12 @@ def sample(ops, logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, 
     device = logits.device
     processed = apply_penalties(logits, seqs, eos_ids)
     params = [s.params for s in seqs]
-    tokens = ops.sample_tokens(
-        processed,
-        torch.tensor([p.temperature for p in params], dtype=torch.float32).to(device),
-        torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64).to(device),
-        torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device),
-        torch.tensor([p.min_p for p in params], dtype=torch.float32).to(device),
-        torch.tensor([s.seed for s in seqs], dtype=torch.int64).to(device),
-        torch.tensor([len(s.output_token_ids) for s in seqs], dtype=torch.int64).to(device),
-    ).tolist()
+    # two host-to-device copies per step, whatever the batch size
+    floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]], dtype=torch.float32).to(device)
+    ints = torch.tensor(
+        [[max(p.top_k, 0) for p in params], [s.seed for s in seqs], [len(s.output_token_ids) for s in seqs]], dtype=torch.int64
+    ).to(device)
+    tokens = ops.sample_tokens(processed, floats[0], ints[0], floats[1], floats[2], ints[1], ints[2]).tolist()
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     results: list[tuple[int, float | None, dict[int, float] | None]] = [(t, None, None) for t in tokens]
     if wanted:

@@ -1,0 +1,72 @@
+"""Kernel benchmarks of the NVIDIA backend at DeepSeek-V3 and V2-Lite shapes, against ceilings
+measured in the same run.
+
+    python -m benchmarks.kernels --out results/
+
+Every kernel module of ``deepinfer_nvidia_sm100.kernels`` may define ``bench(device)``, which
+returns cases ``{name, shape, ms, bytes, flops}`` (bytes: each input read once and each output
+written once; ms: median of triton.testing.do_bench). This script adds achieved GB/s and TFLOP/s
+and their ratios to the measured copy bandwidth and matmul rate (the FP8 rate for cases whose
+name says fp8), and writes kernels.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import traceback
+from pathlib import Path
+
+import torch
+
+from benchmarks.ceilings import measure
+
+
+def run(out_dir: Path, ceilings: dict | None = None, only: list[str] | None = None) -> dict:
+    from deepinfer_nvidia_sm100.backend import KERNEL_MODULES
+
+    ceilings = ceilings or measure()
+    bw, bf16, fp8 = ceilings["copy_bytes_per_s"], ceilings["bf16_flop_per_s"], ceilings.get("fp8_flop_per_s") or ceilings["bf16_flop_per_s"]
+    report = {"ceilings": ceilings, "cases": [], "errors": {}}
+    for name in KERNEL_MODULES:
+        if only and name not in only:
+            continue
+        module = importlib.import_module(f"deepinfer_nvidia_sm100.kernels.{name}")
+        bench = getattr(module, "bench", None)
+        if bench is None:
+            continue
+        try:
+            cases = bench("cuda")
+        except Exception:  # one module's failure must not hide the others' numbers
+            report["errors"][name] = traceback.format_exc()
+            print(f"[kernels] {name}: bench failed\n{report['errors'][name]}", flush=True)
+            continue
+        for case in cases:
+            seconds = case["ms"] * 1e-3
+            rate = fp8 if "fp8" in case["name"].lower() else bf16
+            case = {"module": name, **case}
+            case["gb_per_s"] = case.get("bytes", 0) / seconds / 1e9
+            case["bw_ratio"] = case.get("bytes", 0) / seconds / bw
+            case["tflop_per_s"] = case.get("flops", 0) / seconds / 1e12
+            case["flop_ratio"] = case.get("flops", 0) / seconds / rate
+            report["cases"].append(case)
+            print(f"[kernels] {name:12s} {case['name']:40s} {str(case.get('shape')):50s} {case['ms'] * 1e3:9.1f} us "
+                  f"{case['gb_per_s']:7.0f} GB/s ({case['bw_ratio']:5.1%} of copy) "
+                  f"{case['tflop_per_s']:6.1f} TFLOP/s ({case['flop_ratio']:5.1%})", flush=True)
+        torch.cuda.empty_cache()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "kernels.json").write_text(json.dumps(report, indent=1, default=str))
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="NVIDIA kernel benchmarks against measured ceilings")
+    parser.add_argument("--out", type=Path, default=Path("bench_results"))
+    parser.add_argument("--only", action="append", help="kernel module(s) to run (default: all)")
+    args = parser.parse_args()
+    run(args.out, only=args.only)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""The model shapes the benchmarks run: real DeepSeek configs, with random weights.
+
+``v2-lite``: DeepSeek-V2-Lite's config.json as published (27 layers, 64 routed experts of 1408
+top-6 + 2 shared, MLA without q_lora, ~15.7B parameters, bf16): it fits one 141 GB GPU.
+``v3-slice``: DeepSeek-V3's config.json with 4 layers (1 dense + 3 MoE) instead of 61 and no MTP
+layer, block-FP8 weights as DeepSeek ships them: every per-layer shape is the real one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+_YARN_V2 = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+_YARN_V3 = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "torch_dtype": "bfloat16",
+    "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+    "n_group": 1, "topk_group": 1, "topk_method": "greedy", "scoring_func": "softmax", "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0, "rms_norm_eps": 1e-6, "rope_theta": 10000, "rope_scaling": _YARN_V2,
+    "max_position_embeddings": 163840, "attention_bias": False, "tie_word_embeddings": False,
+    "bos_token_id": 100000, "eos_token_id": 100001, "hidden_act": "silu", "initializer_range": 0.02,
+}
+
+V3_SLICE = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "torch_dtype": "bfloat16",
+    "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 4, "num_attention_heads": 128, "num_key_value_heads": 128,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+    "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5, "rms_norm_eps": 1e-6, "rope_theta": 10000, "rope_scaling": _YARN_V3,
+    "max_position_embeddings": 163840, "attention_bias": False, "tie_word_embeddings": False,
+    "bos_token_id": 0, "eos_token_id": 1, "hidden_act": "silu", "initializer_range": 0.02,
+    "num_nextn_predict_layers": 0,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]},
+}
+
+MODELS = {"v2-lite": V2_LITE, "v3-slice": V3_SLICE}
+
+
+def write_config(name: str, directory: Path) -> Path:
+    """A checkpoint directory holding only config.json (weights come from load_format='dummy')."""
+    path = Path(directory) / name
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(MODELS[name], indent=1))
+    return path

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (the `device` tool): install the carried wheels and this repo,
+# run the GPU tests, then the benchmarks; everything lands in $OUT.
+#   bash tools/gpu_session.sh [tests|kernels|e2e|all ...]     (default: all)
+set -uo pipefail
+out="${OUT:-/tmp/out}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if [[ -d .whl ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/nvidia_sm100 -e plugins/ascend_950 >/dev/null || exit 1
+exec > >(tee -a "$out/session.log") 2>&1  # one log comes back (the tool returns at most 8 files)
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
+parts=("$@")
+[[ ${#parts[@]} -eq 0 ]] && parts=(all)
+for part in "${parts[@]}"; do
+  case "$part" in
+    tests|all)
+      deepinfer backends 2>&1
+      timeout 420 python3 -m pytest -q -p no:cacheprovider tests/nvidia tests/test_gpu.py 2>&1 | tail -40 ;;&
+    kernels|all)
+      timeout 300 python3 -m benchmarks.kernels --out "$out" 2>&1 ;;&
+    e2e|all)
+      timeout 500 python3 -m benchmarks.e2e --model v2-lite --model v3-slice --hf-peer --out "$out" ${QUICK:+--quick} 2>&1
+      python3 -m benchmarks.plots "$out" ;;
+  esac
+done

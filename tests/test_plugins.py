@@ -148,11 +148,11 @@ def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 def _op_table(stdout: str) -> dict[str, str]:
     """The `OP  PROVIDER` table of `deepinfer backends`, as {op: provider text}."""
     lines = stdout.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.split() == ["OP", "PROVIDER"])
+    start = next(i for i, line in enumerate(lines) if line.split() == ["OP", "PROVIDER", "IMPLEMENTATION"])
     table = {}
     for line in lines[start + 1 :]:
-        op, _, provider = line.strip().partition(" ")
-        table[op] = provider.strip()
+        op, _, rest = line.strip().partition(" ")
+        table[op] = rest.strip().split("  ")[0]  # the implementation column follows two spaces
     return table
 
 
@@ -369,8 +369,13 @@ def test_nvidia_capability_gate_and_platform(tmp_path, monkeypatch, capability, 
     platform = backend.deepinfer_platform()
     assert (platform.name, platform.device, platform.backend) == (expected, "cuda:1", "nvidia")
     assert set(platform.supported_dtypes) == {torch.bfloat16, torch.float16, torch.float32}
-    assert platform.fp8_weights is False and platform.graph_capture is False
-    assert backend.deepinfer_ops(platform=platform, model_config=None) == {}
+    assert platform.fp8_weights is True and platform.graph_capture is True
+    pytest.importorskip("triton", reason="the NVIDIA kernels need triton")
+    ops = backend.deepinfer_ops(platform=platform, model_config=None)
+    assert set(ops) == set(OP_NAMES)  # no op falls back to the reference
+    assert all(callable(fn) and fn.impl.startswith(("triton", "cublas", "torch")) for fn in ops.values()), {n: getattr(f, "impl", None) for n, f in ops.items()}
+    limits = backend.deepinfer_scheduler_limits(platform=platform, model_config=None)
+    assert limits.graph_batch_sizes and list(limits.graph_batch_sizes) == sorted(limits.graph_batch_sizes)
     monkeypatch.setenv("LOCAL_RANK", "2")  # only two devices visible
     assert backend.deepinfer_probe().reason == "LOCAL_RANK=2 but only 2 CUDA device(s) are visible"
 

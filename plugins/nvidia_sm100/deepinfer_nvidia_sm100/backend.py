@@ -9,9 +9,11 @@ the first that fails, so that its reason is the most basic thing missing:
 3. ``torch.cuda.is_available()``, the device this rank uses (``LOCAL_RANK``) is visible, and
    its compute capability is sm_90 or sm_100-family.
 
-Ops: none yet. ``deepinfer_ops`` returns ``{}``, so every op falls back to the reference
-implementation, which runs on the CUDA device like on any torch device. The CUDA/FP8 kernels
-are tracked separately; no stub kernels live here.
+Ops: Triton kernels (``kernels/``), one module per family; each module's ``OPS`` maps op names
+to callables whose ``impl`` attribute says what runs (shown by ``deepinfer backends``). Every
+decode-path op is free of host synchronisation, so decode steps are captured as CUDA graphs
+over the batch sizes in ``GRAPH_BATCH_SIZES``. Block-FP8 checkpoints keep their FP8 weights
+(W8A8 GEMMs with per-token activation quantisation fused into the kernels).
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ NAME = "nvidia"
 # WSL2 exposes the GPU through /dev/dxg instead).
 DRIVER_FILES: tuple[str, ...] = ("/dev/nvidiactl", "/proc/driver/nvidia/version", "/dev/dxg")
 SUPPORTED = "sm_90 and sm_100"
+# Kernel modules under deepinfer_nvidia_sm100.kernels, each exporting OPS = {op name: callable}.
+KERNEL_MODULES = ("elementwise", "fp8_linear", "cache", "mla_decode", "mla_prefill", "moe", "sampling")
+# Decode batch sizes captured as CUDA graphs (capped by the engine's max_num_seqs).
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 CPU_FIX = "run on a machine with an NVIDIA GPU or choose DEEPINFER_ACCELERATOR=cpu"
 TORCH_CUDA_FIX = "install a CUDA build of torch (pip install torch --index-url https://download.pytorch.org/whl/cu130)"
 
@@ -45,7 +51,7 @@ def deepinfer_backend() -> BackendInfo:
     return BackendInfo(
         name=NAME,
         priority=100,
-        description="NVIDIA Hopper sm_90 / Blackwell sm_100 GPUs (CUDA); ops fall back to the reference for now",
+        description="NVIDIA Hopper sm_90 / Blackwell sm_100 GPUs (CUDA): Triton kernels, FP8 GEMMs, CUDA graphs",
     )
 
 
@@ -129,8 +135,8 @@ def deepinfer_platform():
         device=f"cuda:{index}",
         backend=NAME,
         supported_dtypes=(torch.bfloat16, torch.float16, torch.float32),
-        fp8_weights=False,  # FP8 kernels are a separate issue; the loader dequantises FP8 checkpoints
-        graph_capture=False,  # CUDA graphs come with the kernels
+        fp8_weights=True,  # block-FP8 checkpoints stay FP8 (fp8_block_linear and the FP8 expert GEMMs)
+        graph_capture=True,  # every decode-path op below is free of host synchronisation
         batch_invariant=False,
         extra={"capability": capability, "device_name": torch.cuda.get_device_name(index)},
     )
@@ -138,11 +144,23 @@ def deepinfer_platform():
 
 @hookimpl
 def deepinfer_ops(platform, model_config):
-    # No kernels yet (a separate issue): every op falls back to the reference implementation,
-    # which runs on cuda:N like on any torch device. `deepinfer backends` shows each as a fallback.
-    return {}
+    import importlib
+
+    ops = {}
+    for name in KERNEL_MODULES:
+        try:
+            module = importlib.import_module(f"deepinfer_nvidia_sm100.kernels.{name}")
+        except ImportError as e:
+            raise RuntimeError(
+                f"the NVIDIA kernels need Triton (it ships with the CUDA builds of torch): importing kernels.{name} "
+                f"failed with {e}; install torch's CUDA build or `pip install triton`"
+            ) from e
+        ops.update(module.OPS)
+    return ops
 
 
 @hookimpl
 def deepinfer_scheduler_limits(platform, model_config):
-    return None  # the engine's defaults
+    from deepinfer_core.hookspecs import SchedulerLimits
+
+    return SchedulerLimits(graph_batch_sizes=GRAPH_BATCH_SIZES)

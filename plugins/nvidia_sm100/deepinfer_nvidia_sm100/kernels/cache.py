@@ -1,0 +1,122 @@
+"""Paged MLA latent-cache ops: store [latent | k_pe] rows at slots, and gather rows back.
+
+A slot s addresses row s % block_size of block s // block_size of kv_cache [num_blocks,
+block_size, d_c + d_r]; the cache's strides are honoured, so it need not be contiguous.
+Padding tokens carry slot -1 and are skipped inside the kernel (no boolean-mask indexing,
+hence no host synchronisation: safe under CUDA graph capture).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# ---- tunables (sweep on the GPU) -------------------------------------------------------------
+CACHE_BLOCK_D = 256  # entry columns per program (an MLA entry is 576 wide: 3 programs per row)
+CACHE_NUM_WARPS = 2
+
+
+@triton.jit
+def _write_latent_kernel(
+    cache_ptr, latent_ptr, pe_ptr, slot_ptr,
+    D_C, D_R, BLOCK_SIZE,
+    stride_cb, stride_cs, stride_cd,
+    stride_lt, stride_ld,
+    stride_pt, stride_pd,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    keep = slot >= 0
+    slot = tl.maximum(slot, 0)
+    row = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+    in_latent = cols < D_C
+    in_pe = (cols >= D_C) & (cols < D_C + D_R)
+    latent = tl.load(latent_ptr + t * stride_lt + cols * stride_ld, mask=in_latent & keep, other=0.0)
+    pe = tl.load(pe_ptr + t * stride_pt + (cols - D_C) * stride_pd, mask=in_pe & keep, other=0.0)
+    ty = cache_ptr.dtype.element_ty
+    tl.store(row + cols * stride_cd, tl.where(in_latent, latent.to(ty), pe.to(ty)), mask=(in_latent | in_pe) & keep)
+
+
+def write_latent_cache(kv_cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store [latent | k_pe] of token t at slot slot_mapping[t] (in place); negative slots are skipped.
+
+    kv_cache: [num_blocks, block_size, d_c + d_r]; latent: [T, d_c]; k_pe: [T, d_r] (strided
+    views allowed); slot_mapping: [T] int64.
+    """
+    t, d_c = latent.shape
+    d_r = k_pe.shape[-1]
+    if t == 0:
+        return
+    _write_latent_kernel[(t, triton.cdiv(d_c + d_r, CACHE_BLOCK_D))](
+        kv_cache, latent, k_pe, slot_mapping,
+        d_c, d_r, kv_cache.shape[1],
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        latent.stride(0), latent.stride(1),
+        k_pe.stride(0), k_pe.stride(1),
+        BLOCK_D=CACHE_BLOCK_D,
+        num_warps=CACHE_NUM_WARPS,
+    )
+
+
+@triton.jit
+def _gather_latent_kernel(
+    cache_ptr, slot_ptr, out_ptr,
+    D, BLOCK_SIZE, NUM_SLOTS,
+    stride_cb, stride_cs, stride_cd,
+    BLOCK_D: tl.constexpr,
+):
+    s = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = cols < D
+    slot = tl.load(slot_ptr + s).to(tl.int64)
+    slot = tl.where(slot < 0, slot + NUM_SLOTS, slot)  # negative indices count from the end, as in torch
+    row = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+    tl.store(out_ptr + s * D + cols, tl.load(row + cols * stride_cd, mask=mask), mask=mask)
+
+
+def gather_latent_cache(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows of the cache at ``slots`` [S] int64 -> [S, d_c + d_r] (a new tensor)."""
+    num_blocks, block_size, d = kv_cache.shape
+    out = torch.empty((slots.shape[0], d), dtype=kv_cache.dtype, device=kv_cache.device)
+    if slots.shape[0] == 0:
+        return out
+    _gather_latent_kernel[(slots.shape[0], triton.cdiv(d, CACHE_BLOCK_D))](
+        kv_cache, slots, out,
+        d, block_size, num_blocks * block_size,
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        BLOCK_D=CACHE_BLOCK_D,
+        num_warps=CACHE_NUM_WARPS,
+    )
+    return out
+
+
+write_latent_cache.impl = "triton: one program per (token, column block), padding slots skipped in-kernel"
+gather_latent_cache.impl = "triton: one program per (slot, column block), strided cache"
+
+OPS = {"write_latent_cache": write_latent_cache, "gather_latent_cache": gather_latent_cache}
+
+
+# ---- benchmark (the lead runs it on the GPU) --------------------------------------------------
+BENCH_TOKENS = (1, 64, 4096)
+
+
+def bench(device: str = "cuda") -> list[dict]:
+    """Median times (ms) and bytes moved of the cache kernels (V3/V2-Lite MLA: 512 + 64, bf16)."""
+    dt, el = torch.bfloat16, 2
+    num_blocks, block_size, d_c, d_r = 4096, 64, 512, 64
+    cache = torch.randn(num_blocks, block_size, d_c + d_r, device=device, dtype=dt)
+    results = []
+    for t in BENCH_TOKENS:
+        kv = torch.randn(t, d_c + d_r, device=device, dtype=dt)  # kv_a_proj output: latent | k_pe
+        latent, k_pe = kv[:, :d_c], kv[:, d_c:]
+        slots = torch.randperm(num_blocks * block_size, device=device)[:t]
+        shape = {"tokens": t, "block_size": block_size, "entry": d_c + d_r}
+        entry_bytes = t * (d_c + d_r) * el
+        ms = triton.testing.do_bench(lambda: write_latent_cache(cache, latent, k_pe, slots), return_mode="median")
+        results.append({"name": "write_latent_cache", "shape": shape, "ms": ms, "bytes": 2 * entry_bytes + t * 8, "flops": 0})
+        ms = triton.testing.do_bench(lambda: gather_latent_cache(cache, slots), return_mode="median")
+        results.append({"name": "gather_latent_cache", "shape": shape, "ms": ms, "bytes": 2 * entry_bytes + t * 8, "flops": 0})
+    return results

@@ -1,0 +1,403 @@
+"""Linear layers: cuBLAS for plain weights, a Triton GEMM for DeepSeek block-FP8 weights.
+
+``fp8_block_linear`` multiplies x [M, K] by a float8_e4m3fn weight [N, K] with one float32
+scale per [bn, bk] weight block. The K loop steps one weight block (BLOCK_K = bk) at a time, so
+every partial product has exactly one weight scale per output column and is rescaled in float32
+before it joins the accumulator. Two numeric modes, chosen per call from M:
+
+* W8A16 (M < FP8_W8A8_MIN_M, decode and short prefill): the FP8 weight tile is widened to the
+  activation dtype in registers and multiplied by the unquantised activations. Memory-bound, so
+  the wider MMA costs nothing, and it is nearly as accurate as the dequantising reference.
+* W8A8 (large M, compute-bound): x is quantised per token and per bk channels (scale =
+  amax / 448, as DeepSeek's checkpoints expect), multiplied on the FP8 tensor cores (e4m3 x e4m3
+  -> fp32), and rescaled by a_scale[row] * w_scale[column]. FP8_W8A8_MODE picks where the
+  quantisation happens: fused into the GEMM's K loop (each x tile quantised as it is loaded), or
+  in a pre-pass kernel that writes x in e4m3 plus its scales, which the GEMM then streams like
+  the weight (simpler to pipeline, one extra read and write of x).
+
+Small N (kv_a 576, q_a 1536) at decode leaves most SMs idle, so K is split across programs that
+write float32 partials; a second kernel sums them in a fixed order (deterministic) and adds the
+bias. No host synchronisation anywhere: grids and buffers follow from shapes only.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+# ---- tunables (sweep on the GPU) -------------------------------------------------------------
+# Tile shapes per regime: (BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_K is always the
+# weight's bk. num_stages is lowered further if the stages would not fit FP8_SMEM_BUDGET.
+FP8_DECODE_TILE = (16, 64, 4, 5)  # M <= 16: stream the weight
+FP8_MEDIUM_TILE = (64, 128, 8, 4)  # 16 < M <= 64
+FP8_PREFILL_TILE = (128, 128, 8, 3)  # M > 64: compute-bound
+FP8_GROUP_M = 8  # grouped tile order (L2 reuse of weight tiles across M tiles)
+FP8_W8A8_MIN_M = 128  # from this many rows on, quantise activations and use FP8 tensor cores
+W8A16, W8A8_FUSED, W8A8_PREQUANT = 0, 1, 2  # numeric/launch modes of the GEMM kernel
+FP8_W8A8_MODE = W8A8_FUSED  # or W8A8_PREQUANT: time both with bench()
+FP8_QUANT_BLOCK_M = 16  # pre-pass quantisation: rows per program (columns: one bk block)
+FP8_SPLIT_K_CTAS_PER_SM = 2  # split K until about this many programs per SM are in flight
+FP8_SPLIT_K_MIN_K_BLOCKS = 4  # ... but give each split at least this many bk-blocks
+FP8_SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles per program (H100/B200 have ~228 KB)
+FP8_REDUCE_BLOCK_N = 1024  # split-K reduction: columns per program
+INTERPRETER_SMS = 4  # "SM count" used under TRITON_INTERPRET (CPU tensors)
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_E4M3_MAX = tl.constexpr(FP8_MAX)
+# Activation blocks whose amax is below this are quantised against it instead (all-zero rows
+# would otherwise divide by zero); their values then quantise to 0 or to tiny subnormals.
+_AMAX_FLOOR = tl.constexpr(1e-12)
+
+
+class Fp8Config(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    split_k: int  # number of K splits (1: no split, the GEMM writes the output itself)
+    mode: int  # W8A16 (widen the weight), W8A8_FUSED or W8A8_PREQUANT (activations in e4m3)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def fp8_config(m: int, n: int, k: int, bk: int, x_dtype: torch.dtype, device: torch.device) -> Fp8Config:
+    """The launch configuration for an [m, k] x [n, k]^T block-FP8 GEMM (shapes only)."""
+    if m <= 16:
+        block_m, block_n, warps, stages = FP8_DECODE_TILE
+    elif m <= 64:
+        block_m, block_n, warps, stages = FP8_MEDIUM_TILE
+    else:
+        block_m, block_n, warps, stages = FP8_PREFILL_TILE
+    mode = FP8_W8A8_MODE if m >= FP8_W8A8_MIN_M else W8A16
+    x_bytes = 1 if mode == W8A8_PREQUANT else torch.finfo(x_dtype).bits // 8
+    if x_bytes == 4:  # float32 activations (tests): halve the x tile rather than starve the pipeline
+        block_m = min(block_m, 64)
+    per_stage = block_m * bk * x_bytes + block_n * bk  # an x tile and an FP8 weight tile
+    # plus one converted operand: the x tile in e4m3 (fused W8A8) or the weight widened (W8A16)
+    converted = {W8A16: block_n * bk * x_bytes, W8A8_FUSED: block_m * bk, W8A8_PREQUANT: 0}[mode]
+    stages = max(2, min(stages, (FP8_SMEM_BUDGET - converted) // per_stage))
+
+    k_blocks = triton.cdiv(k, bk)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    target = FP8_SPLIT_K_CTAS_PER_SM * _num_sms(device)
+    split = 1
+    if tiles < target:
+        split = max(1, min(triton.cdiv(target, tiles), k_blocks // FP8_SPLIT_K_MIN_K_BLOCKS))
+        split = triton.cdiv(k_blocks, triton.cdiv(k_blocks, split))  # no empty splits
+    return Fp8Config(block_m, block_n, warps, stages, split, mode)
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """Round float32 v (|v| <= 448) to the nearest e4m3 value, ties to even, kept in float32.
+
+    Only for the interpreter, whose float32 -> float8 cast gets mantissa carries wrong.
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    # Normal range: keep 3 of the 23 mantissa bits (a carry correctly bumps the exponent).
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+    normal = bits.to(tl.float32, bitcast=True)
+    # Subnormal range (|v| < 2^-6): multiples of 2^-9; adding 2^14 rounds to exactly that.
+    mag = (tl.abs(v) + 16384.0) - 16384.0
+    sub = tl.where(v < 0, -mag, mag)
+    return tl.where(tl.abs(v) < 0.015625, sub, normal)
+
+
+@triton.jit
+def _quantize_activations_kernel(
+    x_ptr, q_ptr, s_ptr,
+    M, K,
+    stride_xm, stride_xk, stride_qm, stride_sm,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """q = e4m3(x / s), s = amax / 448 per row and per BLOCK_K (= bk) columns."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    kb = tl.program_id(1)
+    k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_m = rows < M
+    mask = mask_m[:, None] & (k < K)[None, :]
+    rows64 = rows.to(tl.int64)
+    a = tl.load(x_ptr + rows64[:, None] * stride_xm + k[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+    a_scale = tl.maximum(tl.max(tl.abs(a), axis=1), _AMAX_FLOOR) / _E4M3_MAX
+    q = a * (1.0 / a_scale)[:, None]
+    if INTERPRET:
+        q = _round_to_e4m3(q)
+    tl.store(q_ptr + rows64[:, None] * stride_qm + k[None, :], q.to(tl.float8e4nv), mask=mask)
+    tl.store(s_ptr + rows64 * stride_sm + kb, a_scale, mask=mask_m)
+
+
+@triton.jit
+def _fp8_block_gemm_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_xsm,
+    stride_wn, stride_wk,
+    stride_sn, stride_sk,
+    stride_os, stride_om, stride_on,
+    # constexpr: under numpy 2.4, Triton 3.6's interpreter cannot loop to a runtime bound
+    K_BLOCKS_PER_SPLIT: tl.constexpr,
+    BN_SCALE: tl.constexpr,  # the weight block's bn (rows of W per scale row)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # BLOCK_K == bk
+    GROUP_M: tl.constexpr,
+    MODE: tl.constexpr,
+    SPLIT: tl.constexpr,  # True: write float32 partials [split, M, N]; False: final output
+    HAS_BIAS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    # Grouped tile order: GROUP_M row tiles share each column (weight) tile while it is in L2.
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    group_size = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % group_size
+    pid_n = (pid % (GROUP_M * tiles_n)) // group_size
+
+    # This program's K range: K_BLOCKS_PER_SPLIT blocks from kb_begin; the last split may run
+    # past K, where every load is masked (a fixed trip count keeps the loop easy to pipeline).
+    split = tl.program_id(1)
+    kb_begin = split * K_BLOCKS_PER_SPLIT
+    k_blocks = tl.cdiv(K, BLOCK_K)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
+    scale_cols = ws_ptr + (offs_n // BN_SCALE) * stride_sn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, K_BLOCKS_PER_SPLIT):
+        kb = kb_begin + i
+        k = kb * BLOCK_K + offs_k
+        mask_k = k < K
+        a = tl.load(x_rows + k[None, :] * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_cols + k[:, None] * stride_wk, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        w_scale = tl.load(scale_cols + kb * stride_sk, mask=mask_n & (kb < k_blocks), other=0.0)
+        if MODE == 1:  # W8A8_FUSED: quantise this x tile per row
+            a = a.to(tl.float32)
+            a_scale = tl.maximum(tl.max(tl.abs(a), axis=1), _AMAX_FLOOR) / _E4M3_MAX
+            q = a * (1.0 / a_scale)[:, None]
+            if INTERPRET:  # the interpreter's float8 cast is wrong; exact e4m3 values in float32
+                part = tl.dot(_round_to_e4m3(q), w.to(tl.float32))
+            else:
+                part = tl.dot(q.to(tl.float8e4nv), w)
+            acc += part * a_scale[:, None] * w_scale[None, :]
+        elif MODE == 2:  # W8A8_PREQUANT: x is already e4m3, with one scale per row and bk-block
+            a_scale = tl.load(xs_ptr + offs_m.to(tl.int64) * stride_xsm + kb, mask=mask_m & (kb < k_blocks), other=0.0)
+            if INTERPRET:
+                part = tl.dot(a.to(tl.float32), w.to(tl.float32))
+            else:
+                part = tl.dot(a, w)
+            acc += part * a_scale[:, None] * w_scale[None, :]
+        else:  # W8A16
+            part = tl.dot(a, w.to(a.dtype))
+            acc += part * w_scale[None, :]
+
+    out_offs = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT:
+        tl.store(out_ptr + split * stride_os + out_offs, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    part_ptr, bias_ptr, out_ptr,
+    M, N,
+    stride_om,
+    SPLITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """out[m, n] = sum over s in order of part[s, m, n] (+ bias[n]); part is [S, M, N] contiguous."""
+    m = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs_n < N
+    ptrs = part_ptr + m.to(tl.int64) * N + offs_n
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for s in range(SPLITS):
+        acc += tl.load(ptrs + s * M * N, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m.to(tl.int64) * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fp8_block_linear_with_config(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None,
+    config: Fp8Config | None,
+) -> torch.Tensor:
+    """``fp8_block_linear`` with an explicit launch configuration (None: the shape heuristic)."""
+    bn, bk = int(block[0]), int(block[1])
+    if bk < 16 or bk & (bk - 1):
+        raise ValueError(f"fp8_block_linear needs a power-of-two bk >= 16 (tl.dot's K), got block {block}")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} input features, the weight {k}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.view(*lead, n)
+    cfg = config or fp8_config(m, n, k, bk, x.dtype, x.device)
+    k_blocks = triton.cdiv(k, bk)
+    per_split = triton.cdiv(k_blocks, cfg.split_k)
+    splits = triton.cdiv(k_blocks, per_split) if k_blocks else 1
+    has_bias = bias is not None
+    target = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
+    a, a_scale = x2, out  # (a_scale unused unless pre-quantised)
+    if cfg.mode == W8A8_PREQUANT:
+        a = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+        a_scale = torch.empty((m, k_blocks), dtype=torch.float32, device=x.device)
+        _quantize_activations_kernel[(triton.cdiv(m, FP8_QUANT_BLOCK_M), k_blocks)](
+            x2, a, a_scale,
+            m, k,
+            x2.stride(0), x2.stride(1), a.stride(0), a_scale.stride(0),
+            BLOCK_M=FP8_QUANT_BLOCK_M, BLOCK_K=bk,
+            INTERPRET=not x.is_cuda,
+        )
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)
+    _fp8_block_gemm_kernel[grid](
+        a, a_scale, weight, weight_scale_inv, bias if has_bias else out, target,
+        m, n, k,
+        a.stride(0), a.stride(1), a_scale.stride(0),
+        weight.stride(0), weight.stride(1),
+        weight_scale_inv.stride(0), weight_scale_inv.stride(1),
+        target.stride(0) if splits > 1 else 0, target.stride(-2), target.stride(-1),
+        K_BLOCKS_PER_SPLIT=per_split,
+        BN_SCALE=bn,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
+        GROUP_M=FP8_GROUP_M,
+        MODE=cfg.mode,
+        SPLIT=splits > 1,
+        HAS_BIAS=has_bias,
+        INTERPRET=not x.is_cuda,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        _split_k_reduce_kernel[(m, triton.cdiv(n, FP8_REDUCE_BLOCK_N))](
+            target, bias if has_bias else out, out,
+            m, n,
+            out.stride(0),
+            SPLITS=splits,
+            HAS_BIAS=has_bias,
+            BLOCK_N=FP8_REDUCE_BLOCK_N,
+        )
+    return out.view(*lead, n)
+
+
+def fp8_block_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32) times a block-FP8 weight [N, K] with scales [ceil(N/bn), ceil(K/bk)].
+
+    Returns [..., N] in x's dtype (see deepinfer_core.ops.linear.fp8_block_linear).
+    """
+    return fp8_block_linear_with_config(x, weight, weight_scale_inv, block, bias, None)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias[N]) -> [..., N] in x's dtype (cuBLAS)."""
+    return F.linear(x, weight, bias)
+
+
+fp8_block_linear.impl = (
+    "triton: block-FP8 GEMM, BLOCK_K = bk, per-block fp32 rescale; W8A16 below "
+    f"{FP8_W8A8_MIN_M} rows, dynamic 1 x bk e4m3 activation quantisation (W8A8, "
+    f"{'fused' if FP8_W8A8_MODE == W8A8_FUSED else 'pre-pass'}) above; deterministic split-K for few tiles"
+)
+linear.impl = "cublas: torch.nn.functional.linear"
+
+OPS = {"fp8_block_linear": fp8_block_linear, "linear": linear}
+
+
+# ---- benchmark (the lead runs it on the GPU) --------------------------------------------------
+V3_FP8_LINEARS = {  # name: (N, K)
+    "q_a_proj": (1536, 7168),
+    "q_b_proj": (24576, 1536),
+    "kv_a_proj": (576, 7168),
+    "kv_b_proj": (32768, 512),
+    "o_proj": (7168, 16384),
+    "dense_gate_up": (18432, 7168),
+    "dense_down": (7168, 18432),
+}
+V2_LITE_LINEARS = {  # V2-Lite is shipped in bf16; timed in FP8 for the kernel's sake
+    "v2lite_q_proj": (3072, 2048),
+    "v2lite_kv_a_proj": (576, 2048),
+    "v2lite_kv_b_proj": (4096, 512),
+    "v2lite_o_proj": (2048, 2048),
+    "v2lite_dense_gate_up": (21888, 2048),
+    "v2lite_dense_down": (2048, 10944),
+}
+BENCH_TOKENS = (1, 16, 64, 256, 4096)
+
+
+def _random_block_fp8(n: int, k: int, block: tuple[int, int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    bn, bk = block
+    w = torch.randn(triton.cdiv(n, bn) * bn, triton.cdiv(k, bk) * bk, device=device) / k**0.5
+    blocks = w.view(w.shape[0] // bn, bn, w.shape[1] // bk, bk)
+    scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view_as(w)[:n, :k].contiguous()
+    return q, scale.float().contiguous()
+
+
+def bench(device: str = "cuda") -> list[dict]:
+    """Median times (ms) of fp8_block_linear and of the same GEMM in bf16 through cuBLAS."""
+    block = (128, 128)
+    results = []
+    for name, (n, k) in {**V3_FP8_LINEARS, **V2_LITE_LINEARS}.items():
+        weight, scale = _random_block_fp8(n, k, block, device)
+        w_bf16 = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+        scale_bytes = scale.numel() * 4
+        for m in BENCH_TOKENS:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            cfg = fp8_config(m, n, k, block[1], x.dtype, x.device)
+            flops = 2 * m * n * k
+            variants = {"": cfg}
+            if cfg.mode != W8A16:  # time both W8A8 variants (and W8A16) where the heuristic picks W8A8
+                variants = {
+                    f"[{label}]": cfg._replace(mode=mode)
+                    for label, mode in (("fused", W8A8_FUSED), ("prequant", W8A8_PREQUANT), ("w8a16", W8A16))
+                }
+            for label, c in variants.items():
+                ms = triton.testing.do_bench(
+                    lambda: fp8_block_linear_with_config(x, weight, scale, block, None, c), return_mode="median"
+                )
+                results.append({
+                    "name": f"fp8_block_linear{label}/{name}", "shape": {"M": m, "N": n, "K": k}, "ms": ms,
+                    "bytes": m * k * 2 + n * k + scale_bytes + m * n * 2, "flops": flops,
+                    "config": c._asdict(),
+                })
+            ms = triton.testing.do_bench(lambda: F.linear(x, w_bf16), return_mode="median")
+            results.append({
+                "name": f"bf16_cublas/{name}", "shape": {"M": m, "N": n, "K": k}, "ms": ms,
+                "bytes": m * k * 2 + n * k * 2 + m * n * 2, "flops": flops,
+            })
+    return results

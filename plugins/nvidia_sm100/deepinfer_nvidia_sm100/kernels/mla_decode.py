@@ -1,0 +1,293 @@
+"""Absorbed-form MLA decode over the paged latent cache (flash-decoding), in Triton.
+
+One new token per sequence attends to its ``seq_len`` cached entries ``[c_j | k_pe_j]``: this is
+multi-query attention with a (d_c + d_r)-wide key and a d_c-wide value, both read from the same
+cache row. The cache read dominates (576 values per token, shared by all H heads), so:
+
+* grid = (head blocks, splits, batch), head blocks on the fastest-varying axis: the programs that
+  read the same (sequence, split) slice of the cache are scheduled together and share it in L2,
+  so HBM sees each cache row about once;
+* a program holds BLOCK_H heads (the M of both tensor-core dots) and walks BLOCK_N tokens at a
+  time through the block table: one cache tile feeds both ``q @ [c | k_pe]^T`` and ``p @ c``;
+* the number of splits comes from shapes only (batch, heads, block-table width, SM count), so
+  the grid is CUDA-graph safe; the kernel cuts each sequence's actual ``seq_len`` into that many
+  equal slices (rounded to BLOCK_N, at least MIN_SPLIT_TOKENS), so short sequences use only
+  their first splits. Each split writes a normalised float32 partial output and its
+  log-sum-exp (base 2); a split past the sequence's end writes lse = -inf and no output; a second
+  kernel combines the splits. With one split the first kernel writes the output directly and
+  the combine is skipped.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# Tunables (sweep on the GPU). Tokens per inner iteration (16-bit caches; float32 caches use
+# FP32_BLOCK_N and FP32_BLOCK_H: no tensor cores for them, and their tiles are twice the bytes).
+BLOCK_N = 32
+FP32_BLOCK_N = 16
+FP32_BLOCK_H = 16
+NUM_STAGES = 2
+# A split covers at least this many tokens (the partial write + combine cost ~8 bytes per head
+# and latent channel per split, so tiny splits do not pay for themselves).
+MIN_SPLIT_TOKENS = 256
+# Splits are added while (head blocks x splits x batch) stays within this many waves of SMs
+# (rounded down: a nearly full wave without splits beats a full one that pays for partials).
+SPLIT_WAVES = 1.0
+MAX_SPLITS = 64
+# Number of SMs assumed under the interpreter (no GPU there); small so tests exercise splitting.
+INTERPRETER_SMS = 4
+COMBINE_NUM_WARPS = 4
+
+
+def _tile_config(num_heads: int, cache_dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_N, num_warps). The [BLOCK_H, d_c] float32 accumulator lives in registers:
+    64 heads x 512 need 8 warps (128 registers a thread); tl.dot needs M >= 16."""
+    if cache_dtype == torch.float32:
+        return FP32_BLOCK_H, FP32_BLOCK_N, 4
+    if num_heads >= 64:
+        return 64, BLOCK_N, 8
+    if num_heads >= 32:
+        return 32, BLOCK_N, 4
+    return 16, BLOCK_N, 4
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return INTERPRETER_SMS
+
+
+def _num_splits(batch: int, head_blocks: int, max_len: int, device: torch.device) -> int:
+    """Splits per sequence, from shapes only: as many as fit in SPLIT_WAVES waves of programs, no
+    split shorter than MIN_SPLIT_TOKENS of the longest possible sequence."""
+    target = math.floor(SPLIT_WAVES * _num_sms(device) / (batch * head_blocks))
+    longest = max(1, math.ceil(max_len / MIN_SPLIT_TOKENS))
+    return max(1, min(target, longest, MAX_SPLITS))
+
+
+@triton.jit
+def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """Tokens per split of a sequence of seq_len tokens (a positive multiple of BLOCK_N)."""
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    return tl.maximum(per_split, MIN_SPLIT)
+
+
+@triton.jit
+def _mla_decode_split_kernel(
+    q_ptr, qpe_ptr, cache_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
+    scale_log2,
+    num_heads, num_splits,
+    s_qb, s_qh, s_qd,
+    s_pb, s_ph, s_pd,
+    s_cn, s_cs, s_cd,
+    s_btb, s_btn,
+    s_ob, s_oh, s_od,
+    s_pab, s_pas, s_pah,
+    s_lb, s_ls,
+    D_C: tl.constexpr, D_R: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr,
+    SPLIT: tl.constexpr, MIN_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_h = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+
+    seq_len = tl.load(lens_ptr + b)
+    split_len = _split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < num_heads
+    dc = tl.arange(0, BLOCK_DC)
+    dr = tl.arange(0, BLOCK_DR)
+    dc_mask = dc < D_C
+    dr_mask = dr < D_R
+
+    cache_ty = cache_ptr.dtype.element_ty
+    q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + dc[None, :] * s_qd,
+                mask=h_mask[:, None] & dc_mask[None, :], other=0.0).to(cache_ty)
+    q_pe = tl.load(qpe_ptr + b * s_pb + heads[:, None] * s_ph + dr[None, :] * s_pd,
+                   mask=h_mask[:, None] & dr_mask[None, :], other=0.0).to(cache_ty)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DC], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * s_btb
+    for n0 in range(start, end, BLOCK_N):
+        toks = n0 + tl.arange(0, BLOCK_N)
+        t_mask = toks < end
+        page = tl.load(bt_row + (toks // BLOCK_SIZE) * s_btn, mask=t_mask, other=0)
+        rows = cache_ptr + page.to(tl.int64) * s_cn + (toks % BLOCK_SIZE) * s_cs
+        c = tl.load(rows[:, None] + dc[None, :] * s_cd, mask=t_mask[:, None] & dc_mask[None, :], other=0.0)
+        k_pe = tl.load(rows[:, None] + (D_C + dr)[None, :] * s_cd, mask=t_mask[:, None] & dr_mask[None, :], other=0.0)
+
+        s = tl.dot(q, tl.trans(c), input_precision=DOT_PRECISION)
+        s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=DOT_PRECISION)
+        s = tl.where(t_mask[None, :], s * scale_log2, float("-inf"))
+        # Every iteration has at least one valid token, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(cache_ty), c, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_tokens = l_i > 0.0
+    o = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
+    if not SPLIT:
+        # A sequence with no token (graph padding) gets zeros, as the reference does.
+        tl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + dc[None, :] * s_od,
+                 o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & dc_mask[None, :])
+    else:
+        lse = tl.where(has_tokens, m_i + tl.math.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + b * s_lb + split * s_ls + heads, lse, mask=h_mask)
+        tl.store(part_ptr + b * s_pab + split * s_pas + heads[:, None] * s_pah + dc[None, :], o,
+                 mask=(h_mask & (start < end))[:, None] & dc_mask[None, :])
+
+
+@triton.jit
+def _mla_decode_combine_kernel(
+    part_ptr, lse_ptr, lens_ptr, out_ptr,
+    num_heads, num_splits,
+    s_pab, s_pas, s_pah,
+    s_lb, s_ls,
+    s_ob, s_oh, s_od,
+    D_C: tl.constexpr, BLOCK_DC: tl.constexpr, SPLITS_P2: tl.constexpr,
+    BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = pid // num_heads
+    h = pid % num_heads
+    seq_len = tl.load(lens_ptr + b)
+    split_len = _split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
+    n_valid = tl.cdiv(seq_len, split_len)
+
+    splits = tl.arange(0, SPLITS_P2)
+    lse = tl.load(lse_ptr + b * s_lb + splits * s_ls + h, mask=splits < n_valid, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.math.exp2(lse - m), axis=0)
+
+    dc = tl.arange(0, BLOCK_DC)
+    dc_mask = dc < D_C
+    acc = tl.zeros([BLOCK_DC], tl.float32)
+    base = part_ptr + b * s_pab + h * s_pah
+    for s in range(0, n_valid):
+        w = tl.math.exp2(tl.load(lse_ptr + b * s_lb + s * s_ls + h) - m)
+        acc += w * tl.load(base + s * s_pas + dc, mask=dc_mask, other=0.0)
+    o = acc / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + b * s_ob + h * s_oh + dc * s_od, o.to(out_ptr.dtype.element_ty), mask=dc_mask)
+
+
+def mla_decode_attention(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Absorbed-form MLA decode (contract: deepinfer_core.ops.attention.mla_decode_attention)."""
+    batch, num_heads, d_c = q_latent.shape
+    d_r = q_pe.shape[-1]
+    block_size = kv_cache.shape[1]
+    out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
+    if batch == 0 or num_heads == 0:
+        return out
+    assert kv_cache.shape[-1] == d_c + d_r, "cache rows must be [latent | k_pe]"
+
+    block_h, block_n, num_warps = _tile_config(num_heads, kv_cache.dtype)
+    head_blocks = triton.cdiv(num_heads, block_h)
+    num_splits = _num_splits(batch, head_blocks, block_tables.shape[1] * block_size, q_latent.device)
+    min_split = triton.cdiv(MIN_SPLIT_TOKENS, block_n) * block_n
+    block_dc = max(16, triton.next_power_of_2(d_c))
+    block_dr = max(16, triton.next_power_of_2(d_r))
+    precision = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
+
+    if num_splits > 1:
+        partial = torch.empty((batch, num_splits, num_heads, d_c), dtype=torch.float32, device=q_latent.device)
+        lse = torch.empty((batch, num_splits, num_heads), dtype=torch.float32, device=q_latent.device)
+    else:
+        partial = lse = out  # unused by the kernel when SPLIT is False
+    _mla_decode_split_kernel[(head_blocks, num_splits, batch)](
+        q_latent, q_pe, kv_cache, block_tables, seq_lens, out, partial, lse,
+        scale * LOG2E,
+        num_heads, num_splits,
+        *q_latent.stride(), *q_pe.stride(), *kv_cache.stride(), *block_tables.stride(), *out.stride(),
+        *(partial.stride()[:3] if num_splits > 1 else (0, 0, 0)),
+        *(lse.stride()[:2] if num_splits > 1 else (0, 0)),
+        D_C=d_c, D_R=d_r, BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DC=block_dc, BLOCK_DR=block_dr,
+        SPLIT=num_splits > 1, MIN_SPLIT=min_split, DOT_PRECISION=precision,
+        num_warps=num_warps, num_stages=NUM_STAGES,
+    )
+    if num_splits > 1:
+        _mla_decode_combine_kernel[(batch * num_heads,)](
+            partial, lse, seq_lens, out,
+            num_heads, num_splits,
+            *partial.stride()[:3], *lse.stride()[:2], *out.stride(),
+            D_C=d_c, BLOCK_DC=block_dc, SPLITS_P2=triton.next_power_of_2(num_splits),
+            BLOCK_N=block_n, MIN_SPLIT=min_split,
+            num_warps=COMBINE_NUM_WARPS,
+        )
+    return out
+
+
+mla_decode_attention.impl = "triton: paged flash-decoding, head blocks x KV splits x batch, log-sum-exp combine"
+
+
+def bench(device: str = "cuda") -> list[dict]:
+    """Time mla_decode_attention at DeepSeek-V3 (H=128) and V2-Lite (H=16) decode shapes.
+
+    bytes = cache rows actually referenced (sum of seq_lens x 576 x element size) + q + out;
+    flops = 2 x H x (d_c + d_r + d_c) per (sequence, token) pair.
+    """
+    from triton.testing import do_bench
+
+    dtype = torch.bfloat16
+    d_c, d_r, block_size = 512, 64, 64
+    elem = torch.finfo(dtype).bits // 8
+    results = []
+    for model, heads, scale in (("V3", 128, 0.135234), ("V2-Lite", 16, 0.114721)):
+        for batch in (1, 8, 32, 64, 128):
+            for seq in (1024, 4096, 16384):
+                cache_bytes = batch * seq * (d_c + d_r) * elem
+                if cache_bytes > 8 * 2**30:
+                    continue
+                blocks_per_seq = triton.cdiv(seq, block_size)
+                num_blocks = batch * blocks_per_seq
+                kv_cache = torch.randn(num_blocks, block_size, d_c + d_r, device=device, dtype=dtype)
+                block_tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(batch, blocks_per_seq)
+                seq_lens = torch.full((batch,), seq, dtype=torch.int32, device=device)
+                q_latent = torch.randn(batch, heads, d_c, device=device, dtype=dtype)
+                q_pe = torch.randn(batch, heads, d_r, device=device, dtype=dtype)
+                ms = do_bench(
+                    lambda: mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale),
+                    return_mode="median",
+                )
+                io = (q_latent.numel() + q_pe.numel() + q_latent.numel()) * elem + block_tables.numel() * 4
+                results.append({
+                    "name": f"mla_decode_attention {model}",
+                    "shape": {"batch": batch, "seq": seq, "heads": heads, "d_c": d_c, "d_r": d_r, "block_size": block_size},
+                    "ms": ms,
+                    "bytes": cache_bytes + io,
+                    "flops": 2 * batch * seq * heads * (2 * d_c + d_r),
+                })
+                del kv_cache, block_tables, q_latent, q_pe
+    return results
+
+
+OPS = {"mla_decode_attention": mla_decode_attention}

@@ -1,0 +1,727 @@
+"""Mixture-of-experts kernels: fused routing and grouped-GEMM experts (Triton, sm_90 / sm_100).
+
+``moe_route``: the gate logits are one float32 GEMM (torch, bit-identical to the reference);
+everything after them is ONE Triton program per token. The row is held as a [groups, experts per
+group] tile: scoring (sigmoid / softmax), correction bias, group scores (sum of the top-2 biased
+scores for noaux_tc, max score for group_limited_greedy), the topk_group best groups, top-k by
+iterative argmax (ties: lowest expert id), the gather of the unbiased weights, renormalisation and
+scaling.
+
+``moe_experts``: no per-expert loop and no host synchronisation (CUDA-graph safe):
+
+1. align: the T*k (token, slot) pairs are grouped by expert, each expert's segment padded to a
+   multiple of BLOCK_M, giving ``sorted_pairs`` (padding = the sentinel T*k), the expert of every
+   M-block and the number of padded rows. Buffers have the shape-derived upper bound
+   ``T*k + min(T*k, E) * (BLOCK_M - 1)`` rows. Up to ALIGN_SINGLE_PROGRAM_MAX_PAIRS pairs one
+   program does it all (one launch at decode); beyond, three parallel launches (per-chunk expert
+   counts, a one-program prefix over chunks, a per-chunk scatter). Deterministic: pairs keep
+   their (token, slot) order inside each expert.
+2. grouped GEMM 1: one program per (M-block, column tile) gathers its pairs' x rows and
+   multiplies them by the gate rows AND the up rows of w13[e] in the same K loop, writing
+   silu(gate) * up [T*k, I] (fused SwiGLU). M-blocks past the padded count exit at once.
+3. grouped GEMM 2: h @ w2[e]^T times the pair's routing weight -> [T*k, D] in x's dtype.
+4. a fixed-order float32 sum over the k slots -> [T, D] in x's dtype (no atomics).
+
+Block-FP8 experts (float8_e4m3fn weights, float32 scales per [bn, bk] block): the K loop steps
+BLOCK_K | bk channels, so each partial product has one weight scale per output column and is
+rescaled in float32 before it joins the accumulator. Two numeric modes:
+
+* W8A16 (default): the FP8 weight tile is widened to the activation dtype in registers (exact:
+  every e4m3 value is a bf16 value) and multiplied by the unquantised activations. The weight
+  stream, which is what decode is bound by, stays 1 byte per element.
+* W8A8 (``FP8_W8A8_MIN_BLOCK_M``): each activation tile [BLOCK_M, bk] is quantised per row
+  (scale = amax / 448), multiplied on the FP8 tensor cores (e4m3 x e4m3 -> fp32) and rescaled by
+  a_scale[row] * w_scale[col]; h is quantised the same way in GEMM 2. Twice the MMA rate, but
+  against the dequantising reference its error through the two GEMMs is max |err| / (1 + |ref|)
+  ~ 0.04 at the spec's tiny FP8 case and 0.10-0.18 at V3 dims in bf16, against moe_experts
+  tolerances of 1e-4 (float32) and 3e-2 (bf16) in specs/ops.toml; so it is off by default.
+
+Triton's interpreter rounds float32 -> float8 wrongly (mantissa carries are lost), so under
+TRITON_INTERPRET the e4m3 quantisation is done in float32 arithmetic (``_round_to_e4m3``) and the
+dot runs on the float32 values of the e4m3 grid (same numerics). It also cannot loop to a runtime
+bound, hence while loops (align) and constexpr loop bounds (GEMM K loops, top-k).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from deepinfer_core.ops.moe import SCORING_FUNCS, TOPK_METHODS
+
+# ---- tunables (sweep on the GPU) -------------------------------------------------------------
+ROUTE_ELEMS_PER_WARP = 256  # a routing row of BLOCK_G * BLOCK_S experts gets this many per warp
+
+
+class ExpertTiles(NamedTuple):
+    block_m: int  # pairs per M-block (the align padding unit)
+    block_n_up: int  # GEMM 1: columns of gate (and as many of up) per program
+    block_n_down: int  # GEMM 2: output columns per program
+    block_k: int  # K step (with FP8 weights: lowered to a divisor of bk)
+    num_warps: int
+    num_stages: int
+
+
+# Chosen by the average number of pairs per active expert, T*k / min(T*k, E): decode has one or
+# two (stream the weights with narrow M), prefill of 4096 tokens about 128 at V3 (compute-bound).
+EXPERT_TILES: tuple[tuple[float, ExpertTiles], ...] = (
+    (16, ExpertTiles(16, 64, 64, 128, 4, 4)),
+    (32, ExpertTiles(32, 64, 64, 128, 4, 4)),
+    (96, ExpertTiles(64, 64, 128, 64, 4, 3)),
+    (float("inf"), ExpertTiles(128, 64, 128, 64, 8, 3)),
+)
+EXPERT_GROUP_M = 8  # grouped program order: GROUP_M M-blocks sweep the column tiles together
+# FP8 experts use W8A8 from this BLOCK_M on (None: never; W8A16 everywhere, see module doc).
+FP8_W8A8_MIN_BLOCK_M: int | None = None
+EXPERT_SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles per program; num_stages is lowered to fit
+ALIGN_SINGLE_PROGRAM_MAX_PAIRS = 128  # up to this many pairs the align is one program (its loops are serial)
+ALIGN_SINGLE_BLOCK_N = 64  # pairs per step of that program (one-hot [BLOCK_N, BLOCK_E] in registers)
+ALIGN_BLOCK_N = 128  # pairs per program of the chunked align
+ALIGN_BLOCK_C = 32  # chunks per step of the prefix program
+ALIGN_BLOCK_B = 64  # M-blocks per step when writing the expert of each M-block
+ALIGN_NUM_WARPS = 8
+SUM_BLOCK_D = 1024  # slot sum: hidden columns per program
+SUM_NUM_WARPS = 4
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+# ============================================================================================
+# Routing
+# ============================================================================================
+
+
+@triton.jit
+def _moe_route_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr,
+    num_experts, group_size, n_group, scaling,
+    TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    SOFTMAX: tl.constexpr,  # scoring: softmax (True) or sigmoid (False)
+    METHOD: tl.constexpr,  # 0 noaux_tc, 1 greedy, 2 group_limited_greedy
+    HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    NEG: tl.constexpr = float("-inf")
+    row = tl.program_id(0).to(tl.int64)
+    gidx = tl.arange(0, BLOCK_G)
+    jidx = tl.arange(0, BLOCK_S)
+    valid = (gidx[:, None] < n_group) & (jidx[None, :] < group_size)
+    expert = gidx[:, None] * group_size + jidx[None, :]  # [BLOCK_G, BLOCK_S]
+    logits = tl.load(logits_ptr + row * num_experts + expert, mask=valid, other=NEG)
+    if SOFTMAX:
+        top = tl.max(tl.max(logits, axis=1), axis=0)
+        p = tl.where(valid, tl.exp(logits - top), 0.0)
+        scores = p / tl.sum(tl.sum(p, axis=1), axis=0)
+    else:
+        scores = tl.where(valid, 1.0 / (1.0 + tl.exp(-logits)), 0.0)
+
+    if METHOD == 1:  # greedy: plain top-k of the scores
+        select = tl.where(valid, scores, NEG)
+        source = scores
+    else:
+        if METHOD == 0:  # noaux_tc: groups ranked by the sum of their top-2 biased scores
+            choice = scores
+            if HAS_BIAS:
+                choice += tl.load(bias_ptr + expert, mask=valid, other=0.0)
+            choice = tl.where(valid, choice, NEG)
+            top1 = tl.max(choice, axis=1)
+            first = tl.min(tl.where(choice == top1[:, None], jidx[None, :], BLOCK_S), axis=1)
+            top2 = tl.max(tl.where(jidx[None, :] == first[:, None], NEG, choice), axis=1)
+            group_score = tl.where(group_size > 1, top1 + top2, top1)
+        else:  # group_limited_greedy: groups ranked by their max score
+            group_score = tl.max(tl.where(valid, scores, NEG), axis=1)
+        gvalid = gidx < n_group
+        keep = gidx < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            cand = tl.where(keep | ~gvalid, NEG, group_score)
+            best = tl.max(cand, axis=0)
+            pick = tl.min(tl.where((cand == best) & ~keep & gvalid, gidx, BLOCK_G), axis=0)
+            keep = keep | (gidx == pick)
+        if METHOD == 0:
+            select = tl.where(keep[:, None], choice, NEG)
+            source = scores
+        else:  # the reference zeroes the other groups' scores and takes top-k of that
+            source = tl.where(keep[:, None], scores, 0.0)
+            select = tl.where(valid, source, NEG)
+
+    # top-k by iterative argmax; `taken` (not -inf) marks chosen experts, so that -inf entries
+    # (experts of dropped groups) can still be chosen when k exceeds the kept experts.
+    taken = ~valid
+    slots = tl.arange(0, BLOCK_K)
+    w = tl.zeros([BLOCK_K], tl.float32)
+    ids = tl.zeros([BLOCK_K], tl.int32)
+    for i in tl.static_range(TOP_K):
+        cand = tl.where(taken, NEG, select)
+        best = tl.max(tl.max(cand, axis=1), axis=0)
+        hit = (cand == best) & ~taken
+        pick = tl.min(tl.min(tl.where(hit, expert, BLOCK_G * BLOCK_S), axis=1), axis=0)
+        chosen = expert == pick
+        taken = taken | chosen
+        wi = tl.sum(tl.sum(tl.where(chosen, source, 0.0), axis=1), axis=0)
+        w = tl.where(slots == i, wi, w)
+        ids = tl.where(slots == i, pick, ids)
+    if RENORM:
+        w = w / (tl.sum(w, axis=0) + 1e-20)
+    out = row * TOP_K + slots
+    tl.store(weights_ptr + out, w * scaling, mask=slots < TOP_K)
+    tl.store(ids_ptr + out, ids.to(tl.int64), mask=slots < TOP_K)
+
+
+def moe_route(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    *,
+    top_k: int,
+    scoring_func: str,
+    topk_method: str,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose top_k experts per token. Returns (weights [T, k] float32, ids [T, k] int64).
+
+    Contract: deepinfer_core.ops.moe.moe_route. Ties between equal selection scores go to the
+    lowest expert id; the k slots come in selection order.
+    """
+    if scoring_func not in SCORING_FUNCS:
+        raise ValueError(f"scoring_func {scoring_func!r} is not supported; expected one of {SCORING_FUNCS}")
+    if topk_method not in TOPK_METHODS:
+        raise ValueError(f"topk_method {topk_method!r} is not supported; expected one of {TOPK_METHODS}")
+    num_tokens, num_experts = x.shape[0], gate_weight.shape[0]
+    grouped = topk_method != "greedy"
+    if grouped and (n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group):
+        raise ValueError(
+            f"{topk_method} needs experts ({num_experts}) divisible by n_group ({n_group}) "
+            f"and 1 <= topk_group ({topk_group}) <= n_group"
+        )
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k ({top_k}) must be between 1 and the number of experts ({num_experts})")
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=x.device)
+    if num_tokens == 0:
+        return weights, ids
+    logits = F.linear(x.float(), gate_weight.float())  # as the reference: bit-identical logits
+    groups = n_group if grouped else 1
+    group_size = num_experts // groups
+    has_bias = topk_method == "noaux_tc" and correction_bias is not None
+    bias = correction_bias.float().contiguous() if has_bias else logits
+    block_g, block_s = triton.next_power_of_2(groups), triton.next_power_of_2(group_size)
+    _moe_route_kernel[(num_tokens,)](
+        logits, bias, weights, ids,
+        num_experts, group_size, groups, float(routed_scaling_factor),
+        TOP_K=top_k, TOPK_GROUP=topk_group if grouped else 1,
+        SOFTMAX=scoring_func == "softmax",
+        METHOD=TOPK_METHODS.index(topk_method),
+        HAS_BIAS=has_bias, RENORM=topk_method == "noaux_tc" and norm_topk_prob,
+        BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=triton.next_power_of_2(top_k),
+        num_warps=max(1, min(8, block_g * block_s // ROUTE_ELEMS_PER_WARP)),
+    )
+    return weights, ids
+
+
+moe_route.impl = "triton: one fused program per token (scores, bias, group top-k, top-k argmax, renorm)"
+assert TOPK_METHODS == ("noaux_tc", "greedy", "group_limited_greedy")  # METHOD codes of the kernel
+
+
+# ============================================================================================
+# Align: pairs grouped by expert, padded to BLOCK_M
+# ============================================================================================
+
+
+@triton.jit
+def _expert_histogram(ids, valid, BLOCK_E: tl.constexpr):
+    """Counts [BLOCK_E] of each expert id among the valid entries of ids [BLOCK_N]."""
+    hit = (ids[:, None] == tl.arange(0, BLOCK_E)[None, :]) & valid[:, None]
+    return tl.sum(hit.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _rank_in_chunk(ids, BLOCK_N: tl.constexpr):
+    """For each entry, how many earlier entries of the chunk have the same expert id."""
+    i = tl.arange(0, BLOCK_N)
+    same = (ids[:, None] == ids[None, :]) & (i[None, :] < i[:, None])
+    return tl.sum(same.to(tl.int32), axis=1)
+
+
+@triton.jit
+def _write_layout(counts, sorted_ptr, block_expert_ptr, num_padded_ptr, num_experts, max_blocks, sentinel,
+                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+    """From the per-expert pair counts: the padded row count, the sentinels of the padding rows
+    and the expert of every M-block. Returns each expert's first row."""
+    e = tl.arange(0, BLOCK_E)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    # Padding rows: [start + count, start + padded) of each expert (fewer than BLOCK_M).
+    for j0 in tl.static_range(0, BLOCK_M, 16):
+        j = j0 + tl.arange(0, 16)
+        pad = counts[:, None] + j[None, :]
+        tl.store(sorted_ptr + starts[:, None] + pad, tl.zeros_like(pad) + sentinel, mask=pad < padded[:, None])
+    # Expert of M-block b: the number of experts whose segment ends at or before row b*BLOCK_M.
+    # Blocks past the padded count get num_experts; the GEMMs never read them.
+    b0 = 0
+    while b0 < max_blocks:
+        b = b0 + tl.arange(0, BLOCK_B)
+        before = (ends[None, :] <= b[:, None] * BLOCK_M) & (e[None, :] < num_experts)
+        tl.store(block_expert_ptr + b, tl.sum(before.to(tl.int32), axis=1), mask=b < max_blocks)
+        b0 += BLOCK_B
+    return starts
+
+
+@triton.jit
+def _align_single_kernel(
+    ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+    num_pairs, num_experts, max_blocks,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    n0 = 0
+    while n0 < num_pairs:
+        offs = n0 + tl.arange(0, BLOCK_N)
+        valid = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
+        counts += _expert_histogram(ids, valid, BLOCK_E)
+        n0 += BLOCK_N
+    cursor = _write_layout(counts, sorted_ptr, block_expert_ptr, num_padded_ptr, num_experts, max_blocks,
+                           num_pairs, BLOCK_M, BLOCK_E, BLOCK_B)
+    e = tl.arange(0, BLOCK_E)
+    n0 = 0
+    while n0 < num_pairs:
+        offs = n0 + tl.arange(0, BLOCK_N)
+        valid = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
+        hit = (ids[:, None] == e[None, :]) & valid[:, None]
+        base = tl.sum(tl.where(hit, cursor[None, :], 0), axis=1)
+        tl.store(sorted_ptr + base + _rank_in_chunk(ids, BLOCK_N), offs, mask=valid)
+        cursor += tl.sum(hit.to(tl.int32), axis=0)
+        n0 += BLOCK_N
+
+
+@triton.jit
+def _align_count_kernel(ids_ptr, chunk_counts_ptr, num_pairs, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
+    chunk = tl.program_id(0)
+    offs = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = offs < num_pairs
+    ids = tl.load(ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
+    tl.store(chunk_counts_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), _expert_histogram(ids, valid, BLOCK_E))
+
+
+@triton.jit
+def _align_prefix_kernel(
+    chunk_counts_ptr, chunk_base_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+    num_chunks, num_pairs, num_experts, max_blocks,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    e = tl.arange(0, BLOCK_E)
+    totals = tl.zeros([BLOCK_E], tl.int32)
+    c0 = 0
+    while c0 < num_chunks:
+        c = c0 + tl.arange(0, BLOCK_C)
+        tile = tl.load(chunk_counts_ptr + c[:, None] * BLOCK_E + e[None, :], mask=(c < num_chunks)[:, None], other=0)
+        totals += tl.sum(tile, axis=0)
+        c0 += BLOCK_C
+    carry = _write_layout(totals, sorted_ptr, block_expert_ptr, num_padded_ptr, num_experts, max_blocks,
+                          num_pairs, BLOCK_M, BLOCK_E, BLOCK_B)
+    # chunk_base[c, e] = first row of expert e + pairs of e in chunks before c.
+    c0 = 0
+    while c0 < num_chunks:
+        c = c0 + tl.arange(0, BLOCK_C)
+        inside = (c < num_chunks)[:, None]
+        tile = tl.load(chunk_counts_ptr + c[:, None] * BLOCK_E + e[None, :], mask=inside, other=0)
+        base = carry[None, :] + tl.cumsum(tile, axis=0) - tile
+        tl.store(chunk_base_ptr + c[:, None] * BLOCK_E + e[None, :], base, mask=inside)
+        carry += tl.sum(tile, axis=0)
+        c0 += BLOCK_C
+
+
+@triton.jit
+def _align_scatter_kernel(ids_ptr, chunk_base_ptr, sorted_ptr, num_pairs,
+                          BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
+    chunk = tl.program_id(0)
+    offs = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = offs < num_pairs
+    ids = tl.load(ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
+    base = tl.load(chunk_base_ptr + chunk * BLOCK_E + ids, mask=valid, other=0)
+    tl.store(sorted_ptr + base + _rank_in_chunk(ids, BLOCK_N), offs, mask=valid)
+
+
+class ExpertLayout(NamedTuple):
+    sorted_pairs: torch.Tensor  # [max_blocks * block_m] int32: pair index (token * k + slot) or the sentinel T*k
+    block_expert: torch.Tensor  # [max_blocks] int32: expert of each M-block (valid below num_padded)
+    num_padded: torch.Tensor  # [1] int32: rows in use (a multiple of block_m)
+    max_blocks: int  # host-known bound on the M-blocks
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertLayout:
+    """Group the (token, slot) pairs of topk_ids [T, k] by expert, each segment padded to block_m."""
+    ids = topk_ids.reshape(-1)
+    num_pairs = ids.numel()
+    max_blocks = (num_pairs + min(num_pairs, num_experts) * (block_m - 1)) // block_m
+    dev = topk_ids.device
+    sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    block_e = triton.next_power_of_2(num_experts)
+    if num_pairs <= ALIGN_SINGLE_PROGRAM_MAX_PAIRS:
+        _align_single_kernel[(1,)](
+            ids, sorted_pairs, block_expert, num_padded, num_pairs, num_experts, max_blocks,
+            BLOCK_M=block_m, BLOCK_N=max(16, min(ALIGN_SINGLE_BLOCK_N, triton.next_power_of_2(num_pairs))),
+            BLOCK_E=block_e, BLOCK_B=ALIGN_BLOCK_B, num_warps=ALIGN_NUM_WARPS,
+        )
+    else:
+        chunks = triton.cdiv(num_pairs, ALIGN_BLOCK_N)
+        chunk_counts = torch.empty((chunks, block_e), dtype=torch.int32, device=dev)
+        chunk_base = torch.empty((chunks, block_e), dtype=torch.int32, device=dev)
+        _align_count_kernel[(chunks,)](ids, chunk_counts, num_pairs, BLOCK_N=ALIGN_BLOCK_N, BLOCK_E=block_e,
+                                       num_warps=ALIGN_NUM_WARPS)
+        _align_prefix_kernel[(1,)](
+            chunk_counts, chunk_base, sorted_pairs, block_expert, num_padded,
+            chunks, num_pairs, num_experts, max_blocks,
+            BLOCK_M=block_m, BLOCK_C=ALIGN_BLOCK_C, BLOCK_E=block_e, BLOCK_B=ALIGN_BLOCK_B, num_warps=ALIGN_NUM_WARPS,
+        )
+        _align_scatter_kernel[(chunks,)](ids, chunk_base, sorted_pairs, num_pairs, BLOCK_N=ALIGN_BLOCK_N,
+                                         BLOCK_E=block_e, num_warps=ALIGN_NUM_WARPS)
+    return ExpertLayout(sorted_pairs, block_expert, num_padded, max_blocks)
+
+
+# ============================================================================================
+# Grouped expert GEMMs
+# ============================================================================================
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """float32 v (|v| <= 448) rounded to the nearest float8_e4m3fn value (ties to even), as float32.
+
+    For the interpreter only (its float32 -> float8 cast drops mantissa carries). The grid
+    spacing is 2^(e - 3) for a value of exponent e, 2^-9 in the subnormal range (e < -6);
+    dividing by a power of two is exact and the 1.5 * 2^23 trick rounds to an integer, ties to even.
+    """
+    exponent = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    spacing = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    steps = (v / spacing + 12582912.0) - 12582912.0
+    return steps * spacing
+
+
+@triton.jit
+def _quantize_rows(a, INTERPRET: tl.constexpr):
+    """Per-row e4m3 quantisation of a [BLOCK_M, BLOCK_K] tile: (q, scale [BLOCK_M]) with a ~= q * scale."""
+    a = a.to(tl.float32)
+    amax = tl.max(tl.abs(a), axis=1)
+    # IEEE divisions (Triton's `/` is approximate on the GPU): the same scale and the same e4m3
+    # rounding as the torch emulation in the tests.
+    scale = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
+    v = tl.clamp(tl.div_rn(a, scale[:, None]), -448.0, 448.0)
+    if INTERPRET:
+        q = _round_to_e4m3(v)
+    else:
+        q = v.to(tl.float8e4nv)
+    return q, scale
+
+
+@triton.jit
+def _accumulate(acc, a, a_scale, w, w_scale,
+                W_FP8: tl.constexpr, ACT_QUANT: tl.constexpr, INTERPRET: tl.constexpr, IEEE: tl.constexpr):
+    """acc + a @ w with the FP8 scales applied (w_scale per column of this K step)."""
+    if ACT_QUANT:  # a: e4m3 values (float8, or float32 on the e4m3 grid in the interpreter)
+        if INTERPRET:
+            part = tl.dot(a, w.to(tl.float32))
+        else:
+            part = tl.dot(a, w)
+        return acc + part * a_scale[:, None] * w_scale[None, :]
+    if IEEE:
+        part = tl.dot(a, w.to(a.dtype), input_precision="ieee")
+    else:
+        part = tl.dot(a, w.to(a.dtype))
+    if W_FP8:
+        return acc + part * w_scale[None, :]
+    return acc + part
+
+
+@triton.jit
+def _expert_gemm_kernel(
+    a_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr,
+    sorted_ptr, block_expert_ptr, num_padded_ptr,
+    num_pairs, a_row_div, num_m_blocks,
+    stride_am, stride_ak,
+    stride_we, stride_wn, stride_wk,
+    stride_se, stride_sn, stride_sk,
+    stride_om, stride_on,
+    N: tl.constexpr, K: tl.constexpr,  # output columns (I with GATED: gate and up are 2I rows of w)
+    BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,  # FP8 weight block (bn, bk)
+    GATED: tl.constexpr,  # GEMM 1: gate and up tiles, store silu(gate) * up
+    WEIGHTED: tl.constexpr,  # GEMM 2: multiply each row by its pair's routing weight
+    W_FP8: tl.constexpr, ACT_QUANT: tl.constexpr, INTERPRET: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_n: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    width = GROUP_M * tiles_n
+    first_m = (pid // width) * GROUP_M
+    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_rows
+    pid_n = (pid % width) // group_rows
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pair < num_pairs
+    a_row = (pair // a_row_div).to(tl.int64)  # GEMM 1: the pair's token; GEMM 2: the pair
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :] * stride_ak
+    w_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if GATED:
+        up_ptrs = w_ptrs + N * stride_wn
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if W_FP8:
+        s_ptrs = ws_ptr + expert * stride_se + (cols // BN_SCALE) * stride_sn
+        if GATED:
+            s_up_ptrs = ws_ptr + expert * stride_se + ((cols + N) // BN_SCALE) * stride_sn
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + ks) < K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        # Scales are per iteration only (1.0 where a mode has none), never loop-carried.
+        a_scale = 1.0
+        w_scale = 1.0
+        if W_FP8:
+            w_scale = tl.load(s_ptrs + (k0 // BK_SCALE) * stride_sk, mask=col_ok, other=0.0)
+        if ACT_QUANT:
+            a, a_scale = _quantize_rows(a, INTERPRET)
+        acc = _accumulate(acc, a, a_scale, w, w_scale, W_FP8, ACT_QUANT, INTERPRET, IEEE)
+        if GATED:
+            w_up = tl.load(up_ptrs, mask=w_mask, other=0.0)
+            w_scale_up = 1.0
+            if W_FP8:
+                w_scale_up = tl.load(s_up_ptrs + (k0 // BK_SCALE) * stride_sk, mask=col_ok, other=0.0)
+            acc_up = _accumulate(acc_up, a, a_scale, w_up, w_scale_up, W_FP8, ACT_QUANT, INTERPRET, IEEE)
+            up_ptrs += BLOCK_K * stride_wk
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
+    if WEIGHTED:
+        acc = acc * tl.load(route_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
+    out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _sum_slots_kernel(y_ptr, out_ptr, hidden, stride_om,
+                      TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = cols < hidden
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for j in tl.static_range(TOP_K):  # fixed slot order: deterministic
+        acc += tl.load(y_ptr + (token * TOP_K + j) * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def expert_tiles(num_pairs: int, num_experts: int) -> ExpertTiles:
+    """Tiles for T*k pairs over E experts, from the average pairs per active expert."""
+    per_expert = num_pairs / max(1, min(num_pairs, num_experts))
+    return next(tiles for bound, tiles in EXPERT_TILES if per_expert <= bound)
+
+
+def _fp8_block_k(block_k: int, bk: int, act_quant: bool) -> int:
+    """The K step for FP8 weights: bk with W8A8 (activation scale groups), else a divisor of it."""
+    step = bk if act_quant else min(block_k, bk)
+    while step >= 16 and bk % step:
+        step //= 2
+    if step < 16 or step & (step - 1):
+        raise ValueError(f"FP8 expert block bk={bk} needs a power-of-two K step >= 16 dividing it")
+    return step
+
+
+def _num_stages(tiles: ExpertTiles, block_n: int, block_k: int, a_bytes: int, w_bytes: int, gated: bool) -> int:
+    """tiles.num_stages, lowered until the pipelined tiles fit EXPERT_SMEM_BUDGET (Triton keeps
+    num_stages - 1 of them in shared memory; float32 inputs would otherwise overflow it)."""
+    per_stage = tiles.block_m * block_k * a_bytes + (2 if gated else 1) * block_k * block_n * w_bytes
+    stages = tiles.num_stages
+    while stages > 2 and (stages - 1) * per_stage > EXPERT_SMEM_BUDGET:
+        stages -= 1
+    return stages
+
+
+def _run_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, tiles: ExpertTiles,
+                 act_quant: bool) -> torch.Tensor:
+    num_tokens, hidden = x.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    num_pairs = num_tokens * top_k
+    fp8 = w13_scale is not None
+    if fp8:
+        bn, bk = (int(v) for v in block)
+        block_k = _fp8_block_k(tiles.block_k, bk, act_quant)
+    else:
+        bn, bk, block_k = 1, 1, tiles.block_k
+        act_quant = False
+        w13_scale = w2_scale = w13  # placeholders, never read
+    layout = align_pairs(topk_ids, num_experts, tiles.block_m)
+    route_w = topk_weights.reshape(-1).float()
+    common = dict(
+        BN_SCALE=bn, BK_SCALE=bk, W_FP8=fp8, ACT_QUANT=act_quant,
+        INTERPRET=not x.is_cuda, IEEE=x.dtype == torch.float32,
+        BLOCK_M=tiles.block_m, BLOCK_K=block_k, GROUP_M=EXPERT_GROUP_M, num_warps=tiles.num_warps,
+    )
+    a_bytes, w_bytes = x.element_size(), w13.element_size()
+
+    h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
+    grid = (layout.max_blocks * triton.cdiv(inter, tiles.block_n_up),)
+    _expert_gemm_kernel[grid](
+        x, w13, w13_scale, h, route_w,
+        layout.sorted_pairs, layout.block_expert, layout.num_padded,
+        num_pairs, top_k, layout.max_blocks,
+        x.stride(0), x.stride(1),
+        w13.stride(0), w13.stride(1), w13.stride(2),
+        w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2),
+        h.stride(0), h.stride(1),
+        N=inter, K=hidden, GATED=True, WEIGHTED=False, BLOCK_N=tiles.block_n_up,
+        num_stages=_num_stages(tiles, tiles.block_n_up, block_k, a_bytes, w_bytes, True), **common,
+    )
+
+    # With one slot the weighted rows are the output itself; otherwise sum the slots after.
+    y = out if top_k == 1 else torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
+    grid = (layout.max_blocks * triton.cdiv(hidden, tiles.block_n_down),)
+    _expert_gemm_kernel[grid](
+        h, w2, w2_scale, y, route_w,
+        layout.sorted_pairs, layout.block_expert, layout.num_padded,
+        num_pairs, 1, layout.max_blocks,
+        h.stride(0), h.stride(1),
+        w2.stride(0), w2.stride(1), w2.stride(2),
+        w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2),
+        y.stride(0), y.stride(1),
+        N=hidden, K=inter, GATED=False, WEIGHTED=True, BLOCK_N=tiles.block_n_down,
+        num_stages=_num_stages(tiles, tiles.block_n_down, block_k, a_bytes, w_bytes, False), **common,
+    )
+    if top_k > 1:
+        _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, SUM_BLOCK_D))](
+            y, out, hidden, out.stride(0), TOP_K=top_k, BLOCK_D=SUM_BLOCK_D, num_warps=SUM_NUM_WARPS,
+        )
+    return out
+
+
+def moe_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Sum over each token's k experts of weight * SwiGLU expert output. Returns [T, D] in x's dtype.
+
+    Contract: deepinfer_core.ops.moe.moe_experts. Each expert output is rounded to x's dtype
+    (as the reference does) and the k slots are summed in float32 in slot order.
+    """
+    tiles = expert_tiles(topk_ids.numel(), w13.shape[0])
+    act_quant = FP8_W8A8_MIN_BLOCK_M is not None and tiles.block_m >= FP8_W8A8_MIN_BLOCK_M
+    return _run_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, tiles, act_quant)
+
+
+moe_experts.impl = "triton: expert-sorted padded M-blocks, grouped GEMMs (fused SwiGLU; FP8 W8A16), slot sum"
+
+
+# ============================================================================================
+# Benchmark (the lead runs it on the GPU)
+# ============================================================================================
+
+BENCH_TOKENS = (1, 8, 32, 64, 256, 1024, 4096)
+BENCH_ROUTE_TOKENS = (1, 64, 4096)
+# name -> (hidden, intermediate, experts, top_k)
+BENCH_EXPERT_MODELS = {"V3": (7168, 2048, 256, 8), "V2-Lite": (2048, 1408, 64, 6)}
+BENCH_ROUTE_MODEL = (7168, 256)  # V3 gate: hidden, experts (8 groups, top-4 groups, top-8)
+BENCH_DTYPE = torch.bfloat16
+
+
+def _bench_weights(experts: int, rows: int, cols: int, fp8: bool, device: str):
+    """Random expert weights [experts, rows, cols] (bf16, or e4m3 with 128x128 float32 scales)."""
+    if not fp8:
+        return torch.randn(experts, rows, cols, device=device, dtype=BENCH_DTYPE) / cols**0.5, None
+    w = torch.empty(experts, rows, cols, device=device, dtype=torch.float8_e4m3fn)
+    for e in range(experts):  # one expert at a time bounds the float32 temporary
+        w[e] = (torch.randn(rows, cols, device=device) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.full((experts, triton.cdiv(rows, 128), triton.cdiv(cols, 128)), 0.01 / cols**0.5, device=device)
+    return w, scale
+
+
+def bench(device: str = "cuda") -> list[dict]:
+    """Median times (ms) of moe_experts (V3 bf16 / FP8, V2-Lite bf16) and moe_route (V3).
+
+    bytes = weights (and scales) of the experts actually hit + x + the output (+ ids and weights);
+    flops = 2 * T * k * 3 * D * I for the experts, 2 * T * D * E for the gate GEMM.
+    """
+    from triton.testing import do_bench
+
+    results = []
+    for model, (hidden, inter, experts, top_k) in BENCH_EXPERT_MODELS.items():
+        for fp8 in (False, True) if model == "V3" else (False,):
+            w13, s13 = _bench_weights(experts, 2 * inter, hidden, fp8, device)
+            w2, s2 = _bench_weights(experts, hidden, inter, fp8, device)
+            block = (128, 128) if fp8 else None
+            per_expert = w13[0].numel() * w13.element_size() + w2[0].numel() * w2.element_size()
+            if fp8:
+                per_expert += (s13[0].numel() + s2[0].numel()) * 4
+            # FP8 also in W8A8 (FP8_W8A8_MIN_BLOCK_M), to weigh its speed against its error.
+            for mode in ("fp8", "fp8-w8a8") if fp8 else ("bf16",):
+                for tokens in BENCH_TOKENS:
+                    x = torch.randn(tokens, hidden, device=device, dtype=BENCH_DTYPE)
+                    ids = torch.rand(tokens, experts, device=device).topk(top_k, dim=-1).indices
+                    weights = torch.rand(tokens, top_k, device=device)
+                    hit = int(torch.unique(ids).numel())
+                    tiles = expert_tiles(ids.numel(), experts)
+                    act_quant = mode == "fp8-w8a8"
+
+                    def run():
+                        return _run_experts(x, w13, w2, weights, ids, s13, s2, block, tiles, act_quant)
+
+                    results.append({
+                        "name": f"moe_experts/{model}/{mode}",
+                        "shape": {"T": tokens, "D": hidden, "I": inter, "E": experts, "k": top_k, "experts_hit": hit},
+                        "ms": do_bench(run, return_mode="median"),
+                        "bytes": hit * per_expert + 2 * tokens * hidden * x.element_size() + tokens * top_k * 12,
+                        "flops": 2 * tokens * top_k * 3 * hidden * inter,
+                        "config": tiles._asdict(),
+                    })
+            del w13, w2, s13, s2
+            torch.cuda.empty_cache()
+
+    hidden, experts = BENCH_ROUTE_MODEL
+    gate = torch.randn(experts, hidden, device=device) / hidden**0.5
+    bias = 0.1 * torch.randn(experts, device=device)
+    for tokens in BENCH_ROUTE_TOKENS:
+        x = torch.randn(tokens, hidden, device=device, dtype=BENCH_DTYPE)
+        route = dict(top_k=8, scoring_func="sigmoid", topk_method="noaux_tc", n_group=8, topk_group=4,
+                     norm_topk_prob=True, routed_scaling_factor=2.5)
+        ms = do_bench(lambda: moe_route(x, gate, bias, **route), return_mode="median")
+        results.append({
+            "name": "moe_route/V3",
+            "shape": {"T": tokens, "D": hidden, "E": experts, "k": 8},
+            "ms": ms,
+            "bytes": tokens * hidden * x.element_size() + experts * hidden * 4 + experts * 4 + tokens * 8 * 12,
+            "flops": 2 * tokens * hidden * experts,
+        })
+    return results
+
+
+OPS = {"moe_route": moe_route, "moe_experts": moe_experts}

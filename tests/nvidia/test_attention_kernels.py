@@ -1,0 +1,263 @@
+"""MLA attention Triton kernels (decode and prefill) against the reference ops.
+
+Tiny float32 cases run everywhere (in Triton's interpreter without a GPU); the spec's real-dimension
+cases, a long-context decode case and the CUDA-graph check are marked ``gpu``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from deepinfer_core.ops import attention as ref_ops
+from deepinfer_nvidia_sm100.kernels import mla_decode, mla_prefill
+from tests.op_spec import assert_close, shapes
+
+SCALES = {"v3_yarn": 0.135234, "v2lite_yarn": 0.114721}
+
+
+@contextlib.contextmanager
+def nan_poisoned_empty():
+    """Make torch.empty return NaN-filled float tensors, so an output element (or a split partial)
+    that a kernel forgets to write, or reads without writing, shows up as NaN."""
+    original = torch.empty
+
+    def empty(*args, **kwargs):
+        t = original(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = original
+
+
+def _scale(name: str, qk_dim: int) -> float:
+    return qk_dim**-0.5 if name == "default" else SCALES[name]
+
+
+def _real(case: dict, dim: str, value: int) -> list:
+    """pytest marks of a spec case: gpu when its `dim` has the real (slow under the interpreter) size."""
+    return [pytest.mark.gpu] if case[dim] == value else []
+
+
+def _cases(op: str, dim: str, value: int) -> list:
+    return [pytest.param(c, id=f"case{i}", marks=_real(c, dim, value)) for i, c in enumerate(shapes(op))]
+
+
+# ------------------------------------------------------------------------------------------------
+# mla_decode_attention
+
+
+def _decode_inputs(seq_lens, heads, d_c, d_r, block_size, dtype, device, seed=0):
+    """Inputs as the spec's generator draws them: N(0, 1) cache and queries, block tables taken
+    from a random permutation of the block pool, as a non-contiguous view (every other column)."""
+    g = torch.Generator().manual_seed(seed)
+    batch = len(seq_lens)
+    max_blocks = max(1, -(-max(seq_lens) // block_size)) + 1
+    num_blocks = 2 * batch * max_blocks + 3
+    kv_cache = torch.randn(num_blocks, block_size, d_c + d_r, generator=g).to(device, dtype)
+    pool = torch.randperm(num_blocks, generator=g)[: 2 * batch * max_blocks].to(torch.int32)
+    block_tables = pool.view(batch, 2 * max_blocks).to(device)[:, ::2]
+    assert not block_tables.is_contiguous()
+    q_latent = torch.randn(batch, heads, d_c, generator=g).to(device, dtype)
+    # q_pe as a strided view (the model's rope output need not be contiguous).
+    q_pe = torch.randn(batch, heads, d_r + 3, generator=g).to(device, dtype)[..., :d_r]
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    return q_latent, q_pe, kv_cache, block_tables, lens
+
+
+@pytest.fixture(params=["default", "many_splits"])
+def split_mode(request, monkeypatch):
+    """'many_splits' shrinks tiles and split lengths so tiny sequences span several splits
+    (including empty ones) and the combine kernel runs."""
+    if request.param == "many_splits":
+        monkeypatch.setattr(mla_decode, "BLOCK_N", 16)
+        monkeypatch.setattr(mla_decode, "FP32_BLOCK_N", 16)
+        monkeypatch.setattr(mla_decode, "MIN_SPLIT_TOKENS", 16)
+        monkeypatch.setattr(mla_decode, "INTERPRETER_SMS", 64)
+        monkeypatch.setattr(mla_decode, "SPLIT_WAVES", 64.0)
+    return request.param
+
+
+def _check_decode(seq_lens, heads, d_c, d_r, block_size, scale, dtype, device, seed=0):
+    args = _decode_inputs(seq_lens, heads, d_c, d_r, block_size, dtype, device, seed)
+    with nan_poisoned_empty():
+        out = mla_decode.mla_decode_attention(*args, scale)
+    ref = ref_ops.mla_decode_attention(*args, scale)
+    assert out.shape == ref.shape and out.dtype == dtype and out.device == args[0].device
+    assert_close(out, ref, "mla_decode_attention", dtype, f" seq_lens={seq_lens} H={heads}")
+
+
+@pytest.mark.parametrize("case", _cases("mla_decode_attention", "kv_lora_rank", 512))
+def test_decode_spec_shapes(case, split_mode, dtype, device):
+    d_c, d_r = case["kv_lora_rank"], case["rope_dim"]
+    _check_decode(case["seq_lens"], case["heads"], d_c, d_r, case["block_size"],
+                  _scale(case["scale"], d_c + d_r), dtype, device)
+
+
+@pytest.mark.parametrize(
+    "seq_lens,heads,block_size",
+    [
+        ([1, 2, 3, 4, 5, 17], 3, 4),   # lengths around block boundaries, H < 16 padded
+        ([70, 1, 33], 20, 8),          # two head blocks (BLOCK_H = 16), several tiles
+        ([45], 2, 1),                  # block_size 1: every token on its own page
+        ([9, 40], 4, 64),              # one page larger than the sequences
+    ],
+)
+def test_decode_awkward(seq_lens, heads, block_size, split_mode, dtype, device):
+    _check_decode(seq_lens, heads, 32, 8, block_size, 40**-0.5, dtype, device, seed=1)
+
+
+def test_decode_odd_dims(split_mode, dtype, device):
+    """Latent and rope widths that are not powers of two (masked padding)."""
+    _check_decode([5, 23], 4, 24, 6, 4, 0.2, dtype, device, seed=2)
+
+
+def test_decode_padding_sequence_gives_zeros(split_mode, dtype, device):
+    """seq_len 0 (a padded row of a captured batch) attends to nothing: zeros, like the reference."""
+    args = _decode_inputs([0, 6], 4, 32, 8, 4, dtype, device)
+    with nan_poisoned_empty():
+        out = mla_decode.mla_decode_attention(*args, 0.15)
+    assert_close(out, ref_ops.mla_decode_attention(*args, 0.15), "mla_decode_attention", dtype)
+    assert torch.count_nonzero(out[0]) == 0
+
+
+def test_decode_empty_batch(device):
+    args = _decode_inputs([1], 4, 32, 8, 4, torch.float32, device)
+    q_latent, q_pe, kv_cache, block_tables, lens = args
+    out = mla_decode.mla_decode_attention(q_latent[:0], q_pe[:0], kv_cache, block_tables[:0], lens[:0], 0.1)
+    assert out.shape == (0, 4, 32)
+
+
+def test_decode_split_count_from_shapes_only(monkeypatch):
+    """The number of splits depends on the shapes (batch, heads, block table width), not on values."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(mla_decode, "INTERPRETER_SMS", 132)
+    assert mla_decode._num_splits(128, 2, 4096, cpu) == 1          # large batch: one wave already
+    assert mla_decode._num_splits(64, 2, 4096, cpu) == 1           # 128 of 132 SMs busy: no partials
+    assert mla_decode._num_splits(1, 2, 16384, cpu) == 64          # one long sequence: many splits
+    assert mla_decode._num_splits(1, 2, 300, cpu) == 2             # capped by MIN_SPLIT_TOKENS
+    assert mla_decode._num_splits(4, 2, 4096, cpu) == 16
+
+
+@pytest.mark.gpu
+def test_decode_long_context(dtype, device):
+    _check_decode([4096, 4000, 1, 2049], 128, 512, 64, 64, SCALES["v3_yarn"], dtype, device, seed=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,block_size", [(128, 64), (16, 16)])
+def test_decode_cuda_graph(heads, block_size, dtype, device):
+    """Captured once, replayed: same bits as eager, and new seq_lens / block tables are honoured."""
+    q_latent, q_pe, kv_cache, block_tables, lens = _decode_inputs(
+        [700, 1, 64, 333], heads, 512, 64, block_size, dtype, device, seed=4
+    )
+    scale = SCALES["v3_yarn"]
+
+    def call():
+        return mla_decode.mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, lens, scale)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    eager = call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+
+    lens.copy_(torch.tensor([5, 720, 1, 100], dtype=torch.int32, device=device))
+    block_tables.copy_(block_tables.flip(0))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, call())
+    assert_close(captured, ref_ops.mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, lens, scale),
+                 "mla_decode_attention", dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# mla_prefill_attention
+
+
+def _prefill_inputs(lens_q, lens_k, heads, d_qk, d_v, dtype, device, seed=0):
+    """q, k, v shaped and strided as the model makes them: q a view of a wider tensor, k the
+    concatenation [k_nope | shared k_pe], v a view into the [S, H, nope + v] projection."""
+    g = torch.Generator().manual_seed(seed)
+    d_rope = d_qk // 3
+    d_nope = d_qk - d_rope
+    tq, tk = sum(lens_q), sum(lens_k)
+    q = torch.randn(tq, heads, d_qk + 5, generator=g).to(device, dtype)[..., :d_qk]
+    kv = torch.randn(tk, heads, d_nope + d_v, generator=g).to(device, dtype)
+    k_pe = torch.randn(tk, 1, d_rope, generator=g).to(device, dtype)
+    k = torch.cat([kv[..., :d_nope], k_pe.expand(tk, heads, d_rope)], dim=-1)
+    v = kv[..., d_nope:]
+
+    def cu(lens):
+        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+    return q, k, v, cu(lens_q), cu(lens_k)
+
+
+@pytest.fixture(params=["default", "small_tiles"])
+def prefill_tiles(request, monkeypatch):
+    """'small_tiles' makes the tiny sequences span several query and key tiles."""
+    if request.param == "small_tiles":
+        for prefix in ("", "FP32_"):
+            monkeypatch.setattr(mla_prefill, f"{prefix}BLOCK_M", 16)
+            monkeypatch.setattr(mla_prefill, f"{prefix}BLOCK_N", 16)
+            monkeypatch.setattr(mla_prefill, f"{prefix}NUM_WARPS", 4)
+    return request.param
+
+
+def _check_prefill(lens_q, lens_k, heads, d_qk, d_v, scale, dtype, device, seed=0):
+    args = _prefill_inputs(lens_q, lens_k, heads, d_qk, d_v, dtype, device, seed)
+    with nan_poisoned_empty():
+        out = mla_prefill.mla_prefill_attention(*args, scale)
+    ref = ref_ops.mla_prefill_attention(*args, scale)
+    assert out.shape == ref.shape and out.dtype == dtype
+    if ref.shape[0]:
+        assert_close(out, ref, "mla_prefill_attention", dtype, f" lq={lens_q} lk={lens_k}")
+
+
+@pytest.mark.parametrize("case", _cases("mla_prefill_attention", "qk_dim", 192))
+def test_prefill_spec_shapes(case, prefill_tiles, dtype, device):
+    _check_prefill(case["seq_lens_q"], case["seq_lens_k"], case["heads"], case["qk_dim"], case["v_dim"],
+                   _scale(case["scale"], case["qk_dim"]), dtype, device)
+
+
+@pytest.mark.parametrize(
+    "lens_q,lens_k",
+    [
+        ([0, 5, 0, 3], [4, 5, 2, 9]),   # sequences with no new token in the batch
+        ([40, 1], [75, 50]),            # long cached prefixes, one single-token chunk
+        ([33], [33]),                   # plain causal, partial tiles
+        ([3, 2, 5], [17, 17, 68]),      # prefixes of 14, 15, 63: the diagonal just before a key tile's end
+        ([0], [7]),                     # nothing to compute at all
+    ],
+)
+def test_prefill_awkward(lens_q, lens_k, prefill_tiles, dtype, device):
+    _check_prefill(lens_q, lens_k, 2, 24, 16, 24**-0.5, dtype, device, seed=1)
+
+
+def test_prefill_power_of_two_dims(prefill_tiles, dtype, device):
+    """d_qk a power of two: no remainder part."""
+    _check_prefill([6, 20], [10, 20], 3, 16, 16, 0.25, dtype, device, seed=2)
+
+
+def test_prefill_empty(device):
+    q, k, v, cu_q, cu_k = _prefill_inputs([2], [2], 2, 24, 16, torch.float32, device)
+    out = mla_prefill.mla_prefill_attention(q[:0], k, v, torch.zeros_like(cu_q), cu_k, 0.2)
+    assert out.shape == (0, 2, 16)
+
+
+@pytest.mark.gpu
+def test_prefill_long(dtype, device):
+    _check_prefill([1000, 300, 0, 517], [1000, 1324, 64, 517], 16, 192, 128, SCALES["v2lite_yarn"], dtype, device)

@@ -1,0 +1,82 @@
+"""The NVIDIA backend's whole op table driving the engine end to end, against the reference.
+
+Without a GPU the kernels run in Triton's interpreter on the CPU (float32, tiny checkpoints), so
+CI checks how the kernels fit the model (views, strides, packing of prefill and decode tokens,
+FP8 weights kept quantised) before any GPU is involved. With a GPU, tests/test_gpu.py does the
+same through the real plugin.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.ops import OpTable
+from tests.hf_checkpoints import write_checkpoint
+
+PROMPTS = [[5, 17, 42, 99, 3, 64, 7], [11, 12], [150, 2, 2, 8, 33, 41, 90, 100, 120, 7, 6, 5, 4]]
+
+
+def _nvidia_ops() -> OpTable:
+    from deepinfer_nvidia_sm100.backend import KERNEL_MODULES
+
+    impls = {}
+    for name in KERNEL_MODULES:
+        impls.update(importlib.import_module(f"deepinfer_nvidia_sm100.kernels.{name}").OPS)
+    return OpTable(impls, dict.fromkeys(impls, "nvidia"))
+
+
+@pytest.fixture
+def use_kernels(monkeypatch, device):
+    """use_kernels(fp8): from then on, engines built for accelerator="cpu" get the NVIDIA op table
+    (interpreted on the CPU), on a platform that keeps FP8 weights when ``fp8``."""
+    if device.type != "cpu":
+        pytest.skip("on a GPU the real plugin is tested end to end by tests/test_gpu.py")
+    import deepinfer_core.plugins as plugins
+
+    original = plugins.load_backend
+
+    def enable(fp8: bool = False) -> None:
+        def load_backend(requested=None, model_config=None):
+            manager, backend, platform, _, limits = original("cpu", model_config)
+            platform.fp8_weights = fp8
+            return manager, backend, platform, _nvidia_ops(), limits
+
+        monkeypatch.setattr(plugins, "load_backend", load_backend)
+
+    return enable
+
+
+def test_greedy_generation_matches_reference(tmp_path, use_kernels):
+    path = tmp_path / "ckpt"
+    write_checkpoint("v3_grouped", path)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    expected = LLM(model=str(path), accelerator="cpu", dtype="float32", progress=False).generate(PROMPTS, params, use_tqdm=False)
+    use_kernels()
+    llm = LLM(model=str(path), accelerator="cpu", dtype="float32", max_num_batched_tokens=16, progress=False)
+    assert set(llm.engine.ops.providers.values()) == {"nvidia"}
+    got = llm.generate(PROMPTS, params, use_tqdm=False)  # 16-token budget: chunked prefill beside decodes
+    for a, b in zip(expected, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys() and all(abs(la[t] - lb[t]) < 1e-3 for t in la)
+
+
+def test_fp8_checkpoint_kept_quantised(tmp_path, use_kernels):
+    """Partial 32x32 FP8 blocks kept as FP8 through fp8_block_linear and the FP8 expert GEMMs:
+    teacher-forced log-probabilities close to the reference's dequantised float32 model."""
+    path = tmp_path / "fp8"
+    write_checkpoint("v3_fp8", path)
+    texts = [p + [9, 10, 11] for p in PROMPTS]
+    score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    expected = LLM(model=str(path), accelerator="cpu", dtype="float32", progress=False).generate(texts, score, use_tqdm=False)
+    use_kernels(fp8=True)
+    llm = LLM(model=str(path), accelerator="cpu", dtype="float32", progress=False)
+    assert llm.engine.model.keep_fp8
+    got = llm.generate(texts, score, use_tqdm=False)
+    for a, b, ids in zip(expected, got, texts):
+        for pos in range(1, len(ids)):
+            ref_lp, lp = a.prompt_logprobs[pos][ids[pos]], b.prompt_logprobs[pos][ids[pos]]
+            assert abs(ref_lp - lp) <= 0.1 + 0.05 * abs(ref_lp), (pos, ref_lp, lp)

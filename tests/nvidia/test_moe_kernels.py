@@ -1,0 +1,411 @@
+"""The MoE Triton kernels (moe_route, the expert align, moe_experts) against the reference ops.
+
+Tiny float32 cases run everywhere (on a CPU in Triton's interpreter); the real DeepSeek shapes of
+specs/ops.toml and the CUDA-graph tests are marked `gpu`. Inputs follow the generator conventions
+of specs/ops.toml: activations N(0, 1), weights N(0, 1) / sqrt(fan_in), router bias 0.1 N(0, 1),
+block-FP8 weights quantised with amax / 448 per block, token ids drawn so that some experts
+receive no token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deepinfer_core.ops import REFERENCE_OPS
+from deepinfer_nvidia_sm100.kernels import moe as kmoe
+from tests.op_spec import assert_close, shapes, spec
+
+TIE_EPS = float(spec()["moe_route"]["tie_eps"])
+ROUTE_KEYS = ("top_k", "scoring_func", "topk_method", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor")
+
+
+def _cases(op: str, extra: list[dict], tiny) -> list:
+    """The spec's shapes for op (the non-tiny ones gpu-marked), then extra tiny cases."""
+    params = []
+    for case in shapes(op) + extra:
+        marks = () if tiny(case) else (pytest.mark.gpu,)
+        ident = "-".join(f"{k}={v}" for k, v in case.items())
+        params.append(pytest.param(case, marks=marks, id=ident))
+    return params
+
+
+def _generator(device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _poison_allocator(device) -> None:
+    """Leave NaN in the CUDA caching allocator's free blocks, so unwritten outputs show as NaN."""
+    if device.type == "cuda":
+        torch.full((64 << 20,), float("nan"), device=device)
+
+
+# ============================================================================================
+# moe_route
+# ============================================================================================
+
+ROUTE_EXTRA = [
+    # every scoring x method combination the reference supports, on a grouped tiny gate
+    *[
+        dict(tokens=7, hidden=32, experts=16, top_k=4, n_group=4, topk_group=2, scoring_func=s, topk_method=m,
+             norm_topk_prob=n, routed_scaling_factor=1.5)
+        for s in ("sigmoid", "softmax")
+        for m, n in (("noaux_tc", True), ("noaux_tc", False), ("greedy", True), ("group_limited_greedy", False))
+    ],
+    # V3-like: 8 groups, top-4 groups, top-8
+    dict(tokens=5, hidden=48, experts=64, top_k=8, n_group=8, topk_group=4, scoring_func="sigmoid",
+         topk_method="noaux_tc", norm_topk_prob=True, routed_scaling_factor=2.5),
+    # V2-like: groups of 5 experts (not a power of two), max-score groups
+    dict(tokens=6, hidden=32, experts=20, top_k=3, n_group=4, topk_group=2, scoring_func="softmax",
+         topk_method="group_limited_greedy", norm_topk_prob=False, routed_scaling_factor=16.0),
+    # k larger than the kept experts: the rest come from dropped groups (-inf selection scores)
+    dict(tokens=4, hidden=32, experts=8, top_k=3, n_group=4, topk_group=1, scoring_func="sigmoid",
+         topk_method="noaux_tc", norm_topk_prob=True, routed_scaling_factor=1.0),
+    # greedy ignores n_group (10 experts are not divisible by 3 groups)
+    dict(tokens=3, hidden=32, experts=10, top_k=2, n_group=3, topk_group=2, scoring_func="softmax",
+         topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0),
+    # no correction bias
+    dict(tokens=4, hidden=32, experts=16, top_k=2, n_group=2, topk_group=1, scoring_func="sigmoid",
+         topk_method="noaux_tc", norm_topk_prob=True, routed_scaling_factor=1.0, bias=False),
+]
+
+
+def _route_inputs(case: dict, dtype, device, seed: int = 0):
+    g = _generator(device, seed)
+    x = torch.randn(case["tokens"], case["hidden"], generator=g, device=device).to(dtype)
+    gate = torch.randn(case["experts"], case["hidden"], generator=g, device=device) / math.sqrt(case["hidden"])
+    bias = 0.1 * torch.randn(case["experts"], generator=g, device=device)
+    return x, gate, (bias if case.get("bias", True) else None)
+
+
+def _reference_selection(x, gate, bias, top_k, scoring_func, topk_method, n_group, topk_group, norm_topk_prob,
+                         routed_scaling_factor):
+    """What the reference ranks ([T, E] selection scores) and the weights it gives a chosen id set."""
+    logits = F.linear(x.float(), gate.float())
+    scores = logits.sigmoid() if scoring_func == "sigmoid" else logits.softmax(dim=-1)
+    num_tokens, num_experts = scores.shape
+
+    def group_keep(group_scores):
+        picked = group_scores.topk(topk_group, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, picked, True)
+        return keep.repeat_interleave(num_experts // n_group, dim=1)
+
+    if topk_method == "noaux_tc":
+        choice = scores if bias is None else scores + bias
+        grouped = choice.view(num_tokens, n_group, -1)
+        keep = group_keep(grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1))
+        selection, source = choice.masked_fill(~keep, float("-inf")), scores
+    elif topk_method == "greedy":
+        selection = source = scores
+    else:
+        keep = group_keep(scores.view(num_tokens, n_group, -1).max(-1).values)
+        selection = source = scores.masked_fill(~keep, 0.0)
+
+    def weights_of(ids):
+        w = source.gather(1, ids)
+        if topk_method == "noaux_tc" and norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return w * routed_scaling_factor
+
+    return selection, weights_of
+
+
+def check_route(weights, ids, x, gate, bias, params: dict, dtype) -> None:
+    """Compare with the reference under the spec's rule: id sets equal per token, except where the
+    reference's k-th and (k+1)-th selection scores tie within tie_eps (then any valid top-k, with
+    weights compared against the reference weights of the chosen ids)."""
+    num_tokens, top_k = x.shape[0], params["top_k"]
+    assert weights.shape == (num_tokens, top_k) and weights.dtype == torch.float32
+    assert ids.shape == (num_tokens, top_k) and ids.dtype == torch.int64
+    ref_w, ref_ids = REFERENCE_OPS["moe_route"](x, gate, bias, **params)
+    selection, weights_of = _reference_selection(x, gate, bias, **params)
+    ids, ref_ids, selection = ids.cpu(), ref_ids.cpu(), selection.cpu()
+    out_ids, order = ids.sort(dim=1)
+    out_w = weights.cpu().gather(1, order)
+    ref_sorted, ref_order = ref_ids.sort(dim=1)
+    ref_w = ref_w.cpu().gather(1, ref_order)
+    ranked = selection.sort(dim=1, descending=True).values
+    kth = ranked[:, top_k - 1]
+    after = ranked[:, top_k] if top_k < ranked.shape[1] else torch.full_like(kth, float("-inf"))
+    tie = (kth == after) | ((kth - after).abs() < TIE_EPS)
+    same = (out_ids == ref_sorted).all(dim=1)
+    bad = ~(same | tie)
+    assert not bad.any(), f"moe_route: ids differ without a tie at tokens {bad.nonzero().flatten().tolist()}: " \
+        f"{out_ids[bad].tolist()} vs reference {ref_sorted[bad].tolist()}"
+    for t in (~same).nonzero().flatten().tolist():  # tie tokens: a valid top-k of distinct ids
+        assert out_ids[t].unique().numel() == top_k, f"moe_route: repeated id at token {t}: {out_ids[t].tolist()}"
+        chosen = selection[t, out_ids[t]]
+        assert (chosen >= kth[t] - TIE_EPS).all() or (chosen == kth[t]).all(), f"moe_route: token {t} chose below the k-th score"
+    # The helper must agree with the reference where the ids agree (so it is a fair stand-in at ties).
+    assert_close(weights_of(ref_sorted.to(x.device)).cpu(), ref_w, "moe_route", dtype, " (test helper)")
+    expected = torch.where(same[:, None], ref_w, weights_of(out_ids.to(x.device)).cpu())
+    assert_close(out_w, expected, "moe_route", dtype)
+
+
+def _route_params(case: dict) -> dict:
+    return {k: case[k] for k in ROUTE_KEYS}
+
+
+@pytest.mark.parametrize("case", _cases("moe_route", ROUTE_EXTRA, tiny=lambda c: c["hidden"] <= 64))
+def test_moe_route_matches_reference(case, device, dtype):
+    x, gate, bias = _route_inputs(case, dtype, device)
+    params = _route_params(case)
+    weights, ids = kmoe.moe_route(x, gate, bias, **params)
+    check_route(weights, ids, x, gate, bias, params, dtype)
+
+
+@pytest.mark.parametrize("method", ["noaux_tc", "greedy", "group_limited_greedy"])
+def test_moe_route_ties_go_to_the_lowest_expert(method, device):
+    """All experts (and groups) score the same (zero gate): the spec accepts any top-k; the kernel
+    keeps the lowest groups and takes the lowest ids, with the weights those ids get."""
+    scoring = "sigmoid" if method == "noaux_tc" else "softmax"
+    x = torch.randn(3, 16, device=device)
+    gate = torch.zeros(16, 16, device=device)
+    weights, ids = kmoe.moe_route(x, gate, None, top_k=3, scoring_func=scoring, topk_method=method, n_group=4,
+                                  topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.0)
+    assert ids.cpu().tolist() == [[0, 1, 2]] * 3
+    expected = 2.0 / 3 if method == "noaux_tc" else 2.0 / 16  # only noaux_tc renormalises
+    torch.testing.assert_close(weights.cpu(), torch.full((3, 3), expected), atol=1e-6, rtol=1e-6)
+
+
+def test_moe_route_no_tokens(device):
+    x = torch.empty(0, 32, device=device)
+    gate = torch.randn(16, 32, device=device)
+    weights, ids = kmoe.moe_route(x, gate, None, top_k=4, scoring_func="sigmoid", topk_method="noaux_tc", n_group=4,
+                                  topk_group=2, norm_topk_prob=True, routed_scaling_factor=1.0)
+    assert weights.shape == (0, 4) and weights.dtype == torch.float32
+    assert ids.shape == (0, 4) and ids.dtype == torch.int64
+
+
+@pytest.mark.parametrize("bad", [dict(scoring_func="sqrtsoftplus"), dict(topk_method="hash")])
+def test_moe_route_unknown_methods_raise_like_the_reference(bad, device):
+    x = torch.randn(2, 32, device=device)
+    gate = torch.randn(8, 32, device=device)
+    params = dict(top_k=2, scoring_func="sigmoid", topk_method="noaux_tc", n_group=2, topk_group=1,
+                  norm_topk_prob=True, routed_scaling_factor=1.0) | bad
+    with pytest.raises(ValueError) as ref_err:
+        REFERENCE_OPS["moe_route"](x, gate, None, **params)
+    with pytest.raises(ValueError) as err:
+        kmoe.moe_route(x, gate, None, **params)
+    assert str(err.value) == str(ref_err.value)
+
+
+# ============================================================================================
+# Align
+# ============================================================================================
+
+
+def _check_layout(layout: kmoe.ExpertLayout, topk_ids: torch.Tensor, num_experts: int, block_m: int) -> None:
+    """Every pair exactly once, in its expert's segment, in (token, slot) order; padding = sentinel."""
+    ids = topk_ids.reshape(-1).cpu()
+    num_pairs = ids.numel()
+    counts = torch.bincount(ids, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    assert int(layout.num_padded.item()) == int(padded.sum())
+    rows = layout.sorted_pairs.cpu()[: int(padded.sum())]
+    block_expert = layout.block_expert.cpu()[: int(padded.sum()) // block_m]
+    start = 0
+    for e in range(num_experts):
+        segment = rows[start:start + int(padded[e])]
+        expected = (ids == e).nonzero().flatten()
+        assert segment[: len(expected)].tolist() == expected.tolist(), f"expert {e}"
+        assert (segment[len(expected):] == num_pairs).all(), f"expert {e}: padding is not the sentinel"
+        assert (block_expert[start // block_m:(start + int(padded[e])) // block_m] == e).all()
+        start += int(padded[e])
+
+
+@pytest.mark.parametrize("single", [True, False], ids=["one-program", "chunked"])
+@pytest.mark.parametrize("tokens,top_k,experts,block_m", [(1, 2, 8, 16), (37, 3, 8, 16), (50, 4, 24, 32), (70, 6, 5, 64)])
+def test_align_pairs(tokens, top_k, experts, block_m, single, device, monkeypatch):
+    if single:  # one program, looping over several steps
+        monkeypatch.setattr(kmoe, "ALIGN_SINGLE_PROGRAM_MAX_PAIRS", 1 << 30)
+        monkeypatch.setattr(kmoe, "ALIGN_SINGLE_BLOCK_N", 16)
+    else:  # the three-launch path with several chunks
+        monkeypatch.setattr(kmoe, "ALIGN_SINGLE_PROGRAM_MAX_PAIRS", 0)
+        monkeypatch.setattr(kmoe, "ALIGN_BLOCK_N", 16)
+        monkeypatch.setattr(kmoe, "ALIGN_BLOCK_C", 2)
+    monkeypatch.setattr(kmoe, "ALIGN_BLOCK_B", 16)
+    g = _generator(device, tokens)
+    allowed = torch.randperm(experts, generator=g, device=device)[: max(top_k, experts - 2)]
+    topk_ids = torch.stack([allowed[torch.randperm(len(allowed), generator=g, device=device)[:top_k]]
+                            for _ in range(tokens)])
+    _check_layout(kmoe.align_pairs(topk_ids, experts, block_m), topk_ids, experts, block_m)
+
+
+# ============================================================================================
+# moe_experts
+# ============================================================================================
+
+EXPERTS_EXTRA = [
+    # two experts take all 40 pairs: several M-blocks per expert; D, I not multiples of the tiles
+    dict(tokens=20, hidden=80, intermediate=24, experts=3, top_k=2, fp8_block=[]),
+    # FP8 partial blocks: D = 2.5 blocks, and a scale block straddling the gate/up boundary (I = 40)
+    dict(tokens=4, hidden=80, intermediate=40, experts=6, top_k=3, fp8_block=[32, 32]),
+    # one slot: GEMM 2 writes the output itself
+    dict(tokens=5, hidden=64, intermediate=32, experts=4, top_k=1, fp8_block=[]),
+]
+
+
+def _quantize_block_fp8(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [E, N, K] -> (float8_e4m3fn [E, N, K], float32 scales [E, ceil(N/bn), ceil(K/bk)]), amax/448 per block."""
+    bn, bk = block
+    e, n, k = w.shape
+    nb, kb = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(e, nb * bn, kb * bk, device=w.device)
+    padded[:, :n, :k] = w
+    blocks = padded.view(e, nb, bn, kb, bk)
+    scale = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-12) / 448.0
+    q = (blocks / scale[:, :, None, :, None]).to(torch.float8_e4m3fn).view(e, nb * bn, kb * bk)
+    return q[:, :n, :k].contiguous(), scale
+
+
+def _expert_inputs(case: dict, dtype, device, seed: int = 0):
+    t, d, i, e, k = (case[n] for n in ("tokens", "hidden", "intermediate", "experts", "top_k"))
+    g = _generator(device, seed)
+    x = torch.randn(t, d, generator=g, device=device).to(dtype)
+    w13 = torch.randn(e, 2 * i, d, generator=g, device=device) / math.sqrt(d)
+    w2 = torch.randn(e, d, i, generator=g, device=device) / math.sqrt(i)
+    block = tuple(case["fp8_block"]) or None
+    if block:
+        (w13, s13), (w2, s2) = _quantize_block_fp8(w13, block), _quantize_block_fp8(w2, block)
+    else:
+        w13, w2, s13, s2 = w13.to(dtype), w2.to(dtype), None, None
+    # Some experts receive no token: ids come from a random subset of about 3/4 of them.
+    allowed = torch.randperm(e, generator=g, device=device)[: max(k, e - max(1, e // 4))]
+    rows = [allowed[torch.randperm(len(allowed), generator=g, device=device)[:k]] for _ in range(t)]
+    ids = torch.stack(rows) if rows else torch.empty(0, k, dtype=torch.int64, device=device)
+    weights = torch.randn(t, k, generator=g, device=device).softmax(dim=-1)
+    return x, w13, w2, weights, ids, s13, s2, block
+
+
+@pytest.mark.parametrize("case", _cases("moe_experts", EXPERTS_EXTRA, tiny=lambda c: c["hidden"] <= 128))
+def test_moe_experts_matches_reference(case, device, dtype):
+    args = _expert_inputs(case, dtype, device)
+    _poison_allocator(device)
+    out = kmoe.moe_experts(*args)
+    assert out.shape == args[0].shape and out.dtype == dtype
+    assert_close(out, REFERENCE_OPS["moe_experts"](*args), "moe_experts", dtype)
+
+
+@pytest.mark.parametrize("tiles", [t for _, t in kmoe.EXPERT_TILES], ids=lambda t: f"block_m={t.block_m}")
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-weights", "fp8"])
+def test_moe_experts_every_tile_config(tiles, fp8, device, dtype):
+    case = dict(tokens=24, hidden=64, intermediate=32, experts=5, top_k=3, fp8_block=[32, 32] if fp8 else [])
+    args = _expert_inputs(case, dtype, device, seed=1)
+    out = kmoe._run_experts(*args, tiles=tiles, act_quant=False)
+    assert_close(out, REFERENCE_OPS["moe_experts"](*args), "moe_experts", dtype)
+
+
+def test_moe_experts_chunked_align(device, dtype, monkeypatch):
+    monkeypatch.setattr(kmoe, "ALIGN_SINGLE_PROGRAM_MAX_PAIRS", 0)
+    monkeypatch.setattr(kmoe, "ALIGN_BLOCK_N", 16)
+    case = dict(tokens=30, hidden=64, intermediate=32, experts=6, top_k=2, fp8_block=[])
+    args = _expert_inputs(case, dtype, device, seed=2)
+    assert_close(kmoe.moe_experts(*args), REFERENCE_OPS["moe_experts"](*args), "moe_experts", dtype)
+
+
+def _w8a8_emulation(x, w13, w2, weights, ids, s13, s2, block):
+    """moe_experts with W8A8 numerics in torch: per-token, per-bk activation quantisation to e4m3."""
+    from deepinfer_core.ops.linear import dequantize_fp8_block
+
+    def quantize(a, bk):
+        t, k = a.shape
+        kb = -(-k // bk)
+        padded = torch.zeros(t, kb * bk, device=a.device)
+        padded[:, :k] = a.float()
+        blocks = padded.view(t, kb, bk)
+        amax = blocks.abs().amax(-1, keepdim=True)
+        scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+        q = (blocks / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+        return q.view(t, kb * bk)[:, :k]
+
+    out = torch.zeros(x.shape, device=x.device)
+    inter = w13.shape[1] // 2
+    for e in ids.unique().tolist():
+        token, slot = torch.where(ids == e)
+        gu = quantize(x[token], block[1]) @ dequantize_fp8_block(w13[e], s13[e], block, torch.float32).T
+        h = (F.silu(gu[:, :inter]) * gu[:, inter:]).to(x.dtype)
+        y = quantize(h, block[1]) @ dequantize_fp8_block(w2[e], s2[e], block, torch.float32).T
+        out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype).float())
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("tiles", [kmoe.EXPERT_TILES[0][1], kmoe.EXPERT_TILES[-1][1]], ids=lambda t: f"block_m={t.block_m}")
+def test_moe_experts_w8a8_mode(tiles, device, dtype):
+    """The W8A8 mode against a torch emulation of the same quantisation (not the dequantising
+    reference: its activation rounding is far outside the moe_experts tolerance, see moe.py)."""
+    case = dict(tokens=6, hidden=80, intermediate=40, experts=6, top_k=3, fp8_block=[32, 32])
+    args = _expert_inputs(case, dtype, device, seed=3)
+    out = kmoe._run_experts(*args, tiles=tiles, act_quant=True)
+    # A one-ulp difference in h (bf16) can move an e4m3 rounding: allow a few e4m3 steps.
+    tol = dict(atol=1e-2, rtol=1e-2) if dtype == torch.float32 else dict(atol=6e-2, rtol=6e-2)
+    torch.testing.assert_close(out.float(), _w8a8_emulation(*args).float(), **tol)
+
+
+def test_round_to_e4m3_matches_torch(device):
+    """The interpreter's float32 -> e4m3 rounding, against torch's cast (ties to even, carries)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def round_kernel(v_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(v_ptr + offs, mask=offs < n)
+        tl.store(out_ptr + offs, kmoe._round_to_e4m3(v), mask=offs < n)
+
+    grid = torch.tensor([0.0, 448.0, 2.0**-9, 2.0**-7, 3 * 2.0**-10, 15.5, 31.5, 100.0, 104.0, 127.9, 2.0**-6 * 1.0625])
+    values = torch.cat([grid, -grid, torch.randn(4000, generator=_generator("cpu", 0)) * 30,
+                        torch.rand(1000, generator=_generator("cpu", 1)) * 0.03]).clamp(-448, 448).to(device)
+    out = torch.empty_like(values)
+    round_kernel[(triton.cdiv(values.numel(), 1024),)](values, out, values.numel(), BLOCK=1024)
+    torch.testing.assert_close(out.cpu(), values.to(torch.float8_e4m3fn).float().cpu(), atol=0, rtol=0)
+
+
+def test_moe_experts_no_tokens(device):
+    case = dict(tokens=0, hidden=64, intermediate=32, experts=8, top_k=2, fp8_block=[])
+    args = _expert_inputs(case, torch.float32, device)
+    out = kmoe.moe_experts(*args)
+    assert out.shape == (0, 64) and out.dtype == torch.float32
+
+
+# ============================================================================================
+# CUDA graphs (decode path): route + experts captured equal eager, also after new inputs
+# ============================================================================================
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 200])  # 200 * 8 pairs take the chunked align
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_route_and_experts_under_cuda_graph(tokens, fp8, device):
+    dtype = torch.bfloat16
+    route_case = dict(tokens=tokens, hidden=1024, experts=64, top_k=8, n_group=8, topk_group=4,
+                      scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True, routed_scaling_factor=2.5)
+    x, gate, bias = _route_inputs(route_case, dtype, device)
+    expert_case = dict(tokens=tokens, hidden=1024, intermediate=256, experts=64, top_k=8,
+                       fp8_block=[128, 128] if fp8 else [])
+    _, w13, w2, _, _, s13, s2, block = _expert_inputs(expert_case, dtype, device)
+    params = _route_params(route_case)
+
+    def step():
+        weights, ids = kmoe.moe_route(x, gate, bias, **params)
+        return kmoe.moe_experts(x, w13, w2, weights, ids, s13, s2, block)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for seed in (0, 1):
+        x.copy_(_route_inputs(route_case, dtype, device, seed=seed + 10)[0])
+        eager = step()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager), f"graph replay differs from eager (input seed {seed})"
+    weights, ids = REFERENCE_OPS["moe_route"](x, gate, bias, **params)
+    assert_close(captured, REFERENCE_OPS["moe_experts"](x, w13, w2, weights, ids, s13, s2, block), "moe_experts", dtype)

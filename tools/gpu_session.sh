@@ -19,11 +19,11 @@ for part in "${parts[@]}"; do
   case "$part" in
     tests|all)
       deepinfer backends 2>&1
-      timeout 420 python3 -m pytest -q -p no:cacheprovider tests/nvidia tests/test_gpu.py 2>&1 | tail -40 ;;&
+      timeout "${TESTS_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-4}" -rfE tests/nvidia tests/test_gpu.py 2>&1 | tail -60 ;;&
     kernels|all)
-      timeout 300 python3 -m benchmarks.kernels --out "$out" 2>&1 ;;&
+      timeout "${KERNELS_TIMEOUT:-230}" python3 -m benchmarks.kernels --out "$out" 2>&1 ;;&
     e2e|all)
-      timeout 500 python3 -m benchmarks.e2e --model v2-lite --model v3-slice --hf-peer --out "$out" ${QUICK:+--quick} 2>&1
+      timeout "${E2E_TIMEOUT:-540}" python3 -m benchmarks.e2e --model v2-lite --model v3-slice --hf-peer --out "$out" ${QUICK:+--quick} 2>&1
       python3 -m benchmarks.plots "$out" ;;
   esac
 done

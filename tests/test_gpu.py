@@ -67,20 +67,20 @@ def test_decode_graphs_match_eager(checkpoint):
 
 
 def test_fp8_checkpoint_kept_fp8_matches_cpu_dequantised(tmp_path):
-    """A block-FP8 checkpoint (partial 32x32 blocks) stays FP8 on the GPU (W8A8 with dynamic
-    activation quantisation); teacher-forced log-probabilities stay close to the CPU reference,
-    which dequantises the weights and computes in float32."""
+    """A block-FP8 checkpoint (partial 32x32 blocks) stays FP8 on the GPU (FP8 GEMMs and FP8
+    expert GEMMs); teacher-forced log-probabilities stay close to the CPU reference, which
+    dequantises the weights. Both in float32, so that the difference is the FP8 path's alone."""
     path = tmp_path / "fp8"
     write_checkpoint("v3_fp8", path)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     cpu_llm = LLM(model=str(path), accelerator="cpu", dtype="float32", progress=False)
     texts = [p + o.outputs[0].token_ids for p, o in zip(PROMPTS, cpu_llm.generate(PROMPTS, params, use_tqdm=False))]
     score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    gpu_llm = LLM(model=str(path), accelerator="nvidia", dtype="bfloat16", progress=False)
+    gpu_llm = LLM(model=str(path), accelerator="nvidia", dtype="float32", progress=False)
     assert gpu_llm.engine.model.keep_fp8
     cpu = cpu_llm.generate(texts, score, use_tqdm=False)
     gpu = gpu_llm.generate(texts, score, use_tqdm=False)
     for a, b, ids in zip(cpu, gpu, texts):
         for pos in range(1, len(ids)):
             ref, got = a.prompt_logprobs[pos][ids[pos]], b.prompt_logprobs[pos][ids[pos]]
-            assert abs(ref - got) <= 0.1 + 0.05 * abs(ref), (pos, ref, got)
+            assert abs(ref - got) <= 0.02 + 0.01 * abs(ref), (pos, ref, got)

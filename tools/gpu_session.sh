@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (the `device` tool): install the carried wheels and this repo,
 # run the GPU tests, then the benchmarks; everything lands in $OUT.
-#   bash tools/gpu_session.sh [tests|kernels|e2e|all ...]     (default: all)
+#   bash tools/gpu_session.sh [tests|kernels|e2e|tune|profile|all ...]     (default: all = tests kernels e2e)
 set -uo pipefail
 out="${OUT:-/tmp/out}"
 mkdir -p "$out"
@@ -21,7 +21,12 @@ for part in "${parts[@]}"; do
       deepinfer backends 2>&1
       timeout "${TESTS_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-4}" -rfE tests/nvidia tests/test_gpu.py 2>&1 | tail -60 ;;&
     kernels|all)
-      timeout "${KERNELS_TIMEOUT:-230}" python3 -m benchmarks.kernels --out "$out" 2>&1 ;;&
+      timeout "${KERNELS_TIMEOUT:-230}" python3 -m benchmarks.kernels --out "$out" ${KERNELS_ONLY:+$KERNELS_ONLY} 2>&1 ;;&
+    tune)
+      timeout "${TUNE_TIMEOUT:-300}" python3 -m benchmarks.tune --out "$out" 2>&1 ;;
+    profile)
+      timeout "${PROFILE_TIMEOUT:-200}" python3 -m benchmarks.profile_step --model v2-lite --model v3-slice \
+        --point 1x1024 --point 32x1024 --point 64x4096 --out "$out" 2>&1 ;;
     e2e|all)
       timeout "${E2E_TIMEOUT:-540}" python3 -m benchmarks.e2e --model v2-lite --model v3-slice --hf-peer --out "$out" ${QUICK:+--quick} 2>&1
       python3 -m benchmarks.plots "$out" ;;

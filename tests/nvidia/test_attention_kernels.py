@@ -206,21 +206,24 @@ def _prefill_inputs(lens_q, lens_k, heads, d_qk, d_v, dtype, device, seed=0):
     return q, k, v, cu(lens_q), cu(lens_k)
 
 
-@pytest.fixture(params=["default", "small_tiles"])
+@pytest.fixture(params=["default", "small_tiles", "sdpa"])
 def prefill_tiles(request, monkeypatch):
-    """'small_tiles' makes the tiny sequences span several query and key tiles."""
+    """The prefill implementation under test: the Triton kernel ('small_tiles' makes the tiny
+    sequences span several query and key tiles) or the SDPA one the op table uses."""
     if request.param == "small_tiles":
         for prefix in ("", "FP32_"):
             monkeypatch.setattr(mla_prefill, f"{prefix}BLOCK_M", 16)
             monkeypatch.setattr(mla_prefill, f"{prefix}BLOCK_N", 16)
             monkeypatch.setattr(mla_prefill, f"{prefix}NUM_WARPS", 4)
-    return request.param
+    if request.param == "sdpa":
+        return mla_prefill.mla_prefill_attention_sdpa
+    return mla_prefill.mla_prefill_attention
 
 
-def _check_prefill(lens_q, lens_k, heads, d_qk, d_v, scale, dtype, device, seed=0):
+def _check_prefill(lens_q, lens_k, heads, d_qk, d_v, scale, dtype, device, seed=0, impl=None):
     args = _prefill_inputs(lens_q, lens_k, heads, d_qk, d_v, dtype, device, seed)
     with nan_poisoned_empty():
-        out = mla_prefill.mla_prefill_attention(*args, scale)
+        out = (impl or mla_prefill.mla_prefill_attention)(*args, scale)
     ref = ref_ops.mla_prefill_attention(*args, scale)
     assert out.shape == ref.shape and out.dtype == dtype
     if ref.shape[0]:
@@ -230,7 +233,7 @@ def _check_prefill(lens_q, lens_k, heads, d_qk, d_v, scale, dtype, device, seed=
 @pytest.mark.parametrize("case", _cases("mla_prefill_attention", "qk_dim", 192))
 def test_prefill_spec_shapes(case, prefill_tiles, dtype, device):
     _check_prefill(case["seq_lens_q"], case["seq_lens_k"], case["heads"], case["qk_dim"], case["v_dim"],
-                   _scale(case["scale"], case["qk_dim"]), dtype, device)
+                   _scale(case["scale"], case["qk_dim"]), dtype, device, impl=prefill_tiles)
 
 
 @pytest.mark.parametrize(
@@ -244,12 +247,12 @@ def test_prefill_spec_shapes(case, prefill_tiles, dtype, device):
     ],
 )
 def test_prefill_awkward(lens_q, lens_k, prefill_tiles, dtype, device):
-    _check_prefill(lens_q, lens_k, 2, 24, 16, 24**-0.5, dtype, device, seed=1)
+    _check_prefill(lens_q, lens_k, 2, 24, 16, 24**-0.5, dtype, device, seed=1, impl=prefill_tiles)
 
 
 def test_prefill_power_of_two_dims(prefill_tiles, dtype, device):
     """d_qk a power of two: no remainder part."""
-    _check_prefill([6, 20], [10, 20], 3, 16, 16, 0.25, dtype, device, seed=2)
+    _check_prefill([6, 20], [10, 20], 3, 16, 16, 0.25, dtype, device, seed=2, impl=prefill_tiles)
 
 
 def test_prefill_empty(device):
@@ -259,5 +262,7 @@ def test_prefill_empty(device):
 
 
 @pytest.mark.gpu
-def test_prefill_long(dtype, device):
-    _check_prefill([1000, 300, 0, 517], [1000, 1324, 64, 517], 16, 192, 128, SCALES["v2lite_yarn"], dtype, device)
+@pytest.mark.parametrize("impl", ["triton", "sdpa"])
+def test_prefill_long(impl, dtype, device):
+    fn = mla_prefill.mla_prefill_attention_sdpa if impl == "sdpa" else mla_prefill.mla_prefill_attention
+    _check_prefill([1000, 300, 0, 517], [1000, 1324, 64, 517], 16, 192, 128, SCALES["v2lite_yarn"], dtype, device, impl=fn)

@@ -1,0 +1,163 @@
+"""Sweeps of the NVIDIA kernels' tunables (module constants), timed as CUDA-graph replays.
+
+    python -m benchmarks.tune --out results/ [--only mla_decode --only moe --only fp8_linear]
+
+Prints, per shape, every configuration's time, and writes tune.json: the evidence behind the
+constants chosen in deepinfer_nvidia_sm100/kernels/*.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+
+
+def _time(fn) -> float:
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+
+
+def _set(module, values: dict) -> dict:
+    old = {k: getattr(module, k) for k in values}
+    for k, v in values.items():
+        setattr(module, k, v)
+    return old
+
+
+def tune_mla_decode(device="cuda") -> list[dict]:
+    from deepinfer_nvidia_sm100.kernels import mla_decode as m
+
+    out = []
+    block_size = 16
+    shapes = [(16, b, s) for b, s in ((1, 1024), (32, 1024), (64, 4096), (128, 1024), (128, 4096))]
+    shapes += [(128, b, s) for b, s in ((1, 4096), (32, 4096), (64, 1024))]
+    grid = {"BLOCK_N": (32, 64), "NUM_STAGES": (2, 3), "MIN_SPLIT_TOKENS": (64, 256), "SPLIT_WAVES": (1.0, 4.0)}
+    for heads, batch, seq in shapes:
+        blocks = batch * (seq // block_size)
+        cache = torch.randn(blocks, block_size, 576, device=device, dtype=torch.bfloat16)
+        tables = torch.randperm(blocks, device=device, dtype=torch.int32).view(batch, -1)
+        lens = torch.full((batch,), seq, device=device, dtype=torch.int32)
+        q = torch.randn(batch, heads, 512, device=device, dtype=torch.bfloat16)
+        qpe = torch.randn(batch, heads, 64, device=device, dtype=torch.bfloat16)
+        nbytes = batch * seq * 576 * 2
+        for values in itertools.product(*grid.values()):
+            cfg = dict(zip(grid, values))
+            if heads >= 64 and cfg["BLOCK_N"] == 64:
+                continue  # shared memory: 64 x 576 tiles with 64 heads do not fit every chip
+            old = _set(m, cfg)
+            try:
+                ms = _time(lambda: m.mla_decode_attention(q, qpe, cache, tables, lens, 0.1))
+                row = {"heads": heads, "batch": batch, "seq": seq, **cfg, "us": ms * 1e3, "kv_gb_per_s": nbytes / ms / 1e6}
+            except Exception as e:  # a config that does not compile or launch here
+                row = {"heads": heads, "batch": batch, "seq": seq, **cfg, "error": f"{type(e).__name__}: {e}"[:200]}
+            finally:
+                _set(m, old)
+            out.append(row)
+        best = min((r for r in out if r.get("us") and (r["heads"], r["batch"], r["seq"]) == (heads, batch, seq)), key=lambda r: r["us"])
+        default = next(r for r in out if (r["heads"], r["batch"], r["seq"]) == (heads, batch, seq) and all(r[k] == getattr(m, k) for k in grid))
+        print(f"[tune] mla_decode H={heads:3d} B={batch:3d} L={seq:5d}: default {default.get('us', float('nan')):7.1f} us "
+              f"({default.get('kv_gb_per_s', 0):5.0f} GB/s), best {best['us']:7.1f} us ({best['kv_gb_per_s']:5.0f} GB/s) "
+              f"{ {k: best[k] for k in grid} }", flush=True)
+        del cache
+    return out
+
+
+def tune_moe(device="cuda") -> list[dict]:
+    from deepinfer_nvidia_sm100.kernels import moe as m
+
+    out = []
+    models = {"V2-Lite": (2048, 1408, 64, 6, None), "V3-fp8": (7168, 2048, 256, 8, (128, 128))}
+    candidates = [
+        m.ExpertTiles(16, 64, 64, 128, 4, 4), m.ExpertTiles(16, 32, 32, 128, 4, 4), m.ExpertTiles(16, 64, 64, 256, 4, 3),
+        m.ExpertTiles(16, 128, 128, 128, 4, 3), m.ExpertTiles(16, 32, 64, 256, 2, 4), m.ExpertTiles(16, 64, 128, 128, 8, 4),
+    ]
+    for name, (d, i, e, k, block) in models.items():
+        for tokens in (1, 8, 32, 64):
+            x = torch.randn(tokens, d, device=device, dtype=torch.bfloat16)
+            if block:
+                w13 = torch.randn(e, 2 * i, d, device=device).to(torch.float8_e4m3fn)
+                w2 = torch.randn(e, d, i, device=device).to(torch.float8_e4m3fn)
+                s13 = torch.rand(e, 2 * i // 128, d // 128, device=device) * 0.01
+                s2 = torch.rand(e, d // 128, i // 128, device=device) * 0.01
+            else:
+                w13 = torch.randn(e, 2 * i, d, device=device, dtype=torch.bfloat16) * 0.02
+                w2 = torch.randn(e, d, i, device=device, dtype=torch.bfloat16) * 0.02
+                s13 = s2 = None
+            ids = torch.stack([torch.randperm(e, device=device)[:k] for _ in range(tokens)])
+            weights = torch.rand(tokens, k, device=device)
+            hit = ids.unique().numel()
+            nbytes = hit * 3 * d * i * w13.element_size()
+            for tiles in candidates:
+                old = _set(m, {"EXPERT_TILES": ((float("inf"), tiles),)})
+                try:
+                    ms = _time(lambda: m.moe_experts(x, w13, w2, weights, ids, s13, s2, block))
+                    row = {"model": name, "tokens": tokens, "tiles": tiles._asdict(), "us": ms * 1e3, "gb_per_s": nbytes / ms / 1e6}
+                except Exception as exc:
+                    row = {"model": name, "tokens": tokens, "tiles": tiles._asdict(), "error": f"{type(exc).__name__}: {exc}"[:200]}
+                finally:
+                    _set(m, old)
+                out.append(row)
+            rows = [r for r in out if r["model"] == name and r["tokens"] == tokens and "us" in r]
+            best = min(rows, key=lambda r: r["us"])
+            print(f"[tune] moe {name:7s} T={tokens:3d}: " + "  ".join(f"{r['us']:6.1f}" for r in rows)
+                  + f" us; best {best['gb_per_s']:5.0f} GB/s {tuple(best['tiles'].values())}", flush=True)
+    return out
+
+
+def tune_fp8_linear(device="cuda") -> list[dict]:
+    from deepinfer_nvidia_sm100.kernels import fp8_linear as m
+
+    out = []
+    shapes = {"q_a": (1536, 7168), "kv_a": (576, 7168), "q_b": (24576, 1536), "o_proj": (7168, 16384), "dense_down": (7168, 18432)}
+    tiles = [(16, 64, 4, 5), (16, 32, 4, 6), (16, 128, 4, 4), (16, 64, 2, 6), (16, 128, 8, 4)]
+    splits = (1, 2, 4)
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device=device).to(torch.float8_e4m3fn)
+        s = torch.rand((n + 127) // 128, (k + 127) // 128, device=device) * 0.01
+        for tokens in (1, 16):
+            x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
+            nbytes = n * k
+            rows = []
+            for tile, ctas in itertools.product(tiles, splits):
+                old = _set(m, {"FP8_DECODE_TILE": tile, "FP8_SPLIT_K_CTAS_PER_SM": ctas})
+                try:
+                    ms = _time(lambda: m.fp8_block_linear(x, w, s, (128, 128)))
+                    row = {"linear": name, "tokens": tokens, "tile": tile, "split_ctas_per_sm": ctas, "us": ms * 1e3, "gb_per_s": nbytes / ms / 1e6}
+                except Exception as exc:
+                    row = {"linear": name, "tokens": tokens, "tile": tile, "split_ctas_per_sm": ctas, "error": f"{type(exc).__name__}: {exc}"[:200]}
+                finally:
+                    _set(m, old)
+                rows.append(row)
+            out += rows
+            ok = [r for r in rows if "us" in r]
+            best = min(ok, key=lambda r: r["us"])
+            print(f"[tune] fp8 {name:10s} M={tokens:2d}: default {ok[0]['us']:6.1f} us, best {best['us']:6.1f} us "
+                  f"({best['gb_per_s']:5.0f} GB/s) tile {best['tile']} split/SM {best['split_ctas_per_sm']}", flush=True)
+    return out
+
+
+TUNERS = {"mla_decode": tune_mla_decode, "moe": tune_moe, "fp8_linear": tune_fp8_linear}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("bench_results"))
+    parser.add_argument("--only", action="append", choices=sorted(TUNERS))
+    args = parser.parse_args()
+    result = {}
+    for name in args.only or TUNERS:
+        result[name] = TUNERS[name]()
+        torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "tune.json").write_text(json.dumps(result, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

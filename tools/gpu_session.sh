@@ -19,7 +19,9 @@ for part in "${parts[@]}"; do
   case "$part" in
     tests|all)
       deepinfer backends 2>&1
-      timeout "${TESTS_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-4}" -rfE tests/nvidia tests/test_gpu.py 2>&1 | tail -60 ;;&
+      timeout "${TESTS_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-4}" -rfE \
+        tests/nvidia tests/test_gpu.py >"$out/tests.log" 2>&1
+      tail -40 "$out/tests.log" ;;&
     kernels|all)
       timeout "${KERNELS_TIMEOUT:-230}" python3 -m benchmarks.kernels --out "$out" ${KERNELS_ONLY:+$KERNELS_ONLY} 2>&1 ;;&
     tune)

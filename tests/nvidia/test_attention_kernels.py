@@ -78,8 +78,10 @@ def split_mode(request, monkeypatch):
         monkeypatch.setattr(mla_decode, "BLOCK_N", 16)
         monkeypatch.setattr(mla_decode, "FP32_BLOCK_N", 16)
         monkeypatch.setattr(mla_decode, "MIN_SPLIT_TOKENS", 16)
+        monkeypatch.setattr(mla_decode, "SMALL_BATCH_MIN_SPLIT_TOKENS", 16)
         monkeypatch.setattr(mla_decode, "INTERPRETER_SMS", 64)
         monkeypatch.setattr(mla_decode, "SPLIT_WAVES", 64.0)
+        monkeypatch.setattr(mla_decode, "SPLIT_WAVES_SMALL_HEAD_BLOCKS", 64.0)
     return request.param
 
 
@@ -140,8 +142,10 @@ def test_decode_split_count_from_shapes_only(monkeypatch):
     assert mla_decode._num_splits(128, 2, 4096, cpu) == 1          # large batch: one wave already
     assert mla_decode._num_splits(64, 2, 4096, cpu) == 1           # 128 of 132 SMs busy: no partials
     assert mla_decode._num_splits(1, 2, 16384, cpu) == 64          # one long sequence: many splits
-    assert mla_decode._num_splits(1, 2, 300, cpu) == 2             # capped by MIN_SPLIT_TOKENS
+    assert mla_decode._num_splits(1, 2, 300, cpu) == 5             # capped by the small-batch minimum split (64)
+    assert mla_decode._num_splits(32, 2, 300, cpu) == 2            # ... and by MIN_SPLIT_TOKENS (256) beyond
     assert mla_decode._num_splits(4, 2, 4096, cpu) == 16
+    assert mla_decode._num_splits(64, 1, 4096, cpu, block_h=16) == 8  # light programs: four waves
 
 
 @pytest.mark.gpu

@@ -38,9 +38,16 @@ NUM_STAGES = 2
 # A split covers at least this many tokens (the partial write + combine cost ~8 bytes per head
 # and latent channel per split, so tiny splits do not pay for themselves).
 MIN_SPLIT_TOKENS = 256
+# ... except in batches of at most SMALL_BATCH sequences, where short splits pay (H200,
+# benchmarks/tune.py, 2026-11-30: B=1 L=1024 H=16 took 10.7 us with 64-token splits, 20.2 with 256).
+SMALL_BATCH = 8
+SMALL_BATCH_MIN_SPLIT_TOKENS = 64
 # Splits are added while (head blocks x splits x batch) stays within this many waves of SMs
 # (rounded down: a nearly full wave without splits beats a full one that pays for partials).
 SPLIT_WAVES = 1.0
+# Programs of fewer than 64 heads are light: four waves of them hide latency better (H200, H=16:
+# 1.3-1.7x faster at B=64..128, L=1024..4096); 64-head programs lose from the extra partials.
+SPLIT_WAVES_SMALL_HEAD_BLOCKS = 4.0
 MAX_SPLITS = 64
 # Number of SMs assumed under the interpreter (no GPU there); small so tests exercise splitting.
 INTERPRETER_SMS = 4
@@ -70,11 +77,17 @@ def _num_sms(device: torch.device) -> int:
     return INTERPRETER_SMS
 
 
-def _num_splits(batch: int, head_blocks: int, max_len: int, device: torch.device) -> int:
-    """Splits per sequence, from shapes only: as many as fit in SPLIT_WAVES waves of programs, no
-    split shorter than MIN_SPLIT_TOKENS of the longest possible sequence."""
-    target = math.floor(SPLIT_WAVES * _num_sms(device) / (batch * head_blocks))
-    longest = max(1, math.ceil(max_len / MIN_SPLIT_TOKENS))
+def _min_split_tokens(batch: int) -> int:
+    return SMALL_BATCH_MIN_SPLIT_TOKENS if batch <= SMALL_BATCH else MIN_SPLIT_TOKENS
+
+
+def _num_splits(batch: int, head_blocks: int, max_len: int, device: torch.device, block_h: int = 64) -> int:
+    """Splits per sequence, from shapes only: as many as fit in SPLIT_WAVES (programs of 64 heads)
+    or SPLIT_WAVES_SMALL_HEAD_BLOCKS waves of programs, no split shorter than the minimum split of
+    the longest possible sequence."""
+    waves = SPLIT_WAVES if block_h >= 64 else SPLIT_WAVES_SMALL_HEAD_BLOCKS
+    target = math.floor(waves * _num_sms(device) / (batch * head_blocks))
+    longest = max(1, math.ceil(max_len / _min_split_tokens(batch)))
     return max(1, min(target, longest, MAX_SPLITS))
 
 
@@ -212,8 +225,8 @@ def mla_decode_attention(
 
     block_h, block_n, num_warps = _tile_config(num_heads, kv_cache.dtype)
     head_blocks = triton.cdiv(num_heads, block_h)
-    num_splits = _num_splits(batch, head_blocks, block_tables.shape[1] * block_size, q_latent.device)
-    min_split = triton.cdiv(MIN_SPLIT_TOKENS, block_n) * block_n
+    num_splits = _num_splits(batch, head_blocks, block_tables.shape[1] * block_size, q_latent.device, block_h)
+    min_split = triton.cdiv(_min_split_tokens(batch), block_n) * block_n
     block_dc = max(16, triton.next_power_of_2(d_c))
     block_dr = max(16, triton.next_power_of_2(d_r))
     precision = "ieee" if kv_cache.dtype == torch.float32 else "tf32"

@@ -268,6 +268,9 @@ def mla_prefill_attention_sdpa(
     out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
     if q.shape[0] == 0:
         return out
+    # SDPA's kernels want 16-byte aligned rows; the model's q/k/v are (views of) contiguous tensors
+    # whose rows are, other callers' views may not be.
+    q, k, v = (t if t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) else t.contiguous() for t in (q, k, v))
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b in range(len(cq) - 1):
         lq, lk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]

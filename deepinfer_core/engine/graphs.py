@@ -101,9 +101,8 @@ class DecodeGraphs:
         if key not in self.graphs:
             self.graphs[key] = self._capture(size, width)
         graph, logits = self.graphs[key]
-        table = torch.zeros(n, width, dtype=torch.int32)
-        for i, row in enumerate(block_tables):
-            table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        # one tensor built from Python lists per step, whatever the batch size (no per-row torch ops)
+        table = torch.tensor([row + [0] * (width - len(row)) for row in block_tables], dtype=torch.int32)
         host = torch.tensor([input_ids, positions, slots, seq_lens], dtype=torch.int64)
         dev = host.to(self.device, non_blocking=True)
         self.input_ids[:n].copy_(dev[0])

@@ -261,13 +261,21 @@ def mla_prefill_attention_sdpa(
 ) -> torch.Tensor:
     """The same op through torch's scaled_dot_product_attention, one call per sequence, with the
     causal mask aligned to the lower right (cached prefix). Reads the sequence boundaries on the
-    host once: prefill steps are never captured in graphs."""
-    import torch.nn.functional as F
-    from torch.nn.attention.bias import causal_lower_right
-
+    host once: prefill steps are never captured in graphs. Where SDPA has no kernel for the
+    inputs, the Triton kernel computes them."""
     out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
     if q.shape[0] == 0:
         return out
+    try:
+        return _sdpa_per_sequence(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out)
+    except RuntimeError:  # no SDPA kernel for these head dims / layouts ("no kernel found to launch")
+        return mla_prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+
+
+def _sdpa_per_sequence(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out):
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
     # SDPA's kernels want 16-byte aligned rows; the model's q/k/v are (views of) contiguous tensors
     # whose rows are, other callers' views may not be.
     q, k, v = (t if t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) else t.contiguous() for t in (q, k, v))
@@ -287,9 +295,26 @@ def mla_prefill_attention_sdpa(
     return out
 
 
-mla_prefill_attention_sdpa.impl = "torch sdpa: one scaled_dot_product_attention per sequence (lower-right causal), chosen over the Triton kernel by measurement"
+# Which implementation runs, from shapes only. Measured on an H200 (benchmarks/kernels.py,
+# 2026-11-30, the per-sequence wrapper's host read and launches included): SDPA was faster at
+# 128 heads (1 and 8 sequences: 0.7-0.9x the Triton kernel's time) and for one sequence of 16
+# heads (0.5-0.9x); with 8 sequences of 16 heads its per-sequence calls cost 2.9x the Triton
+# kernel's single launch.
+SDPA_MIN_HEADS = 64
+SDPA_MAX_SEQS = 2
 
-# Measured on an H200 (benchmarks/kernels.py, 2026-11-30): SDPA took 0.5x the Triton kernel's
-# time at V3 shapes and 0.1-0.5x at V2-Lite shapes, so the op table uses it; the Triton kernel
-# stays tested (tests/nvidia/test_attention_kernels.py) as the graph-capturable alternative.
-OPS = {"mla_prefill_attention": mla_prefill_attention_sdpa}
+
+def mla_prefill_attention_auto(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
+    """SDPA for many heads or few sequences, else the Triton kernel (see SDPA_MIN_HEADS)."""
+    if q.shape[1] >= SDPA_MIN_HEADS or cu_seqlens_q.shape[0] - 1 <= SDPA_MAX_SEQS:
+        return mla_prefill_attention_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+    return mla_prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+
+
+mla_prefill_attention_sdpa.impl = "torch sdpa: one scaled_dot_product_attention per sequence (lower-right causal)"
+mla_prefill_attention_auto.impl = (
+    f"torch sdpa per sequence when heads >= {SDPA_MIN_HEADS} or sequences <= {SDPA_MAX_SEQS}, else triton "
+    "varlen flash attention (chosen by measurement)"
+)
+
+OPS = {"mla_prefill_attention": mla_prefill_attention_auto}

@@ -22,7 +22,9 @@ pip=(.venv/bin/python -m pip -q --disable-pip-version-check)
 
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   case "$accel" in
-    cpu) "${pip[@]}" install "${DEEPINFER_TORCH_SPEC:-torch==2.13.0}" ;;
+    # triton: the NVIDIA kernels' tests run in its interpreter here; 3.6.0 is the version the
+    # kernels were validated with on the GPU (the one torch 2.11's CUDA build ships).
+    cpu) "${pip[@]}" install "${DEEPINFER_TORCH_SPEC:-torch==2.13.0}" "${DEEPINFER_TRITON_SPEC:-triton==3.6.0}" ;;
     nvidia) "${pip[@]}" install "${DEEPINFER_TORCH_SPEC:-torch>=2.11}" ;;
     ascend) echo "install torch and torch_npu for your CANN into .venv first" >&2; exit 1 ;;
     *) "${pip[@]}" install "${DEEPINFER_TORCH_SPEC:-torch==2.13.0}" ;;

@@ -35,10 +35,11 @@ import triton.language as tl
 # weight's bk. num_stages is lowered further if the stages would not fit FP8_SMEM_BUDGET.
 FP8_DECODE_TILE = (16, 64, 4, 5)  # M <= FP8_DECODE_MAX_M: stream the weight
 # H200, 2026-11-30 (graph-timed): with the medium tile, M=64 ran at 22% of copy bandwidth against
-# 50% for M=16 with this one; decode batches up to 64 rows use it (several 16-row tiles, grouped
-# order so that they read each weight tile from L2).
-FP8_DECODE_MAX_M = 64
-FP8_MEDIUM_TILE = (64, 128, 8, 4)  # unused while FP8_DECODE_MAX_M is 64
+# 50% for M=16 with the decode tile. Raising this to 64 was tried end to end (V3 slice) and did not
+# show a gain beyond the 10-20% spread between two machines' runs, so it stays at 16 until a
+# same-machine A/B says otherwise (benchmarks/tune.py).
+FP8_DECODE_MAX_M = 16
+FP8_MEDIUM_TILE = (64, 128, 8, 4)  # FP8_DECODE_MAX_M < M <= 64
 FP8_PREFILL_TILE = (128, 128, 8, 3)  # M > 64: compute-bound
 FP8_GROUP_M = 8  # grouped tile order (L2 reuse of weight tiles across M tiles)
 # From this many rows on, quantise activations and use FP8 tensor cores. H200, 2026-11-30

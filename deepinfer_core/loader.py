@@ -304,7 +304,7 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0, progress: bool = T
                 p.copy_(torch.randn(p.shape, generator=gen, device=p.device) * 0.01)
             else:
                 std = 1.0 if p.dtype == torch.float8_e4m3fn else p.shape[-1] ** -0.5
-                for part in p if p.dim() == 3 else [p]:  # one expert at a time bounds the float32 temporary
+                for part in p if p.dim() == 3 else [p]:  # fused experts one at a time (smaller float32 temporaries)
                     part.copy_(torch.randn(part.shape, generator=gen, device=p.device) * std)
             bar.update()
     model.post_load()

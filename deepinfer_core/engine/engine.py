@@ -69,6 +69,8 @@ class Engine:
         self.model_config = ModelConfig.from_dir(model_dir)
         self.plugins, self.backend, self.platform, self.ops, limits = load_backend(backend_name, self.model_config)
         self.device = self.platform.torch_device
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # Triton launches and graph captures use the current device
         self.dtype = resolve_dtype(dtype, self.model_config, self.platform.supported_dtypes)
         keep_fp8 = bool(self.platform.fp8_weights and self.model_config.fp8_block)
         if keep_fp8 and self.model_config.n_routed_experts and self.model_config.moe_intermediate_size % self.model_config.fp8_block[0]:
@@ -136,11 +138,14 @@ class Engine:
         per_block = KVCache.bytes_per_block(specs, block_size)
         max_len = self.config.max_model_len or self.model_config.max_position_embeddings
         wanted = math.ceil(self.max_num_seqs * max_len / block_size)
+        if self.device.type == "cuda":  # blocks the allocator cached while loading are free for the cache
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
         free, total = self.platform.memory_info()
         if self.device.type == "cpu":
             budget = free * CPU_KV_MEMORY_FRACTION
         else:
-            budget = total * self.config.gpu_memory_utilization - (total - free) - self._activation_bytes(specs, block_size)
+            budget = total * self.config.gpu_memory_utilization - (total - free) - self._activation_bytes(specs, block_size, max_len)
         if budget < per_block:
             raise ConfigError(
                 f"no memory left for the KV cache ({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB after "
@@ -148,10 +153,12 @@ class Engine:
             )
         return min(int(budget // per_block), wanted)
 
-    def _activation_bytes(self, specs, block_size: int) -> int:
-        """Peak memory of the largest step, measured by running one: a prefill of
-        max_num_batched_tokens tokens over a throw-away cache, plus the logits of max_num_seqs rows
-        (decode graphs keep theirs) and a margin for the graph pool."""
+    def _activation_bytes(self, specs, block_size: int, max_len: int) -> int:
+        """Memory the steps need beside weights and cache: the measured peak of a prefill of
+        max_num_batched_tokens tokens over a throw-away cache, plus what a last prompt chunk at
+        max_len context adds analytically (prefill expands K and V of the whole context, one layer
+        at a time), the logits of max_num_seqs rows and their sampling, and a margin for the
+        decode graphs' pool."""
         if self.device.type != "cuda":
             return 0
         from deepinfer_core.engine.sequence import Sequence
@@ -170,8 +177,11 @@ class Engine:
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del cache
         torch.cuda.empty_cache()
-        logits = self.max_num_seqs * self.model_config.vocab_size * 4 * 3  # logits, sampler temporaries
-        return int(peak + logits + 256 * 2**20)
+        c = self.model_config
+        per_context_token = (c.latent_dim + c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim + c.qk_head_dim)) * self.dtype.itemsize
+        long_context = max(0, max_len - tokens) * per_context_token
+        logits = self.max_num_seqs * c.vocab_size * 4 * 3  # logits, sampler temporaries
+        return int(peak + long_context + logits + 256 * 2**20)
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)

@@ -97,7 +97,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepOutput:
-        if self.graphs is not None and not batch.prefills and self.graphs.can_run(len(batch.decodes)):
+        if (
+            self.graphs is not None
+            and not batch.prefills
+            and self.graphs.can_run(len(batch.decodes), max((len(s.block_table) for s in batch.decodes), default=0))
+        ):
             return self._run_graph(batch.decodes)
         ids, positions, meta, logits_rows, sample_seqs, sample_rows, prompt_rows = self.prepare(batch)
         hidden = self.model.forward(ids, positions, meta, self.kv_cache.tensors)
@@ -117,7 +121,8 @@ class ModelRunner:
             ids.append(seq.token_at(pos))
             positions.append(pos)
             slots.append(self.blocks.slot(seq, pos))
-        logits = self.graphs.run(ids, positions, slots, [s.block_table for s in decodes], [p + 1 for p in positions])
+        keys = [(s.seq_id, s.num_preemptions) for s in decodes]  # a preempted sequence gets new blocks
+        logits = self.graphs.run(keys, ids, positions, slots, [s.block_table for s in decodes], [p + 1 for p in positions])
         for seq in decodes:
             seq.num_computed_tokens += 1
         return StepOutput(list(decodes), logits, [])

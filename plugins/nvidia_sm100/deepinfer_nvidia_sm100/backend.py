@@ -12,8 +12,9 @@ the first that fails, so that its reason is the most basic thing missing:
 Ops: Triton kernels (``kernels/``), one module per family; each module's ``OPS`` maps op names
 to callables whose ``impl`` attribute says what runs (shown by ``deepinfer backends``). Every
 decode-path op is free of host synchronisation, so decode steps are captured as CUDA graphs
-over the batch sizes in ``GRAPH_BATCH_SIZES``. Block-FP8 checkpoints keep their FP8 weights
-(W8A8 GEMMs with per-token activation quantisation fused into the kernels).
+over the batch sizes in ``GRAPH_BATCH_SIZES``. Block-FP8 checkpoints keep their FP8 weights:
+the GEMMs widen FP8 weight tiles in registers (W8A16) up to 1023 rows and quantise activations
+per token and 128 channels (W8A8, a pre-pass) from 1024 rows; the expert GEMMs are W8A16.
 """
 
 from __future__ import annotations

@@ -159,6 +159,7 @@ def _fp8_block_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # BLOCK_K == bk
     GROUP_M: tl.constexpr,
     MODE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 activations (W8A16), as the reference computes
     SPLIT: tl.constexpr,  # True: write float32 partials [split, M, N]; False: final output
     HAS_BIAS: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -213,7 +214,7 @@ def _fp8_block_gemm_kernel(
                 part = tl.dot(a, w)
             acc += part * a_scale[:, None] * w_scale[None, :]
         else:  # W8A16
-            part = tl.dot(a, w.to(a.dtype))
+            part = tl.dot(a, w.to(a.dtype), input_precision=DOT_PRECISION)
             acc += part * w_scale[None, :]
 
     out_offs = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
@@ -299,6 +300,7 @@ def fp8_block_linear_with_config(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
         GROUP_M=FP8_GROUP_M,
         MODE=cfg.mode,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         SPLIT=splits > 1,
         HAS_BIAS=has_bias,
         INTERPRET=not x.is_cuda,

@@ -268,7 +268,9 @@ def mla_prefill_attention_sdpa(
         return out
     try:
         return _sdpa_per_sequence(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out)
-    except RuntimeError:  # no SDPA kernel for these head dims / layouts ("no kernel found to launch")
+    except RuntimeError as e:  # no SDPA kernel for these head dims / layouts ("no kernel found to launch")
+        if isinstance(e, torch.OutOfMemoryError) or "kernel" not in str(e).lower():
+            raise
         return mla_prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
 
 

@@ -17,7 +17,6 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-pytest.importorskip("triton", reason="triton is not installed (pip install triton) so the NVIDIA kernels cannot be tested")
 
 
 def _interpreter_loop_bounds_fix() -> None:
@@ -36,7 +35,10 @@ def _interpreter_loop_bounds_fix() -> None:
         return
     except TypeError:
         pass
-    from triton.runtime import interpreter
+    try:
+        from triton.runtime import interpreter
+    except ModuleNotFoundError:  # no triton: the kernel test modules skip themselves
+        return
 
     original = interpreter._patch_lang_tensor
     if getattr(original, "_index_fixed", False):

@@ -12,6 +12,9 @@ import pytest
 import torch
 
 from deepinfer_core.ops import attention as ref_ops
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton): the NVIDIA kernels cannot run")
+
 from deepinfer_nvidia_sm100.kernels import mla_decode, mla_prefill
 from tests.op_spec import assert_close, shapes
 

@@ -380,6 +380,21 @@ def test_nvidia_capability_gate_and_platform(tmp_path, monkeypatch, capability, 
     assert backend.deepinfer_probe().reason == "LOCAL_RANK=2 but only 2 CUDA device(s) are visible"
 
 
+@needs_nvidia
+@pytest.mark.parametrize("block, kept", [((128, 128), True), ((32, 32), True), ((8, 8), False), ((128, 96), False)])
+def test_nvidia_keeps_fp8_weights_only_for_blocks_its_kernels_take(block, kept):
+    """Block widths the FP8 kernels cannot step through make the platform dequantise at load."""
+    pytest.importorskip("triton", reason="the NVIDIA kernels need triton")
+    from types import SimpleNamespace
+
+    from deepinfer_core.platform import Platform
+    from deepinfer_nvidia_sm100 import backend
+
+    platform = Platform(name="nvidia-sm90", device="cuda:0", backend="nvidia", fp8_weights=True)
+    backend.deepinfer_ops(platform=platform, model_config=SimpleNamespace(fp8_block=block))
+    assert platform.fp8_weights is kept
+
+
 @needs_ascend
 def test_ascend_unavailable_here_with_reason_and_fix(manager):
     ascend = manager.backends["ascend"]

@@ -20,6 +20,7 @@ per token and 128 channels (W8A8, a pre-pass) from 1024 rows; the expert GEMMs a
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 
 from deepinfer_core.dist import local_rank
@@ -29,6 +30,7 @@ NAME = "nvidia"
 # Any one of these shows an NVIDIA driver (Linux: /dev/nvidiactl and /proc/driver/nvidia;
 # WSL2 exposes the GPU through /dev/dxg instead).
 DRIVER_FILES: tuple[str, ...] = ("/dev/nvidiactl", "/proc/driver/nvidia/version", "/dev/dxg")
+log = logging.getLogger("deepinfer")
 SUPPORTED = "sm_90 and sm_100"
 # Kernel modules under deepinfer_nvidia_sm100.kernels, each exporting OPS = {op name: callable}.
 KERNEL_MODULES = ("elementwise", "fp8_linear", "cache", "mla_decode", "mla_prefill", "moe", "sampling")
@@ -147,6 +149,14 @@ def deepinfer_platform():
 def deepinfer_ops(platform, model_config):
     import importlib
 
+    block = getattr(model_config, "fp8_block", None) if model_config is not None else None
+    if block and platform.fp8_weights and (block[1] < 16 or block[1] & (block[1] - 1)):
+        # The FP8 GEMMs step through K one weight block at a time (tl.dot needs K >= 16, a power of two).
+        log.warning(
+            "FP8 weight block %s: the NVIDIA FP8 kernels need a power-of-two block width >= 16, so the "
+            "weights are dequantised to the compute dtype at load instead", list(block),
+        )
+        platform.fp8_weights = False
     ops = {}
     for name in KERNEL_MODULES:
         try:

@@ -16,7 +16,10 @@ from pathlib import Path
 
 
 def plot(result_dir: Path) -> list[Path]:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise SystemExit("the plots need matplotlib: pip install 'deepinfer[bench]' (or pip install matplotlib)") from e
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -8,7 +8,8 @@ cd "$(dirname "$0")/../.."
 out="${1:-bench_results}"
 quick=()
 [[ "${2:-}" == --quick ]] && quick=(--quick)
-python="${PYTHON:-python3}"
+# The project's .venv (./build.sh) when there is one; needs `pip install -e '.[bench]'` for the plots.
+python="${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3 )}"
 mkdir -p "$out"
 "$python" -m benchmarks.kernels --out "$out" 2>&1 | tee "$out/kernels.log"
 "$python" -m benchmarks.e2e --model v2-lite --model v3-slice --hf-peer --out "$out" "${quick[@]}" 2>&1 | tee "$out/e2e.log"

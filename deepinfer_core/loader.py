@@ -264,12 +264,13 @@ def load_model(model_dir: str | Path, config: ModelConfig, model: torch.nn.Modul
                 if slot is None:
                     continue
                 dst = slot.view(params[slot.param])
-                # Each tensor goes straight from the memory-mapped file to the model's device; FP8
-                # weights that the model does not keep are dequantised there, not on the host.
-                src = _read(handles, key_file, key).to(dst.device, non_blocking=True)
+                # Each tensor goes straight from the memory-mapped file into its parameter (the copy
+                # converts the dtype); FP8 weights that the model does not keep are first moved to
+                # the model's device and dequantised there, not on the host.
+                src = _read(handles, key_file, key)
                 if src.dtype == torch.float8_e4m3fn and dst.dtype != torch.float8_e4m3fn:
                     scale = _read(handles, key_file, companions[key]).to(dst.device)
-                    src = dequantize_fp8_block(src, scale, config.fp8_block, dst.dtype)
+                    src = dequantize_fp8_block(src.to(dst.device), scale, config.fp8_block, dst.dtype)
                 dst.copy_(src)
                 bar.update()
     model.post_load()

@@ -8,8 +8,6 @@ same through the real plugin.
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
 from deepinfer_core import LLM, SamplingParams
@@ -19,15 +17,6 @@ from tests.hf_checkpoints import write_checkpoint
 pytest.importorskip("triton", reason="triton is not installed (pip install triton): the NVIDIA kernels cannot run")
 
 PROMPTS = [[5, 17, 42, 99, 3, 64, 7], [11, 12], [150, 2, 2, 8, 33, 41, 90, 100, 120, 7, 6, 5, 4]]
-
-
-def _nvidia_ops() -> OpTable:
-    from deepinfer_nvidia_sm100.backend import KERNEL_MODULES
-
-    impls = {}
-    for name in KERNEL_MODULES:
-        impls.update(importlib.import_module(f"deepinfer_nvidia_sm100.kernels.{name}").OPS)
-    return OpTable(impls, dict.fromkeys(impls, "nvidia"))
 
 
 @pytest.fixture
@@ -42,9 +31,12 @@ def use_kernels(monkeypatch, device):
 
     def enable(fp8: bool = False) -> None:
         def load_backend(requested=None, model_config=None):
+            from deepinfer_nvidia_sm100 import backend as nvidia
+
             manager, backend, platform, _, limits = original("cpu", model_config)
             platform.fp8_weights = fp8
-            return manager, backend, platform, _nvidia_ops(), limits
+            impls = nvidia.deepinfer_ops(platform=platform, model_config=model_config)  # the plugin's own table
+            return manager, backend, platform, OpTable(impls, dict.fromkeys(impls, "nvidia")), limits
 
         monkeypatch.setattr(plugins, "load_backend", load_backend)
 

@@ -31,6 +31,15 @@ from benchmarks.ceilings import measure
 GRAPH_TIMED = ("elementwise", "cache", "fp8_linear", "mla_decode", "moe")
 
 
+def time_graph(fn, rep: int = 100, return_mode: str = "median") -> float:
+    """Milliseconds of ``fn`` replayed in a CUDA graph (run once first: kernels compile outside the capture)."""
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode=return_mode)
+
+
 @contextlib.contextmanager
 def graph_timing():
     """Make triton.testing.do_bench time CUDA-graph replays of the benchmarked callable."""
@@ -39,9 +48,7 @@ def graph_timing():
     plain = triton.testing.do_bench
 
     def do_bench(fn, warmup=25, rep=100, return_mode="median", **_):
-        fn()  # compile outside the capture
-        torch.cuda.synchronize()
-        return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode=return_mode)
+        return time_graph(fn, rep=rep, return_mode=return_mode)
 
     triton.testing.do_bench = do_bench
     try:

@@ -15,13 +15,11 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.kernels import time_graph
+
 
 def _time(fn) -> float:
-    import triton.testing
-
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+    return time_graph(fn, rep=50)
 
 
 def _set(module, values: dict) -> dict:

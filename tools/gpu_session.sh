@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (the `device` tool): install the carried wheels and this repo,
 # run the GPU tests, then the benchmarks; everything lands in $OUT.
-#   bash tools/gpu_session.sh [tests|kernels|e2e|tune|profile|all ...]     (default: all = tests kernels e2e)
+#   bash tools/gpu_session.sh [tests|kernels|e2e|tune|profile|all|none ...]  (default: all = tests kernels e2e;
+#   none: only install, for a command of your own after it)
 set -uo pipefail
 out="${OUT:-/tmp/out}"
 mkdir -p "$out"

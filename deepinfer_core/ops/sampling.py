@@ -26,7 +26,8 @@ def sample_tokens(
     temperature [N] float32: 0 means greedy (argmax of logits; ties go to the lowest id). Other
     rows sample from softmax(logits / temperature) restricted to the top_k [N] int64 (0: off)
     largest, then to the smallest set whose probability reaches top_p [N] float32 (1: off), then
-    to tokens with probability >= min_p [N] float32 (0: off) times the largest. Randomness is a
+    to tokens with probability >= min_p [N] float32 (0: off) times the largest; tokens whose logit
+    equals that of the last token kept are kept too (ties never depend on sort order). Randomness is a
     function of (seeds[i], steps[i]) [N] int64 alone, so a row's draw does not depend on the
     batch it runs in; backends may use their own generator (conformance of sampled rows is
     statistical, greedy rows must match exactly). Inputs are not modified.
@@ -59,4 +60,7 @@ def _restrict(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, mi
     keep &= ((probs.cumsum(dim=-1) - probs) < top_p[:, None]) | (top_p[:, None] >= 1)
     probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
     keep &= probs >= min_p[:, None] * probs[:, :1]
-    return scaled.masked_fill(~keep.scatter(1, order, keep), float("-inf"))
+    # Each restriction keeps a prefix of the ranking, so the support is "logit >= the last kept
+    # logit": tokens tied with it are kept too, whatever order the sort left equal logits in.
+    last = (keep.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
+    return scaled.masked_fill(scaled < sorted_logits.gather(1, last), float("-inf"))

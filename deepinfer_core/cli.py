@@ -3,6 +3,8 @@
 ``deepinfer backends [--accelerator NAME]``: every installed backend, whether it can run here
 (and why not, and the fix), which one would be selected, and op by op who provides it.
 ``deepinfer generate --prompt TEXT ...``: offline generation through ``deepinfer_core.LLM``.
+``deepinfer conformance [--backend NAME] ...``: the backend's ops against the reference (or, with
+``--e2e``, end-to-end baselines); exit status 0 pass, 1 fail, 2 could not run.
 """
 
 from __future__ import annotations
@@ -81,6 +83,42 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _split(value: str | None) -> list[str] | None:
+    return [v.strip() for v in value.split(",") if v.strip()] if value else None
+
+
+def _conformance(args: argparse.Namespace) -> int:
+    from deepinfer_core.config import settings
+    from deepinfer_core.conformance.spec import SpecError, dtype_from_name
+    from deepinfer_core.plugins import BackendError
+
+    backend = args.backend or settings().accelerator
+    if args.e2e:
+        if args.ops or args.dtype:
+            print("error: --ops and --dtype select op checks; they do not apply to --e2e", file=sys.stderr)
+            return 2
+        from deepinfer_core.conformance import e2e
+
+        return e2e.main(backend, workloads=_split(args.workloads), refresh=args.refresh, json_out=args.json,
+                        structured=args.check_structured_output)
+    if args.refresh or args.workloads or args.check_structured_output:
+        print("error: --refresh, --workloads and --check-structured-output belong to --e2e", file=sys.stderr)
+        return 2
+    from deepinfer_core.conformance import ops_suite
+
+    try:
+        dtypes = [dtype_from_name(d) for d in _split(args.dtype) or []] or None
+        report = ops_suite.run_suite(backend, ops=_split(args.ops), dtypes=dtypes, examples=args.examples, seed=args.seed,
+                                     progress=not args.quiet, explore_max_elements=args.explore_max_elements)
+    except (BackendError, SpecError, ValueError) as e:
+        print(f"error: {_one_line(str(e))}", file=sys.stderr)
+        return 2
+    print(ops_suite.format_report(report))
+    if args.json:
+        ops_suite.write_json(report, args.json)
+    return 0 if report.passed else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer", description="DeepInfer: inference for DeepSeek MoE models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -96,6 +134,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--accelerator", help="backend to use (default: DEEPINFER_ACCELERATOR, else automatic)")
     g.set_defaults(func=_generate)
+    from deepinfer_core.conformance.ops_suite import DEFAULT_EXAMPLES, DEFAULT_EXPLORE_MAX_ELEMENTS
+
+    c = sub.add_parser("conformance", help="check a backend against the reference ops (or, with --e2e, the platform baselines)",
+                       description="Op level (default): every op the backend provides, against the reference on the shapes of "
+                       "specs/ops.toml with its tolerances. --e2e: perplexity and greedy tokens on specs/workloads against the "
+                       "platform's entry in specs/baselines/offline_decode_ppl.json. Exit status: 0 pass, 1 fail, 2 could not run.")
+    c.add_argument("--backend", "--accelerator", dest="backend", help="backend to check (default: DEEPINFER_ACCELERATOR, else automatic)")
+    c.add_argument("--ops", help="comma-separated ops to check (default: every op the backend provides)")
+    c.add_argument("--dtype", help="comma-separated compute dtypes, e.g. bf16,fp32 (default: every dtype the platform supports)")
+    c.add_argument("--examples", type=int, default=DEFAULT_EXAMPLES,
+                   help=f"hypothesis cases per op and dtype beyond the declared shapes (default {DEFAULT_EXAMPLES}; 0: declared shapes only)")
+    c.add_argument("--seed", type=int, default=None, help="hypothesis seed (default: a fixed, derandomised search)")
+    c.add_argument("--explore-max-elements", type=int, default=DEFAULT_EXPLORE_MAX_ELEMENTS,
+                   help="hypothesis varies only declared shapes whose inputs hold at most this many elements "
+                   f"(default {DEFAULT_EXPLORE_MAX_ELEMENTS}); larger ones run once")
+    c.add_argument("--json", help="also write the report as JSON to this path")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.add_argument("--e2e", action="store_true", help="end-to-end: per-sample perplexity and greedy tokens against the platform baseline")
+    c.add_argument("--workloads", help="with --e2e: comma-separated workload names (default: all in specs/workloads)")
+    c.add_argument("--refresh", action="store_true", help="with --e2e: rewrite this platform's baseline entry (prints the diff)")
+    c.add_argument("--check-structured-output", "--check_structured_output", dest="check_structured_output", action="store_true",
+                   help="with --e2e: add regex / JSON-schema / EBNF checks (needs structured outputs, not implemented yet)")
+    c.set_defaults(func=_conformance)
     return parser
 
 

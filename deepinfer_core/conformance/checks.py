@@ -1,0 +1,339 @@
+"""Running one op case on a backend and judging it against the reference.
+
+The backend's call runs with poisoned allocations (``poisoned_outputs``): every tensor it
+allocates through torch starts as NaN (integers as a sentinel), and on accelerators the caching
+allocator's free memory is filled with NaN first, so an output element the op never writes
+shows up. Outputs are compared with the reference elementwise as ``specs/ops.toml`` says:
+|out - ref| <= atol + rtol * |ref|; the reported error is the worst ratio of the two sides
+(1.0 = exactly at the tolerance). NaN never passes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from deepinfer_core.conformance.inputs import OpCase
+from deepinfer_core.conformance.spec import ops_spec, tolerance
+from deepinfer_core.ops import REFERENCE_OPS
+from deepinfer_core.ops.sampling import _restrict
+
+INT_POISON = -(2**31) + 7  # what unwritten integer outputs hold: outside every valid id range
+STAT_CHUNK_ELEMENTS = 1 << 25  # logits elements per call of the statistical draws
+
+
+@dataclass
+class Outcome:
+    """The verdict on one case."""
+
+    ok: bool
+    error: float = 0.0  # worst |out - ref| / (atol + rtol |ref|); inf for NaN / wrong ids
+    message: str = ""
+
+
+class _PoisonEmpty(TorchFunctionMode):
+    """Tensors made by torch.empty / empty_like / new_empty / empty_strided start poisoned."""
+
+    FACTORIES = {torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty, torch.Tensor.new_empty_strided}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.FACTORIES and isinstance(out, torch.Tensor) and out.numel():
+            with torch.no_grad():
+                if out.is_floating_point():
+                    out.fill_(float("nan"))
+                elif out.dtype not in (torch.bool, torch.uint8, torch.int8):
+                    out.fill_(INT_POISON)
+        return out
+
+
+@contextlib.contextmanager
+def poisoned_outputs(device: torch.device):
+    if device.type not in ("cpu", "meta"):
+        # leave NaN in the caching allocator's free blocks (allocations made outside torch's
+        # Python factories, e.g. inside a C++ extension, then start as NaN too)
+        module = getattr(torch, device.type)
+        free = min(256 << 20, module.mem_get_info(device)[0] // 8) // 4
+        torch.full((max(free, 1),), float("nan"), device=device)
+    with _PoisonEmpty():
+        yield
+
+
+def _as_tuple(out) -> tuple:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def compare(name: str, out, ref: torch.Tensor, tol: dict[str, float], exact_dtype: bool = True) -> Outcome:
+    """One output against the reference: type, shape, dtype, NaN, then the tolerance."""
+    if not isinstance(out, torch.Tensor):
+        return Outcome(False, float("inf"), f"{name}: expected a tensor, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(ref.shape):
+        return Outcome(False, float("inf"), f"{name}: shape {tuple(out.shape)}, reference {tuple(ref.shape)}")
+    if exact_dtype and out.dtype != ref.dtype:
+        return Outcome(False, float("inf"), f"{name}: dtype {out.dtype}, reference {ref.dtype}")
+    if out.numel() == 0:
+        return Outcome(True)
+    o, r = out.detach().float().cpu(), ref.detach().float().cpu()
+    nan = torch.isnan(o) & ~torch.isnan(r)
+    if nan.any():
+        where = tuple(nan.nonzero()[0].tolist())
+        return Outcome(False, float("inf"), f"{name}: NaN at {where} ({int(nan.sum())} of {o.numel()} elements: unwritten or overflowed)")
+    both_inf = torch.isinf(r) & (o == r)
+    diff = (o - r).abs().masked_fill(both_inf | (torch.isnan(o) & torch.isnan(r)), 0.0)
+    bound = tol["atol"] + tol["rtol"] * r.abs().nan_to_num(posinf=0.0)
+    ratio = torch.where(bound > 0, diff / bound, torch.where(diff > 0, float("inf"), 0.0))
+    worst = float(ratio.max())
+    if worst <= 1.0:
+        return Outcome(True, worst)
+    idx = tuple(torch.unravel_index(ratio.argmax(), ratio.shape))
+    idx = tuple(int(i) for i in idx)
+    bad = int((ratio > 1.0).sum())
+    return Outcome(False, worst, f"{name}: {bad} of {o.numel()} elements outside atol {tol['atol']:g} + rtol {tol['rtol']:g}; "
+                   f"worst at {idx}: {float(o[idx]):.6g} vs reference {float(r[idx]):.6g}")
+
+
+def _worst(outcomes: list[Outcome]) -> Outcome:
+    failed = [o for o in outcomes if not o.ok]
+    error = max((o.error for o in outcomes), default=0.0)
+    if failed:
+        return Outcome(False, error, "; ".join(o.message for o in failed))
+    return Outcome(True, error)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return torch.equal(a, b)
+
+
+def _inputs_untouched(before: OpCase, after: OpCase) -> Outcome:
+    """Ops write only their documented in-place arguments."""
+    for i, (a, b) in enumerate(zip(before.args, after.args)):
+        if i not in before.inplace and isinstance(a, torch.Tensor) and not _same(a, b):
+            return Outcome(False, float("inf"), f"the op modified its input argument {i} (only {list(before.inplace) or 'none'} may be written)")
+    return Outcome(True)
+
+
+def call_backend(fn: Callable, case: OpCase):
+    with poisoned_outputs(_device_of(case)):
+        return fn(*case.args, **case.kwargs)
+
+
+def _device_of(case: OpCase) -> torch.device:
+    for a in case.args:
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return torch.device("cpu")
+
+
+# ---- checkers -----------------------------------------------------------------------------------
+
+
+def check_close(fn: Callable, case: OpCase) -> Outcome:
+    """Default: every returned tensor (and every in-place argument) within the tolerance."""
+    mine = case.clone()
+    ref_case = case.clone() if case.inplace else case  # the reference leaves other inputs alone
+    out = call_backend(fn, mine)
+    ref = REFERENCE_OPS[case.op](*ref_case.args, **ref_case.kwargs)
+    tol = tolerance(case.op, case.dtype)
+    outcomes = [_inputs_untouched(case, mine)]
+    if case.inplace:
+        outcomes += [compare(f"argument {i} (in place)", mine.args[i], ref_case.args[i], tol) for i in case.inplace]
+    else:
+        outs, refs = _as_tuple(out), _as_tuple(ref)
+        if len(outs) != len(refs):
+            return Outcome(False, float("inf"), f"returned {len(outs)} values, the contract says {len(refs)}")
+        names = ops_spec()[case.op].get("outputs", [])
+        outcomes += [compare(names[i] if i < len(names) else f"output {i}", o, r, tol) for i, (o, r) in enumerate(zip(outs, refs))]
+    return _worst(outcomes)
+
+
+def _route_selection(x, gate, bias, top_k, scoring_func, topk_method, n_group, topk_group, norm_topk_prob, routed_scaling_factor):
+    """The scores the reference ranks ([T, E]) and the weights it gives any chosen id set."""
+    logits = F.linear(x.float(), gate.float())
+    scores = logits.sigmoid() if scoring_func == "sigmoid" else logits.softmax(dim=-1)
+    num_tokens, num_experts = scores.shape
+
+    def group_keep(group_scores):
+        picked = group_scores.topk(topk_group, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, picked, True)
+        return keep.repeat_interleave(num_experts // n_group, dim=1)
+
+    if topk_method == "noaux_tc":
+        choice = scores if bias is None else scores + bias.float()
+        grouped = choice.view(num_tokens, n_group, -1)
+        keep = group_keep(grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1))
+        selection, source = choice.masked_fill(~keep, float("-inf")), scores
+    elif topk_method == "greedy":
+        selection = source = scores
+    else:
+        keep = group_keep(scores.view(num_tokens, n_group, -1).max(-1).values)
+        selection = source = scores.masked_fill(~keep, 0.0)
+
+    def weights_of(ids):
+        w = source.gather(1, ids)
+        if topk_method == "noaux_tc" and norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return w * routed_scaling_factor
+
+    return selection, weights_of
+
+
+def check_moe_route(fn: Callable, case: OpCase) -> Outcome:
+    """Id sets equal per token, except where the reference's k-th and (k+1)-th selection scores
+    tie within the spec's tie_eps; then any valid top-k is accepted, its weights compared against
+    the reference's weights of the ids chosen."""
+    mine = case.clone()
+    out = call_backend(fn, mine)
+    untouched = _inputs_untouched(case, mine)
+    if not untouched.ok:
+        return untouched
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        return Outcome(False, float("inf"), "must return (weights, ids)")
+    weights, ids = out
+    x, gate, bias = case.args
+    top_k, tokens = case.kwargs["top_k"], x.shape[0]
+    for name, t, dtype in (("weights", weights, torch.float32), ("ids", ids, torch.int64)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (tokens, top_k) or t.dtype != dtype:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            return Outcome(False, float("inf"), f"{name}: expected [{tokens}, {top_k}] {dtype}, got {got}")
+    if tokens == 0:
+        return Outcome(True)
+    tie_eps = float(ops_spec()["moe_route"].get("tie_eps", 0.0))
+    ref_w, ref_ids = REFERENCE_OPS["moe_route"](x, gate, bias, **case.kwargs)
+    selection, weights_of = _route_selection(x, gate, bias, **case.kwargs)
+    ids, ref_ids, selection, weights = ids.cpu(), ref_ids.cpu(), selection.cpu(), weights.cpu()
+    num_experts = gate.shape[0]
+    if ((ids < 0) | (ids >= num_experts)).any():
+        return Outcome(False, float("inf"), f"ids outside [0, {num_experts}) (unwritten?): {ids[((ids < 0) | (ids >= num_experts)).any(1)][:2].tolist()}")
+    out_ids, order = ids.sort(dim=1)
+    out_w = weights.gather(1, order)
+    ref_sorted, ref_order = ref_ids.sort(dim=1)
+    ref_w = ref_w.cpu().gather(1, ref_order)
+    ranked = selection.sort(dim=1, descending=True).values
+    kth = ranked[:, top_k - 1]
+    after = ranked[:, top_k] if top_k < ranked.shape[1] else torch.full_like(kth, float("-inf"))
+    tie = (kth == after) | ((kth - after).abs() < tie_eps)
+    same = (out_ids == ref_sorted).all(dim=1)
+    bad = ~(same | tie)
+    if bad.any():
+        t = int(bad.nonzero()[0])
+        return Outcome(False, float("inf"), f"ids of {int(bad.sum())} tokens differ without a tie; token {t}: {out_ids[t].tolist()} vs reference {ref_sorted[t].tolist()}")
+    for t in (~same).nonzero().flatten().tolist():  # tie tokens: any valid top-k of distinct ids
+        if out_ids[t].unique().numel() != top_k:
+            return Outcome(False, float("inf"), f"token {t} repeats an expert: {out_ids[t].tolist()}")
+        if not (selection[t, out_ids[t]] >= kth[t] - tie_eps).all():
+            return Outcome(False, float("inf"), f"token {t} chose an expert ranked below the k-th")
+    expected = torch.where(same[:, None], ref_w, weights_of(out_ids.to(x.device)).cpu())
+    return compare("weights", out_w, expected, tolerance("moe_route", case.dtype))
+
+
+def reference_distribution(logits, temperature, top_k, top_p, min_p) -> torch.Tensor:
+    """float64 probabilities the reference samples each row from (temperature > 0 rows)."""
+    t = torch.where(temperature > 0, temperature, 1.0)[:, None]
+    return _restrict(logits.float() / t, top_k, top_p, min_p).softmax(dim=-1).double()
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square p-value of ``counts`` against ``probs`` over the support; cells
+    expected fewer than 5 times are pooled (with the smallest other cell if still under 5)."""
+    draws = float(counts.sum())
+    expected = probs.double() * draws
+    support = expected > 0
+    observed, expected = counts[support].double(), expected[support]
+    order = expected.argsort(descending=True)
+    observed, expected = observed[order], expected[order]
+    big = expected >= 5
+    o = observed[big].tolist() + [float(observed[~big].sum())]
+    e = expected[big].tolist() + [float(expected[~big].sum())]
+    if e[-1] < 5 and len(e) > 1:  # the pooled cell is still small: merge it into the next smallest
+        o_last, e_last = o.pop(), e.pop()
+        o[-1] += o_last
+        e[-1] += e_last
+    if len(e) < 2:
+        return 1.0
+    o_t, e_t = torch.tensor(o, dtype=torch.float64), torch.tensor(e, dtype=torch.float64)
+    stat = ((o_t - e_t) ** 2 / e_t).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(e) - 1) / 2, dtype=torch.float64), stat / 2))
+
+
+def check_sample_tokens(fn: Callable, case: OpCase) -> Outcome:
+    """Greedy rows exactly as the reference (ties to the lowest id); sampled rows never outside
+    the reference support; on the declared shapes (``case.extra["statistical"]``) also drawn from
+    the reference distribution: a few rows are each drawn many times at steps 0.. and their token
+    counts tested by chi-square (``statistical`` in specs/ops.toml)."""
+    mine = case.clone()
+    tokens = call_backend(fn, mine)
+    untouched = _inputs_untouched(case, mine)
+    if not untouched.ok:
+        return untouched
+    logits, temperature, top_k, top_p, min_p, seeds, steps = case.args
+    rows, vocab = logits.shape
+    if not isinstance(tokens, torch.Tensor) or tuple(tokens.shape) != (rows,) or tokens.dtype != torch.int64:
+        got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+        return Outcome(False, float("inf"), f"tokens: expected [{rows}] int64, got {got}")
+    if rows == 0:
+        return Outcome(True)
+    tokens = tokens.cpu()
+    if ((tokens < 0) | (tokens >= vocab)).any():
+        return Outcome(False, float("inf"), f"tokens outside [0, {vocab}) (unwritten?): rows {((tokens < 0) | (tokens >= vocab)).nonzero().flatten().tolist()[:5]}")
+    greedy = (temperature <= 0).cpu()
+    ref = REFERENCE_OPS["sample_tokens"](*case.clone().args).cpu()
+    if not torch.equal(tokens[greedy], ref[greedy]):
+        r = int((tokens != ref)[greedy].nonzero()[0]) if greedy.any() else 0
+        row = int(greedy.nonzero().flatten()[r])
+        return Outcome(False, float("inf"), f"greedy row {row}: token {int(tokens[row])}, reference {int(ref[row])} (argmax, ties to the lowest id)")
+    sampled = (~greedy).nonzero().flatten()
+    if sampled.numel() == 0:
+        return Outcome(True)
+    probs = reference_distribution(logits, temperature, top_k, top_p, min_p).cpu()
+    outside = probs[sampled, tokens[sampled]] <= 0
+    if outside.any():
+        row = int(sampled[outside.nonzero()[0]])
+        return Outcome(False, float("inf"), f"sampled row {row} drew token {int(tokens[row])}, outside the reference support")
+    if not case.extra.get("statistical"):
+        return Outcome(True)
+    stat = ops_spec()["sample_tokens"]["statistical"]
+    alpha = float(stat["alpha"])
+    draws = max(1, min(int(stat["draws"]), int(stat["max_elements"]) // vocab))
+    checked = sampled[: int(stat["rows"]) if vocab <= int(stat["small_vocab"]) else 1].tolist()
+    worst_p = 1.0
+    for row in checked:
+        counts = torch.zeros(vocab, dtype=torch.int64)
+        chunk = max(1, min(draws, STAT_CHUNK_ELEMENTS // vocab))
+        for start in range(0, draws, chunk):
+            n = min(chunk, draws - start)
+            args = [logits[row : row + 1].expand(n, vocab).contiguous()]
+            args += [a[row : row + 1].expand(n).contiguous() for a in (temperature, top_k, top_p, min_p, seeds)]
+            args.append(torch.arange(start, start + n, dtype=torch.int64, device=logits.device))
+            with poisoned_outputs(logits.device):
+                drawn = fn(*args).cpu()
+            if ((drawn < 0) | (drawn >= vocab)).any():
+                return Outcome(False, float("inf"), f"row {row} drew tokens outside [0, {vocab})")
+            counts += torch.bincount(drawn, minlength=vocab)
+        if counts[probs[row] <= 0].sum():
+            return Outcome(False, float("inf"), f"row {row}: draws outside the reference support")
+        pvalue = chi_square_pvalue(counts, probs[row])
+        worst_p = min(worst_p, pvalue)
+        if pvalue <= alpha:
+            return Outcome(False, alpha / max(pvalue, 1e-300), f"row {row}: {draws} draws do not follow the reference distribution (chi-square p = {pvalue:.2e} <= alpha {alpha:g})")
+    return Outcome(True, alpha / worst_p if worst_p > 0 else float("inf"))
+
+
+CHECKERS: dict[str, Callable[[Callable, OpCase], Outcome]] = {
+    "moe_route": check_moe_route,
+    "sample_tokens": check_sample_tokens,
+}
+
+
+def check(fn: Callable, case: OpCase) -> Outcome:
+    """Run ``fn`` on ``case`` and judge it; an exception is a failure that names it."""
+    try:
+        return CHECKERS.get(case.op, check_close)(fn, case)
+    except Exception as e:  # a crash is a verdict, not an abort of the whole suite
+        return Outcome(False, float("inf"), f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")

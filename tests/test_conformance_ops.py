@@ -1,0 +1,220 @@
+"""The op conformance kit: it passes the reference, and it catches wrong ops for the right reason.
+
+Each broken implementation below is wrong in one way a real kernel can be (a forgotten eps, an
+unwritten row, a modified input, a wrong dtype, a crash, a wrong expert, a biased sampler, a bug
+only at shapes the spec does not declare) and must FAIL with a message that says what and where.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer_core.cli import main
+from deepinfer_core.conformance.checks import chi_square_pvalue
+from deepinfer_core.conformance.inputs import BUILDERS, make_case
+from deepinfer_core.conformance.ops_suite import run_op, run_suite
+from deepinfer_core.conformance.spec import shapes, specs_dir, tolerance
+from deepinfer_core.ops import OP_NAMES, REFERENCE_OPS
+from deepinfer_core.ops.norm import rms_norm
+
+F32 = torch.float32
+
+
+def check(op, fn, examples=6, dtype=F32):
+    return run_op(op, fn, dtype, "cpu", examples=examples)
+
+
+def test_every_op_has_a_generator_and_a_spec():
+    assert set(BUILDERS) == set(OP_NAMES)
+    for op in OP_NAMES:
+        assert shapes(op), op
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            assert set(tolerance(op, dtype)) == {"atol", "rtol"}
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "rotary_embedding", "silu_and_mul", "moe_route",
+                                "write_latent_cache", "gather_latent_cache", "mla_prefill_attention", "mla_decode_attention"])
+def test_reference_passes_itself(op):
+    report = check(op, REFERENCE_OPS[op], examples=3)
+    assert report.result == "PASS", report.detail()
+    assert report.cases == len(shapes(op)) + 3
+
+
+def test_inputs_are_reproducible_and_device_independent():
+    a = make_case("mla_decode_attention", shapes("mla_decode_attention")[1], F32, "cpu", seed=5)
+    b = make_case("mla_decode_attention", shapes("mla_decode_attention")[1], F32, "cpu", seed=5)
+    for x, y in zip(a.args, b.args):
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y) and x.stride() == y.stride()
+    assert not a.args[3].is_contiguous()  # block tables are a strided view, as the spec promises
+
+
+def test_forgotten_eps_fails_with_the_shape():
+    report = check("rms_norm", lambda x, w, eps: rms_norm(x, w, 0.0) * 1.01)
+    assert report.result == "FAIL"
+    assert "outside atol" in report.message and report.failing_shape is not None and report.worst_error > 1
+
+
+def _unwritten_last_row(x, w, eps):
+    out = torch.empty_like(x)
+    if x.shape[0] > 1:
+        out[:-1] = rms_norm(x[:-1], w, eps)
+    return out
+
+
+def test_unwritten_output_is_caught_by_poisoning():
+    report = check("rms_norm", _unwritten_last_row)
+    assert report.result == "FAIL" and "NaN" in report.message and "unwritten" in report.message
+
+
+def test_modified_input_is_caught():
+    def in_place(x, w, eps):
+        x.mul_(1.0)
+        x[..., 0] = 7.0
+        return rms_norm(x, w, eps)
+
+    report = check("rms_norm", in_place)
+    assert report.result == "FAIL" and "modified its input argument 0" in report.message
+
+
+def test_wrong_dtype_and_exceptions_are_reported():
+    report = check("silu_and_mul", lambda x: REFERENCE_OPS["silu_and_mul"](x).double())
+    assert report.result == "FAIL" and "dtype torch.float64" in report.message
+    report = check("silu_and_mul", lambda x: 1 / 0)
+    assert report.result == "FAIL" and "raised ZeroDivisionError" in report.message
+
+
+def test_hypothesis_finds_a_bug_the_declared_shapes_miss():
+    """Every declared rms_norm token count is odd (or 0); a kernel wrong on even counts passes them
+    all, and the search over token counts must find and shrink it to the smallest even count."""
+    assert all(s["tokens"] % 2 == 1 or s["tokens"] == 0 for s in shapes("rms_norm"))
+
+    def wrong_on_even(x, w, eps):
+        y = rms_norm(x, w, eps)
+        return y * 2 if x.shape[0] % 2 == 0 and x.shape[0] else y
+
+    report = check("rms_norm", wrong_on_even, examples=30)
+    assert report.result == "FAIL"
+    assert report.failing_shape["tokens"] == 2, report.failing_shape
+
+
+def test_wrong_expert_choice_fails_and_ties_are_allowed():
+    def second_best(x, gate, bias, **kw):
+        weights, ids = REFERENCE_OPS["moe_route"](x, gate, bias, **kw)
+        return weights, (ids + 1) % gate.shape[0]
+
+    report = check("moe_route", second_best, examples=0)
+    assert report.result == "FAIL" and "differ without a tie" in report.message
+    report = check("moe_route", lambda *a, **kw: tuple(t.flip(-1) for t in REFERENCE_OPS["moe_route"](*a, **kw)), examples=2)
+    assert report.result == "PASS", report.detail()  # slot order is unspecified
+
+
+def test_decode_that_drops_the_last_token_fails():
+    def drop_last(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale):
+        return REFERENCE_OPS["mla_decode_attention"](q_latent, q_pe, kv_cache, block_tables, (seq_lens - 1).clamp(min=1), scale)
+
+    report = check("mla_decode_attention", drop_last, examples=0)
+    assert report.result == "FAIL" and "seq_lens" in report.failing_shape
+
+
+def test_cache_write_that_ignores_padding_fails():
+    def no_padding(kv_cache, latent, k_pe, slots):
+        flat = kv_cache.view(-1, kv_cache.shape[-1])
+        flat[slots.clamp(min=0)] = torch.cat([latent, k_pe], -1).to(kv_cache.dtype)
+
+    report = check("write_latent_cache", no_padding, examples=0)
+    assert report.result == "FAIL" and "in place" in report.message
+
+
+def test_samplers_greedy_ties_and_distribution():
+    def ties_to_highest(logits, temperature, *rest):
+        out = REFERENCE_OPS["sample_tokens"](logits, temperature, *rest)
+        greedy = temperature <= 0
+        flipped = logits.shape[1] - 1 - logits.flip(-1).argmax(-1)
+        return torch.where(greedy, flipped, out)
+
+    report = check("sample_tokens", ties_to_highest, examples=0)
+    assert report.result == "FAIL" and "greedy row" in report.message
+
+    def ignores_temperature(logits, temperature, top_k, top_p, min_p, seeds, steps):
+        ones = torch.where(temperature > 0, torch.ones_like(temperature), temperature)
+        return REFERENCE_OPS["sample_tokens"](logits, ones, top_k, top_p, min_p, seeds, steps)
+
+    report = check("sample_tokens", ignores_temperature, examples=0)
+    assert report.result == "FAIL" and "chi-square" in report.message
+
+
+def test_chi_square_pvalue():
+    probs = torch.tensor([0.5, 0.25, 0.25])
+    assert chi_square_pvalue(torch.tensor([500, 250, 250]), probs) > 0.99
+    assert chi_square_pvalue(torch.tensor([700, 150, 150]), probs) < 1e-6
+    # small cells are pooled, and a pooled cell still under 5 joins the next one
+    assert chi_square_pvalue(torch.tensor([98, 1, 1]), torch.tensor([0.98, 0.01, 0.01])) > 0.5
+
+
+def test_suite_checks_only_the_backends_own_ops_and_rejects_bad_requests():
+    report = run_suite("reference", ops=["silu_and_mul"], dtypes=[F32], examples=1, progress=False)
+    assert report.passed and [(r.op, r.dtype) for r in report.ops] == [("silu_and_mul", "float32")]
+    with pytest.raises(ValueError, match="unknown ops"):
+        run_suite("reference", ops=["silu"], progress=False)
+
+
+def test_cli_report_and_exit_codes(tmp_path, capsys):
+    out = tmp_path / "report.json"
+    assert main(["conformance", "--backend", "cpu", "--ops", "rms_norm,gather_latent_cache", "--dtype", "bf16,fp32",
+                 "--examples", "2", "--quiet", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "OP" in text and "WORST ERROR" in text and "PASSED: all 4 checks" in text
+    data = json.loads(out.read_text())
+    assert data["passed"] and data["platform"] == "cpu-reference" and len(data["ops"]) == 4
+    assert main(["conformance", "--backend", "cpu", "--dtype", "float64"]) == 2
+    assert "unknown dtype 'float64'" in capsys.readouterr().err
+    assert main(["conformance", "--backend", "nosuchchip"]) == 2
+    assert "nosuchchip" in capsys.readouterr().err
+    assert main(["conformance", "--refresh"]) == 2
+
+
+def test_specs_found_from_a_checkout_and_from_the_environment(tmp_path, monkeypatch):
+    assert (specs_dir() / "ops.toml").is_file()
+    monkeypatch.setenv("DEEPINFER_SPECS_DIR", str(tmp_path))
+    from deepinfer_core.conformance.spec import SpecError
+
+    (tmp_path / "ops.toml").write_text((Path(__file__).parent.parent / "specs" / "ops.toml").read_text())
+    assert specs_dir() == tmp_path
+    (tmp_path / "ops.toml").unlink()
+    with pytest.raises(SpecError, match="DEEPINFER_SPECS_DIR"):
+        specs_dir()
+
+
+def test_pytest_plugin_runs_the_checks(tmp_path):
+    """``pytest --deepinfer-backend`` in an empty directory: one item per (op, dtype)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--deepinfer-backend", "reference",
+         "--deepinfer-ops", "silu_and_mul", "--deepinfer-dtype", "fp32,bf16", "--deepinfer-examples", "1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "2 passed" in run.stdout
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--deepinfer-backend", "nosuchchip"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "nosuchchip" in run.stdout + run.stderr
+
+
+@pytest.mark.slow
+def test_reference_backend_passes_the_whole_suite(tmp_path):
+    """The README's command as CI runs it: every op, every dtype, every declared shape (~3-5 min)."""
+    out = tmp_path / "reference.json"
+    script = Path(sys.executable).parent / "deepinfer"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "deepinfer_core.cli"]
+    run = subprocess.run([*cmd, "conformance", "--backend", "reference", "--quiet", "--json", str(out)],
+                         capture_output=True, text=True, timeout=1800)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["passed"] and len(data["ops"]) == len(OP_NAMES) * 3
+    assert all(r["cases"] >= len(shapes(r["op"])) for r in data["ops"])

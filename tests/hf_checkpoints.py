@@ -18,6 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from deepinfer_core.conformance.checkpoints import is_fp8_linear, quantize_fp8_block  # noqa: F401 (quantize_fp8_block: re-exported)
+
 BASE = dict(
     vocab_size=160,
     hidden_size=64,
@@ -87,11 +89,6 @@ CONFIGS: dict[str, tuple[str, dict, tuple[int, int] | None]] = {
     "v3_fp8_aligned": ("v3", dict(q_lora_rank=48, n_shared_experts=1, n_group=2, topk_group=1, rope_parameters=YARN), (8, 8)),
 }
 
-# Linear weights DeepSeek ships in block FP8 (everything but embeddings, head, norms, router, eh_proj).
-FP8_LINEARS = (
-    "q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-)
-
 
 def hf_classes(family: str):
     if family == "v3":
@@ -127,29 +124,11 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 t.copy_(gain * torch.randn(t.shape, generator=gen) / math.sqrt(t.shape[-1]))
 
 
-def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (float8_e4m3fn [N, K], float32 scales [ceil(N/bn), ceil(K/bk)]), amax/448 per block."""
-    bn, bk = block
-    n, k = w.shape
-    gn, gk = -(-n // bn), -(-k // bk)
-    padded = torch.zeros(gn * bn, gk * bk, dtype=torch.float32)
-    padded[:n, :k] = w.float()
-    blocks = padded.view(gn, bn, gk, bk)
-    scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
-    q = (blocks / scale[:, None, :, None]).view(gn * bn, gk * bk)[:n, :k].to(torch.float8_e4m3fn)
-    return q, scale.float()
-
-
 def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     bn, bk = block
     n, k = q.shape
     s = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
     return q.float() * s
-
-
-def _is_fp8_linear(key: str) -> bool:
-    parts = key.split(".")
-    return key.endswith(".weight") and len(parts) >= 2 and parts[-2] in FP8_LINEARS
 
 
 def load_golden(path: Path, family: str):
@@ -182,7 +161,7 @@ def write_checkpoint(name: str, path: Path, *, seed: int = 0, max_shard_size: st
     with safe_open(str(src), framework="pt") as f:
         for key in f.keys():
             t = f.get_tensor(key)
-            if _is_fp8_linear(key):
+            if is_fp8_linear(key):
                 q, s = quantize_fp8_block(t, block)
                 quantised[key], quantised[key + "_scale_inv"] = q, s
                 dequantised[key] = dequantize(q, s, block)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 import tomllib
@@ -27,6 +26,8 @@ from deepinfer_core.cli import main
 from deepinfer_core.hookspecs import SPEC_VERSION, StepStats
 from deepinfer_core.ops import OP_NAMES, REFERENCE_OPS
 from deepinfer_core.plugins import BackendError, PluginManager
+
+from .installing import install
 
 REPO = Path(__file__).resolve().parent.parent
 FAKES = Path(__file__).resolve().parent / "fake_backends"
@@ -63,48 +64,16 @@ needs_ascend = pytest.mark.skipif(
 
 
 # ---- installing the fakes ------------------------------------------------------------------
-def _install_by_hand(src: Path, target: Path) -> None:
-    """What installing a pure-Python wheel does: copy the packages, write a dist-info."""
-    pyproject = tomllib.loads((src / "pyproject.toml").read_text())
-    project = pyproject["project"]
-    for package in pyproject["tool"]["setuptools"]["packages"]:
-        shutil.copytree(src / package, target / package)
-    info = target / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
-    lines = []
-    for group, eps in project["entry-points"].items():
-        lines += [f"[{group}]", *(f"{name} = {value}" for name, value in eps.items()), ""]
-    (info / "entry_points.txt").write_text("\n".join(lines))
-
-
 @pytest.fixture(scope="session")
 def fake_site(tmp_path_factory) -> Path:
-    """A directory holding the installed fake distributions (packages + dist-info).
-
-    pip builds them with the environment's setuptools, offline (``--no-index``, ``--no-deps``,
-    ``--no-build-isolation``, ``--no-cache-dir``), from a copy of the sources so the build leaves
-    nothing in the repository. Without pip or setuptools (e.g. a Python >= 3.12 venv made without
-    setuptools) the same layout is written by hand. FAKE_BACKENDS_INSTALLER=pip|manual forces one.
-    """
+    """A directory holding the installed fake distributions (packages + dist-info), installed by
+    tests/installing.py: pip offline from a copy of the sources, or the same layout by hand."""
     scratch = tmp_path_factory.mktemp("fake_backends_src")
     target = tmp_path_factory.mktemp("fake_backends_site")
-    sources = [scratch / name for name in FAKE_DISTS]
-    for name, dst in zip(FAKE_DISTS, sources):
-        shutil.copytree(FAKES / name, dst, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    how = os.environ.get("FAKE_BACKENDS_INSTALLER", "auto")
-    have_pip = all(importlib.util.find_spec(m) is not None for m in ("pip", "setuptools"))
-    if how == "pip" or (how == "auto" and have_pip):
-        env = {**os.environ, "PIP_USER": "0", "PIP_NO_INPUT": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-        env.pop("PIP_REQUIRE_VIRTUALENV", None)
-        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
-               "--no-cache-dir", "--quiet", "--target", str(target), *map(str, sources)]  # fmt: skip
-        done = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True, timeout=300)
-        if done.returncode:
-            pytest.fail(f"installing the fake backends failed:\n$ {' '.join(cmd)}\n{done.stdout}\n{done.stderr}")
-    else:
-        for src in sources:
-            _install_by_hand(src, target)
+    try:
+        install([FAKES / name for name in FAKE_DISTS], scratch, target)
+    except RuntimeError as e:
+        pytest.fail(f"installing the fake backends failed: {e}")
     assert sorted(p.name for p in target.glob("*.dist-info")) == [
         "deepinfer_fake_backends-0.0.1.dist-info",
         "deepinfer_fake_broken_backends-0.0.1.dist-info",
@@ -567,3 +536,22 @@ def test_cli_generate_with_an_unusable_backend(with_fakes, capsys):
     assert main(["generate", "--prompt", "Hello", "--accelerator", "fakeunavail"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and UNAVAIL_REASON in err
+
+
+# ---- the hook contract, as the conformance command sees it ------------------------------------
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_conformance_names_a_broken_plugin_and_why(with_fakes, capsys, name):
+    """A wrong hook signature, an unsupported spec version, a raising probe, an import error: the
+    conformance run cannot start (exit 2) and says which plugin and what is wrong with it."""
+    assert main(["conformance", "--backend", name, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"backend {name!r}" in err and "is broken" in err and BROKEN[name][0] in err, err
+
+
+def test_conformance_checks_only_a_partial_backends_own_ops(with_fakes, capsys):
+    assert main(["conformance", "--backend", "fakegood", "--dtype", "fp32", "--examples", "2", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "rms_norm" in out and "silu_and_mul" in out and "PASSED: all 2 checks" in out
+    assert "Not checked (fall back to the reference): add_rms_norm" in out
+    assert main(["conformance", "--backend", "fakegood", "--ops", "moe_route"]) == 2
+    assert "does not provide ['moe_route']" in capsys.readouterr().err

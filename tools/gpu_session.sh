@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (the `device` tool): install the carried wheels and this repo,
 # run the GPU tests, then the benchmarks; everything lands in $OUT.
-#   bash tools/gpu_session.sh [tests|kernels|e2e|tune|profile|all|none ...]  (default: all = tests kernels e2e;
-#   none: only install, for a command of your own after it)
+#   bash tools/gpu_session.sh [tests|kernels|e2e|tune|profile|conformance|all|none ...]  (default: all = tests
+#   kernels e2e; conformance: the op suite per dtype, the pytest plugin, the e2e baselines recorded and
+#   re-checked; none: only install, for a command of your own after it)
 set -uo pipefail
 out="${OUT:-/tmp/out}"
 mkdir -p "$out"
@@ -30,6 +31,16 @@ for part in "${parts[@]}"; do
     profile)
       timeout "${PROFILE_TIMEOUT:-200}" python3 -m benchmarks.profile_step --model v2-lite --model v3-slice \
         --point 1x1024 --point 32x1024 --point 64x4096 --out "$out" 2>&1 ;;
+    conformance)
+      for dt in ${CONF_DTYPES:-bfloat16 float32 float16}; do
+        timeout "${CONF_TIMEOUT:-170}" deepinfer conformance --backend nvidia --dtype "$dt" --quiet \
+          --explore-max-elements "${CONF_EXPLORE:-67108864}" --json "$out/conformance_nvidia_$dt.json" 2>&1
+      done
+      timeout 120 python3 -m pytest -p no:cacheprovider -q --deepinfer-backend nvidia --deepinfer-ops rms_norm,sample_tokens \
+        --deepinfer-dtype bf16 --deepinfer-examples 2 2>&1 | tail -3
+      timeout 150 deepinfer conformance --e2e --refresh --backend nvidia 2>&1
+      timeout 150 deepinfer conformance --e2e --backend nvidia --json "$out/e2e_nvidia.json" 2>&1
+      cp specs/baselines/offline_decode_ppl.json "$out/" ;;
     e2e|all)
       timeout "${E2E_TIMEOUT:-540}" python3 -m benchmarks.e2e --model v2-lite --model v3-slice --hf-peer --out "$out" ${QUICK:+--quick} 2>&1
       python3 -m benchmarks.plots "$out" ;;

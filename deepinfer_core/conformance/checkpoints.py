@@ -2,8 +2,10 @@
 
 ``default`` is the embedded default model (``deepinfer_core/default_model/``). The others are
 generated: a config dict and a seed in this file, written out by ``materialize(name)`` as an HF
-checkpoint directory (config.json, model.safetensors with DeepSeek's key names, the default
-model's tokenizer files) and cached by name and fingerprint, so every run after the first
+checkpoint directory (config.json, model.safetensors with DeepSeek's key names, and the
+tokenizer in ``conformance/tokenizer/``: a byte-level BPE of 2048 tokens, the first embedded
+default model's, kept here so these checkpoints and their baselines do not change when the
+default model does) and cached by name and fingerprint, so every run after the first
 reads it from disk.
 
 Every platform must get bit-identical weights, so values are drawn on the CPU from one seeded
@@ -38,6 +40,7 @@ from deepinfer_core.config import DEFAULT_MODEL_DIR
 
 DEFAULT = "default"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+TOKENIZER_DIR = Path(__file__).resolve().parent / "tokenizer"  # the generated checkpoints' tokenizer
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 # Linear weights DeepSeek ships in block FP8 (everything but embeddings, head, norms, router, eh_proj).
 FP8_LINEARS = (
@@ -45,7 +48,7 @@ FP8_LINEARS = (
 )
 
 _COMMON = dict(
-    vocab_size=2048,  # the default model's tokenizer
+    vocab_size=2048,  # TOKENIZER_DIR's tokenizer
     hidden_size=128,
     num_hidden_layers=3,
     first_k_dense_replace=1,
@@ -104,7 +107,7 @@ class GeneratedCheckpoint:
         h = hashlib.sha256()
         h.update(json.dumps({"config": self.config_json(), "seed": self.seed, "weights": self.weights_digest}, sort_keys=True).encode())
         for name in TOKENIZER_FILES:
-            h.update((DEFAULT_MODEL_DIR / name).read_bytes())
+            h.update((TOKENIZER_DIR / name).read_bytes())
         return h.hexdigest()[:16]
 
 
@@ -241,7 +244,7 @@ def write_checkpoint(spec: GeneratedCheckpoint, out: Path) -> None:
     save_file(dict(sorted(tensors.items())), str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(spec.config_json(), indent=2, sort_keys=True) + "\n")
     for file in TOKENIZER_FILES:
-        shutil.copyfile(DEFAULT_MODEL_DIR / file, out / file)
+        shutil.copyfile(TOKENIZER_DIR / file, out / file)
 
 
 def checkpoint_shapes(config: dict) -> dict[str, tuple[int, ...]]:

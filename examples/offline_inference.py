@@ -4,8 +4,9 @@
     python examples/offline_inference.py --model /path/to/hf_checkpoint_dir
     DEEPINFER_HF_MODEL_DIR=/path/to/dir DEEPINFER_ACCELERATOR=cpu python examples/offline_inference.py
 
-The embedded default model has random weights: its completions are noise until a trained
-default lands. Point --model at a real DeepSeek V2/V3 checkpoint for real text.
+The embedded default model is a tiny DeepSeek-V3 trained on the Python standard library
+(deepinfer_core/default_model/MODEL_CARD.md): its completions look like Python, nothing more.
+Point --model at a real DeepSeek V2/V3 checkpoint for real text.
 """
 
 import argparse

@@ -1,4 +1,4 @@
-"""The embedded default checkpoint (deepinfer_core/default_model/, built by tools/make_default_model.py)."""
+"""The embedded default checkpoint (deepinfer_core/default_model/, trained by tools/train_default_model.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 DIR = Path(__file__).resolve().parent.parent / "deepinfer_core" / "default_model"
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
-MTP = 3  # checkpoint layer index of the MTP module = num_hidden_layers
+MTP = 4  # checkpoint layer index of the MTP module = num_hidden_layers
 
 SNIPPETS = [
     "def foo(x):\n    return x",
@@ -75,8 +75,8 @@ def test_transformers_loads_and_generates(tokenizer, config):
 
 def test_mtp_weights(tensors, config):
     H = config["hidden_size"]
-    src, dst = "model.layers.2.", f"model.layers.{MTP}."
-    layer2 = {k[len(src):]: t.shape for k, t in tensors.items() if k.startswith(src)}
+    src, dst = f"model.layers.{MTP - 1}.", f"model.layers.{MTP}."
+    last = {k[len(src):]: t.shape for k, t in tensors.items() if k.startswith(src)}
     mtp = {k[len(dst):]: t.shape for k, t in tensors.items() if k.startswith(dst)}
     extra = {
         "enorm.weight": (H,),
@@ -84,22 +84,20 @@ def test_mtp_weights(tensors, config):
         "eh_proj.weight": (H, 2 * H),
         "shared_head.norm.weight": (H,),
     }
-    assert {k: tuple(v) for k, v in mtp.items()} == {**{k: tuple(v) for k, v in layer2.items()}, **extra}
-    # a full MoE decoder layer in DeepSeek's per-expert layout
+    # a full MoE decoder layer (the last main layer's shapes) plus DeepSeek's MTP parts
+    assert {k: tuple(v) for k, v in mtp.items()} == {**{k: tuple(v) for k, v in last.items()}, **extra}
     for e in range(config["n_routed_experts"]):
         assert dst + f"mlp.experts.{e}.gate_proj.weight" in tensors
     assert dst + "mlp.shared_experts.down_proj.weight" in tensors
-    assert dst + "self_attn.kv_a_proj_with_mqa.weight" in tensors
-    # embed_tokens / shared_head.head are tied to the main model, not stored
+    # embed_tokens / shared_head.head are the main model's, not stored again
     assert dst + "embed_tokens.weight" not in tensors and dst + "shared_head.head.weight" not in tensors
     assert not any(k.startswith(f"model.layers.{MTP + 1}.") for k in tensors)
-    for k in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight", "input_layernorm.weight"):
-        assert torch.equal(tensors[dst + k].float(), torch.ones(H))
-    assert tensors[dst + "eh_proj.weight"].float().std() > 0
-    for layer in (1, 2, MTP):  # random, non-zero routing bias, fp32 as DeepSeek ships it
-        bias = tensors[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"]
-        assert bias.dtype == torch.float32 and bias.abs().sum() > 0
-    assert tensors["lm_head.weight"].dtype == torch.bfloat16
+    for k in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"):  # trained, not initial values
+        t = tensors[dst + k].float()
+        assert torch.isfinite(t).all() and not torch.equal(t, torch.ones_like(t)) and t.std() > 0, k
+    for layer in range(config["first_k_dense_replace"], MTP + 1):  # routing bias in fp32, as DeepSeek ships it
+        assert tensors[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert all(t.dtype == torch.bfloat16 for k, t in tensors.items() if not k.endswith("e_score_correction_bias"))
 
 
 @pytest.mark.parametrize("text", SNIPPETS)
@@ -120,8 +118,52 @@ def test_tokenizer_specials(tokenizer):
     assert len(tokenizer.encode("def __init__(self):\n        return None", add_special_tokens=False)) <= 10
 
 
-def test_total_size():
+def test_files_and_size():
     files = [p for p in DIR.iterdir() if p.is_file()]
     names = {p.name for p in files}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md"} <= names
-    assert sum(p.stat().st_size for p in files) < 3 * 2**20  # < 3 MiB
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "MODEL_CARD.md", "training.json"} <= names
+    assert sum(p.stat().st_size for p in files) <= 20 * 2**20  # the issue's budget for an embedded model
+
+
+def test_model_card_quotes_the_training_record():
+    """MODEL_CARD.md's numbers are training.json's (written by the training script), not typed in."""
+    record = json.loads((DIR / "training.json").read_text())
+    card = (DIR / "MODEL_CARD.md").read_text(encoding="utf-8")
+    assert f"{record['test']['loss']:.3f}" in card and f"{record['val']['loss']:.3f}" in card
+    assert f"{record['test']['mtp_acceptance']:.3f}" in card and f"{record['train_loss_eval']:.3f}" in card
+    assert record["device"] in card and "demonstration" in card
+
+
+def test_engine_matches_transformers_on_the_default_model():
+    """Greedy tokens and their logprobs, and teacher-forced prompt logprobs, in float32: the
+    reference backend against transformers' eager DeepseekV3 on the embedded checkpoint."""
+    from transformers import AutoTokenizer, DeepseekV3ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from deepinfer_core import LLM, SamplingParams
+
+    hf_logging.set_verbosity_error()
+    hf = DeepseekV3ForCausalLM.from_pretrained(DIR, local_files_only=True, dtype=torch.float32,
+                                               attn_implementation="eager", experts_implementation="eager").eval()
+    tok = AutoTokenizer.from_pretrained(DIR, local_files_only=True)
+    llm = LLM(accelerator="cpu", dtype="float32", progress=False)
+    prompts = ["def fibonacci(n):\n", "import os\n\n\ndef read_lines(path):\n", "class Stack:\n    def __init__(self):\n"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, logprobs=1, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            golden = hf.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id,
+                                 eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+        tokens = golden.sequences[0, ids.shape[1]:].tolist()
+        assert out.outputs[0].token_ids == tokens, prompt
+        hf_logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(golden.logits, tokens)]
+        ours = [lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens)]
+        assert ours == pytest.approx(hf_logprobs, abs=2e-3), prompt
+    text = prompts[0] + "    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
+    out = llm.generate(text, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    ids = torch.tensor([out.prompt_token_ids])
+    with torch.no_grad():
+        golden = torch.log_softmax(hf(ids).logits[0].float(), -1)
+    for pos in range(1, ids.shape[1]):
+        token = out.prompt_token_ids[pos]
+        assert out.prompt_logprobs[pos][token] == pytest.approx(golden[pos - 1, token].item(), abs=2e-3), pos

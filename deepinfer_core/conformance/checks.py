@@ -153,7 +153,7 @@ def check_close(fn: Callable, case: OpCase) -> Outcome:
     return _worst(outcomes)
 
 
-def _route_selection(x, gate, bias, top_k, scoring_func, topk_method, n_group, topk_group, norm_topk_prob, routed_scaling_factor):
+def route_selection(x, gate, bias, top_k, scoring_func, topk_method, n_group, topk_group, norm_topk_prob, routed_scaling_factor):
     """The scores the reference ranks ([T, E]) and the weights it gives any chosen id set."""
     logits = F.linear(x.float(), gate.float())
     scores = logits.sigmoid() if scoring_func == "sigmoid" else logits.softmax(dim=-1)
@@ -206,7 +206,7 @@ def check_moe_route(fn: Callable, case: OpCase) -> Outcome:
         return Outcome(True)
     tie_eps = float(ops_spec()["moe_route"].get("tie_eps", 0.0))
     ref_w, ref_ids = REFERENCE_OPS["moe_route"](x, gate, bias, **case.kwargs)
-    selection, weights_of = _route_selection(x, gate, bias, **case.kwargs)
+    selection, weights_of = route_selection(x, gate, bias, **case.kwargs)
     ids, ref_ids, selection, weights = ids.cpu(), ref_ids.cpu(), selection.cpu(), weights.cpu()
     num_experts = gate.shape[0]
     if ((ids < 0) | (ids >= num_experts)).any():

@@ -14,6 +14,7 @@ import functools
 import pytest
 import torch
 
+from deepinfer_core.conformance.inputs import ROPE_PARAMETERS
 from deepinfer_core.ops import REFERENCE_OPS
 from deepinfer_core.ops.rope import rope_cos_sin_table
 
@@ -25,13 +26,6 @@ from tests.op_spec import assert_close, shapes
 EPS = 1e-6
 # Spec shapes whose work (elements touched) is at most this also run under the interpreter.
 CPU_MAX_ELEMENTS = 16384
-ROPE_PARAMETERS = {
-    "default": None,
-    "v3_yarn": {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-    "v2lite_yarn": {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                    "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
-}
 
 
 def _id(case: dict) -> str:

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from deepinfer_core.conformance.checks import route_selection
 from deepinfer_core.ops import REFERENCE_OPS
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton): the NVIDIA kernels cannot run")
@@ -84,38 +85,6 @@ def _route_inputs(case: dict, dtype, device, seed: int = 0):
     return x, gate, (bias if case.get("bias", True) else None)
 
 
-def _reference_selection(x, gate, bias, top_k, scoring_func, topk_method, n_group, topk_group, norm_topk_prob,
-                         routed_scaling_factor):
-    """What the reference ranks ([T, E] selection scores) and the weights it gives a chosen id set."""
-    logits = F.linear(x.float(), gate.float())
-    scores = logits.sigmoid() if scoring_func == "sigmoid" else logits.softmax(dim=-1)
-    num_tokens, num_experts = scores.shape
-
-    def group_keep(group_scores):
-        picked = group_scores.topk(topk_group, dim=-1).indices
-        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, picked, True)
-        return keep.repeat_interleave(num_experts // n_group, dim=1)
-
-    if topk_method == "noaux_tc":
-        choice = scores if bias is None else scores + bias
-        grouped = choice.view(num_tokens, n_group, -1)
-        keep = group_keep(grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1))
-        selection, source = choice.masked_fill(~keep, float("-inf")), scores
-    elif topk_method == "greedy":
-        selection = source = scores
-    else:
-        keep = group_keep(scores.view(num_tokens, n_group, -1).max(-1).values)
-        selection = source = scores.masked_fill(~keep, 0.0)
-
-    def weights_of(ids):
-        w = source.gather(1, ids)
-        if topk_method == "noaux_tc" and norm_topk_prob:
-            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return w * routed_scaling_factor
-
-    return selection, weights_of
-
-
 def check_route(weights, ids, x, gate, bias, params: dict, dtype) -> None:
     """Compare with the reference under the spec's rule: id sets equal per token, except where the
     reference's k-th and (k+1)-th selection scores tie within tie_eps (then any valid top-k, with
@@ -124,7 +93,7 @@ def check_route(weights, ids, x, gate, bias, params: dict, dtype) -> None:
     assert weights.shape == (num_tokens, top_k) and weights.dtype == torch.float32
     assert ids.shape == (num_tokens, top_k) and ids.dtype == torch.int64
     ref_w, ref_ids = REFERENCE_OPS["moe_route"](x, gate, bias, **params)
-    selection, weights_of = _reference_selection(x, gate, bias, **params)
+    selection, weights_of = route_selection(x, gate, bias, **params)
     ids, ref_ids, selection = ids.cpu(), ref_ids.cpu(), selection.cpu()
     out_ids, order = ids.sort(dim=1)
     out_w = weights.cpu().gather(1, order)

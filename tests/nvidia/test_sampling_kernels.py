@@ -17,6 +17,7 @@ import torch
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton): the NVIDIA kernels cannot run")
 import triton.language as tl  # noqa: E402
 
+from deepinfer_core.conformance.checks import chi_square_pvalue  # noqa: E402
 from deepinfer_core.ops import REFERENCE_OPS  # noqa: E402
 from deepinfer_core.ops.sampling import _restrict, row_seed  # noqa: E402
 from deepinfer_nvidia_sm100.kernels import sampling as kernels
@@ -68,30 +69,6 @@ def assert_in_support(tokens, logits, temperature, top_k, top_p, min_p):
     chosen = probs.gather(1, tokens[:, None].clamp(0, logits.shape[1] - 1)).squeeze(1)
     outside = sampled & ((tokens < 0) | (tokens >= logits.shape[1]) | (chosen <= 0))
     assert not bool(outside.any()), f"rows {outside.nonzero().flatten().tolist()} drew tokens outside the reference support"
-
-
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """P-value of Pearson's chi-square test of ``counts`` against ``probs`` (support only); cells
-    expected fewer than 5 times are pooled into one (itself pooled with the smallest other cell
-    when still under 5)."""
-    draws = float(counts.sum())
-    expected = (probs * draws).double()
-    support = expected > 0
-    observed, expected = counts[support].double(), expected[support]
-    order = expected.argsort(descending=True)
-    observed, expected = observed[order], expected[order]
-    big = expected >= 5
-    o = list(observed[big].tolist()) + [float(observed[~big].sum())]
-    e = list(expected[big].tolist()) + [float(expected[~big].sum())]
-    if e[-1] < 5 and len(e) > 1:
-        o[-2] += o.pop()
-        e[-2] += e.pop()
-    if len(e) < 2:
-        return 1.0
-    o_t, e_t = torch.tensor(o, dtype=torch.float64), torch.tensor(e, dtype=torch.float64)
-    stat = ((o_t - e_t) ** 2 / e_t).sum()
-    df = torch.tensor((len(e) - 1) / 2, dtype=torch.float64)
-    return float(torch.special.gammaincc(df, stat / 2))
 
 
 def spec_cases():

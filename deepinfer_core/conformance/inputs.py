@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from deepinfer_core.conformance.checkpoints import quantize_fp8_block
 from deepinfer_core.ops.rope import rope_cos_sin_table
 
 NORM_EPS = 1e-6
@@ -83,20 +84,12 @@ class _Draw:
 
 
 def quantize_block_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 [..., N, K] -> (float8_e4m3fn [..., N, K], float32 scales [..., ceil(N/bn), ceil(K/bk)]).
-
-    One scale per (bn x bk) block, amax / 448 (partial blocks at the edges included), as
-    DeepSeek's checkpoints define ``weight_scale_inv``.
-    """
-    bn, bk = block
-    *lead, n, k = w.shape
-    nb, kb = -(-n // bn), -(-k // bk)
-    padded = torch.zeros(*lead, nb * bn, kb * bk)
-    padded[..., :n, :k] = w
-    blocks = padded.view(*lead, nb, bn, kb, bk)
-    scale = blocks.abs().amax(dim=(-3, -1)).clamp_min(1e-12) / 448.0
-    q = (blocks / scale[..., :, None, :, None]).to(torch.float8_e4m3fn).view(*lead, nb * bn, kb * bk)
-    return q[..., :n, :k].contiguous(), scale
+    """float32 [..., N, K] -> (float8_e4m3fn [..., N, K], float32 scales [..., ceil(N/bn), ceil(K/bk)]),
+    one scale per block as DeepSeek's checkpoints define ``weight_scale_inv`` (partial edge blocks included)."""
+    if w.dim() == 2:
+        return quantize_fp8_block(w, block)
+    parts = [quantize_block_fp8(part, block) for part in w]
+    return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])
 
 
 @functools.lru_cache(maxsize=8)

@@ -185,9 +185,7 @@ def route_selection(x, gate, bias, top_k, scoring_func, topk_method, n_group, to
 
 
 def check_moe_route(fn: Callable, case: OpCase) -> Outcome:
-    """Id sets equal per token, except where the reference's k-th and (k+1)-th selection scores
-    tie within the spec's tie_eps; then any valid top-k is accepted, its weights compared against
-    the reference's weights of the ids chosen."""
+    """Run the backend's moe_route on ``case`` and judge it (``judge_moe_route``)."""
     mine = case.clone()
     out = call_backend(fn, mine)
     untouched = _inputs_untouched(case, mine)
@@ -195,18 +193,25 @@ def check_moe_route(fn: Callable, case: OpCase) -> Outcome:
         return untouched
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         return Outcome(False, float("inf"), "must return (weights, ids)")
-    weights, ids = out
-    x, gate, bias = case.args
-    top_k, tokens = case.kwargs["top_k"], x.shape[0]
-    for name, t, dtype in (("weights", weights, torch.float32), ("ids", ids, torch.int64)):
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (tokens, top_k) or t.dtype != dtype:
+    return judge_moe_route(*out, *case.args, case.kwargs, case.dtype)
+
+
+def judge_moe_route(weights, ids, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, route_kwargs: dict,
+                    dtype: torch.dtype) -> Outcome:
+    """Routing output against the reference: id sets equal per token, except where the
+    reference's k-th and (k+1)-th selection scores tie within the spec's tie_eps; then any valid
+    top-k is accepted, its weights compared against the reference's weights of the ids chosen."""
+    top_k, tokens = route_kwargs["top_k"], x.shape[0]
+    for name, t, want in (("weights", weights, torch.float32), ("ids", ids, torch.int64)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (tokens, top_k) or t.dtype != want:
             got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-            return Outcome(False, float("inf"), f"{name}: expected [{tokens}, {top_k}] {dtype}, got {got}")
+            return Outcome(False, float("inf"), f"{name}: expected [{tokens}, {top_k}] {want}, got {got}")
     if tokens == 0:
         return Outcome(True)
     tie_eps = float(ops_spec()["moe_route"].get("tie_eps", 0.0))
-    ref_w, ref_ids = REFERENCE_OPS["moe_route"](x, gate, bias, **case.kwargs)
-    selection, weights_of = route_selection(x, gate, bias, **case.kwargs)
+    tol = tolerance("moe_route", dtype)
+    ref_w, ref_ids = REFERENCE_OPS["moe_route"](x, gate, bias, **route_kwargs)
+    selection, weights_of = route_selection(x, gate, bias, **route_kwargs)
     ids, ref_ids, selection, weights = ids.cpu(), ref_ids.cpu(), selection.cpu(), weights.cpu()
     num_experts = gate.shape[0]
     if ((ids < 0) | (ids >= num_experts)).any():
@@ -215,6 +220,10 @@ def check_moe_route(fn: Callable, case: OpCase) -> Outcome:
     out_w = weights.gather(1, order)
     ref_sorted, ref_order = ref_ids.sort(dim=1)
     ref_w = ref_w.cpu().gather(1, ref_order)
+    # route_selection stands in for the reference at ties: it must agree with it where ids agree
+    stand_in = compare("weights (the kit's stand-in for the reference)", weights_of(ref_sorted.to(x.device)).cpu(), ref_w, tol)
+    if not stand_in.ok:
+        return Outcome(False, float("inf"), f"conformance kit error, not the backend's: {stand_in.message}")
     ranked = selection.sort(dim=1, descending=True).values
     kth = ranked[:, top_k - 1]
     after = ranked[:, top_k] if top_k < ranked.shape[1] else torch.full_like(kth, float("-inf"))
@@ -230,7 +239,7 @@ def check_moe_route(fn: Callable, case: OpCase) -> Outcome:
         if not (selection[t, out_ids[t]] >= kth[t] - tie_eps).all():
             return Outcome(False, float("inf"), f"token {t} chose an expert ranked below the k-th")
     expected = torch.where(same[:, None], ref_w, weights_of(out_ids.to(x.device)).cpu())
-    return compare("weights", out_w, expected, tolerance("moe_route", case.dtype))
+    return compare("weights", out_w, expected, tol)
 
 
 def reference_distribution(logits, temperature, top_k, top_p, min_p) -> torch.Tensor:

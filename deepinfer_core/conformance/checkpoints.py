@@ -320,11 +320,11 @@ def is_fp8_linear(key: str) -> bool:
 
 
 def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (float8_e4m3fn [N, K], float32 scales [ceil(N/bn), ceil(K/bk)]), amax/448 per block."""
+    """[N, K] float -> (float8_e4m3fn [N, K], float32 scales [ceil(N/bn), ceil(K/bk)]), amax/448 per block, on w's device."""
     bn, bk = block
     n, k = w.shape
     gn, gk = -(-n // bn), -(-k // bk)
-    padded = torch.zeros(gn * bn, gk * bk, dtype=torch.float32)
+    padded = torch.zeros(gn * bn, gk * bk, dtype=torch.float32, device=w.device)
     padded[:n, :k] = w.float()
     blocks = padded.view(gn, bn, gk, bk)
     scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)

@@ -6,40 +6,17 @@ cases, a long-context decode case and the CUDA-graph check are marked ``gpu``.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
+from deepinfer_core.conformance.checks import poisoned_outputs
+from deepinfer_core.conformance.inputs import ATTENTION_SCALES, attention_scale, make_case
 from deepinfer_core.ops import attention as ref_ops
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton): the NVIDIA kernels cannot run")
 
 from deepinfer_nvidia_sm100.kernels import mla_decode, mla_prefill
 from tests.op_spec import assert_close, shapes
-
-SCALES = {"v3_yarn": 0.135234, "v2lite_yarn": 0.114721}
-
-
-@contextlib.contextmanager
-def nan_poisoned_empty():
-    """Make torch.empty return NaN-filled float tensors, so an output element (or a split partial)
-    that a kernel forgets to write, or reads without writing, shows up as NaN."""
-    original = torch.empty
-
-    def empty(*args, **kwargs):
-        t = original(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    torch.empty = empty
-    try:
-        yield
-    finally:
-        torch.empty = original
-
-
-def _scale(name: str, qk_dim: int) -> float:
-    return qk_dim**-0.5 if name == "default" else SCALES[name]
 
 
 def _real(case: dict, dim: str, value: int) -> list:
@@ -56,21 +33,12 @@ def _cases(op: str, dim: str, value: int) -> list:
 
 
 def _decode_inputs(seq_lens, heads, d_c, d_r, block_size, dtype, device, seed=0):
-    """Inputs as the spec's generator draws them: N(0, 1) cache and queries, block tables taken
-    from a random permutation of the block pool, as a non-contiguous view (every other column)."""
-    g = torch.Generator().manual_seed(seed)
-    batch = len(seq_lens)
-    max_blocks = max(1, -(-max(seq_lens) // block_size)) + 1
-    num_blocks = 2 * batch * max_blocks + 3
-    kv_cache = torch.randn(num_blocks, block_size, d_c + d_r, generator=g).to(device, dtype)
-    pool = torch.randperm(num_blocks, generator=g)[: 2 * batch * max_blocks].to(torch.int32)
-    block_tables = pool.view(batch, 2 * max_blocks).to(device)[:, ::2]
-    assert not block_tables.is_contiguous()
-    q_latent = torch.randn(batch, heads, d_c, generator=g).to(device, dtype)
-    # q_pe as a strided view (the model's rope output need not be contiguous).
-    q_pe = torch.randn(batch, heads, d_r + 3, generator=g).to(device, dtype)[..., :d_r]
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    return q_latent, q_pe, kv_cache, block_tables, lens
+    """The conformance kit's inputs (the spec's generator): N(0, 1) cache and queries, block tables
+    taken from a random permutation of the block pool as a non-contiguous view, q_pe strided."""
+    dims = dict(seq_lens=list(seq_lens), heads=heads, kv_lora_rank=d_c, rope_dim=d_r, block_size=block_size, scale="default")
+    args = make_case("mla_decode_attention", dims, dtype, device, seed).args[:5]  # the scale is the test's
+    assert not args[3].is_contiguous()
+    return args
 
 
 @pytest.fixture(params=["default", "many_splits"])
@@ -90,7 +58,7 @@ def split_mode(request, monkeypatch):
 
 def _check_decode(seq_lens, heads, d_c, d_r, block_size, scale, dtype, device, seed=0):
     args = _decode_inputs(seq_lens, heads, d_c, d_r, block_size, dtype, device, seed)
-    with nan_poisoned_empty():
+    with poisoned_outputs(torch.device(device)):
         out = mla_decode.mla_decode_attention(*args, scale)
     ref = ref_ops.mla_decode_attention(*args, scale)
     assert out.shape == ref.shape and out.dtype == dtype and out.device == args[0].device
@@ -101,7 +69,7 @@ def _check_decode(seq_lens, heads, d_c, d_r, block_size, scale, dtype, device, s
 def test_decode_spec_shapes(case, split_mode, dtype, device):
     d_c, d_r = case["kv_lora_rank"], case["rope_dim"]
     _check_decode(case["seq_lens"], case["heads"], d_c, d_r, case["block_size"],
-                  _scale(case["scale"], d_c + d_r), dtype, device)
+                  attention_scale(case["scale"], d_c + d_r), dtype, device)
 
 
 @pytest.mark.parametrize(
@@ -125,7 +93,7 @@ def test_decode_odd_dims(split_mode, dtype, device):
 def test_decode_padding_sequence_gives_zeros(split_mode, dtype, device):
     """seq_len 0 (a padded row of a captured batch) attends to nothing: zeros, like the reference."""
     args = _decode_inputs([0, 6], 4, 32, 8, 4, dtype, device)
-    with nan_poisoned_empty():
+    with poisoned_outputs(torch.device(device)):
         out = mla_decode.mla_decode_attention(*args, 0.15)
     assert_close(out, ref_ops.mla_decode_attention(*args, 0.15), "mla_decode_attention", dtype)
     assert torch.count_nonzero(out[0]) == 0
@@ -153,7 +121,7 @@ def test_decode_split_count_from_shapes_only(monkeypatch):
 
 @pytest.mark.gpu
 def test_decode_long_context(dtype, device):
-    _check_decode([4096, 4000, 1, 2049], 128, 512, 64, 64, SCALES["v3_yarn"], dtype, device, seed=3)
+    _check_decode([4096, 4000, 1, 2049], 128, 512, 64, 64, ATTENTION_SCALES["v3_yarn"], dtype, device, seed=3)
 
 
 @pytest.mark.gpu
@@ -163,7 +131,7 @@ def test_decode_cuda_graph(heads, block_size, dtype, device):
     q_latent, q_pe, kv_cache, block_tables, lens = _decode_inputs(
         [700, 1, 64, 333], heads, 512, 64, block_size, dtype, device, seed=4
     )
-    scale = SCALES["v3_yarn"]
+    scale = ATTENTION_SCALES["v3_yarn"]
 
     def call():
         return mla_decode.mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, lens, scale)
@@ -195,22 +163,10 @@ def test_decode_cuda_graph(heads, block_size, dtype, device):
 
 
 def _prefill_inputs(lens_q, lens_k, heads, d_qk, d_v, dtype, device, seed=0):
-    """q, k, v shaped and strided as the model makes them: q a view of a wider tensor, k the
-    concatenation [k_nope | shared k_pe], v a view into the [S, H, nope + v] projection."""
-    g = torch.Generator().manual_seed(seed)
-    d_rope = d_qk // 3
-    d_nope = d_qk - d_rope
-    tq, tk = sum(lens_q), sum(lens_k)
-    q = torch.randn(tq, heads, d_qk + 5, generator=g).to(device, dtype)[..., :d_qk]
-    kv = torch.randn(tk, heads, d_nope + d_v, generator=g).to(device, dtype)
-    k_pe = torch.randn(tk, 1, d_rope, generator=g).to(device, dtype)
-    k = torch.cat([kv[..., :d_nope], k_pe.expand(tk, heads, d_rope)], dim=-1)
-    v = kv[..., d_nope:]
-
-    def cu(lens):
-        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-
-    return q, k, v, cu(lens_q), cu(lens_k)
+    """The conformance kit's inputs, shaped and strided as the model makes them: q a view of a wider
+    tensor, k the concatenation [k_nope | shared k_pe], v a view into the [S, H, nope + v] projection."""
+    dims = dict(seq_lens_q=list(lens_q), seq_lens_k=list(lens_k), heads=heads, qk_dim=d_qk, v_dim=d_v, scale="default")
+    return make_case("mla_prefill_attention", dims, dtype, device, seed).args[:5]  # the scale is the test's
 
 
 @pytest.fixture(params=["default", "small_tiles", "sdpa"])
@@ -229,7 +185,7 @@ def prefill_tiles(request, monkeypatch):
 
 def _check_prefill(lens_q, lens_k, heads, d_qk, d_v, scale, dtype, device, seed=0, impl=None):
     args = _prefill_inputs(lens_q, lens_k, heads, d_qk, d_v, dtype, device, seed)
-    with nan_poisoned_empty():
+    with poisoned_outputs(torch.device(device)):
         out = (impl or mla_prefill.mla_prefill_attention)(*args, scale)
     ref = ref_ops.mla_prefill_attention(*args, scale)
     assert out.shape == ref.shape and out.dtype == dtype
@@ -240,7 +196,7 @@ def _check_prefill(lens_q, lens_k, heads, d_qk, d_v, scale, dtype, device, seed=
 @pytest.mark.parametrize("case", _cases("mla_prefill_attention", "qk_dim", 192))
 def test_prefill_spec_shapes(case, prefill_tiles, dtype, device):
     _check_prefill(case["seq_lens_q"], case["seq_lens_k"], case["heads"], case["qk_dim"], case["v_dim"],
-                   _scale(case["scale"], case["qk_dim"]), dtype, device, impl=prefill_tiles)
+                   attention_scale(case["scale"], case["qk_dim"]), dtype, device, impl=prefill_tiles)
 
 
 @pytest.mark.parametrize(
@@ -272,4 +228,4 @@ def test_prefill_empty(device):
 @pytest.mark.parametrize("impl", ["triton", "sdpa"])
 def test_prefill_long(impl, dtype, device):
     fn = mla_prefill.mla_prefill_attention_sdpa if impl == "sdpa" else mla_prefill.mla_prefill_attention
-    _check_prefill([1000, 300, 0, 517], [1000, 1324, 64, 517], 16, 192, 128, SCALES["v2lite_yarn"], dtype, device, impl=fn)
+    _check_prefill([1000, 300, 0, 517], [1000, 1324, 64, 517], 16, 192, 128, ATTENTION_SCALES["v2lite_yarn"], dtype, device, impl=fn)

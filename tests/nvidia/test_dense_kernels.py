@@ -14,7 +14,7 @@ import functools
 import pytest
 import torch
 
-from deepinfer_core.conformance.inputs import ROPE_PARAMETERS
+from deepinfer_core.conformance.inputs import ROPE_PARAMETERS, quantize_block_fp8
 from deepinfer_core.ops import REFERENCE_OPS
 from deepinfer_core.ops.rope import rope_cos_sin_table
 
@@ -43,19 +43,6 @@ def spec_cases(op: str, size) -> list:
 def randn(*shape, dtype, device, scale=1.0):
     """N(0, 1) * scale drawn on the CPU (the same numbers on every device), then moved."""
     return (torch.randn(*shape) * scale).to(device=device, dtype=dtype)
-
-
-def quantize_block_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 [N, K] -> (float8_e4m3fn [N, K], float32 scales [ceil(N/bn), ceil(K/bk)]), amax / 448 per block."""
-    bn, bk = block
-    n, k = w.shape
-    sn, sk = -(-n // bn), -(-k // bk)
-    padded = torch.zeros(sn * bn, sk * bk)
-    padded[:n, :k] = w
-    blocks = padded.view(sn, bn, sk, bk)
-    scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp_min(1e-12)
-    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(sn * bn, sk * bk)[:n, :k]
-    return q.contiguous(), scale
 
 
 def random_fp8_linear(n: int, k: int, block, device, bias: bool = False, dtype=torch.float32):

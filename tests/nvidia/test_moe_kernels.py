@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer_core.conformance.checks import judge_moe_route
-from deepinfer_core.conformance.inputs import ROUTE_KEYS
+from deepinfer_core.conformance.inputs import ROUTE_KEYS, quantize_block_fp8
 from deepinfer_core.ops import REFERENCE_OPS
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton): the NVIDIA kernels cannot run")
@@ -195,19 +195,6 @@ EXPERTS_EXTRA = [
 ]
 
 
-def _quantize_block_fp8(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 [E, N, K] -> (float8_e4m3fn [E, N, K], float32 scales [E, ceil(N/bn), ceil(K/bk)]), amax/448 per block."""
-    bn, bk = block
-    e, n, k = w.shape
-    nb, kb = -(-n // bn), -(-k // bk)
-    padded = torch.zeros(e, nb * bn, kb * bk, device=w.device)
-    padded[:, :n, :k] = w
-    blocks = padded.view(e, nb, bn, kb, bk)
-    scale = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-12) / 448.0
-    q = (blocks / scale[:, :, None, :, None]).to(torch.float8_e4m3fn).view(e, nb * bn, kb * bk)
-    return q[:, :n, :k].contiguous(), scale
-
-
 def _expert_inputs(case: dict, dtype, device, seed: int = 0):
     t, d, i, e, k = (case[n] for n in ("tokens", "hidden", "intermediate", "experts", "top_k"))
     g = _generator(device, seed)
@@ -216,7 +203,7 @@ def _expert_inputs(case: dict, dtype, device, seed: int = 0):
     w2 = torch.randn(e, d, i, generator=g, device=device) / math.sqrt(i)
     block = tuple(case["fp8_block"]) or None
     if block:
-        (w13, s13), (w2, s2) = _quantize_block_fp8(w13, block), _quantize_block_fp8(w2, block)
+        (w13, s13), (w2, s2) = quantize_block_fp8(w13, block), quantize_block_fp8(w2, block)
     else:
         w13, w2, s13, s2 = w13.to(dtype), w2.to(dtype), None, None
     # Some experts receive no token: ids come from a random subset of about 3/4 of them.

@@ -17,9 +17,10 @@ import torch
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton): the NVIDIA kernels cannot run")
 import triton.language as tl  # noqa: E402
 
-from deepinfer_core.conformance.checks import chi_square_pvalue  # noqa: E402
+from deepinfer_core.conformance.checks import chi_square_pvalue, reference_distribution  # noqa: E402
+from deepinfer_core.conformance.inputs import sampling_params  # noqa: E402
 from deepinfer_core.ops import REFERENCE_OPS  # noqa: E402
-from deepinfer_core.ops.sampling import _restrict, row_seed  # noqa: E402
+from deepinfer_core.ops.sampling import row_seed  # noqa: E402
 from deepinfer_nvidia_sm100.kernels import sampling as kernels
 from deepinfer_nvidia_sm100.kernels.sampling import sample_tokens
 from tests.op_spec import assert_close, shapes, spec
@@ -44,28 +45,15 @@ RESTRICTIONS = [
 
 
 def params(rows, device, greedy_rows=0, restrictions=RESTRICTIONS, seeds=None, steps=None):
-    """(temperature, top_k, top_p, min_p, seeds, steps): the first greedy_rows rows greedy, the
-    others cycling through ``restrictions``."""
-    cyc = [restrictions[i % len(restrictions)] for i in range(rows)]
-    temperature = torch.tensor([0.0 if i < greedy_rows else c[0] for i, c in enumerate(cyc)], device=device)
-    top_k = torch.tensor([c[1] for c in cyc], dtype=torch.int64, device=device)
-    top_p = torch.tensor([c[2] for c in cyc], device=device)
-    min_p = torch.tensor([c[3] for c in cyc], device=device)
-    seeds = torch.arange(rows, dtype=torch.int64, device=device) * 7919 + 3 if seeds is None else seeds
-    steps = torch.arange(rows, dtype=torch.int64, device=device) % 5 if steps is None else steps
-    return temperature, top_k, top_p, min_p, seeds, steps
-
-
-def reference_probs(logits, temperature, top_k, top_p, min_p):
-    """The reference distribution of each sampled row (float64, rows with temperature > 0)."""
-    logits = logits.float()
-    t = torch.where(temperature > 0, temperature, 1.0)[:, None]
-    return _restrict(logits / t, top_k, top_p, min_p).softmax(dim=-1).double()
+    """The conformance kit's (temperature, top_k, top_p, min_p, seeds, steps): the first
+    greedy_rows rows greedy, the others cycling through ``restrictions``; seeds / steps as given."""
+    *restricted, default_seeds, default_steps = sampling_params(rows, greedy_rows, device, restrictions)
+    return (*restricted, default_seeds if seeds is None else seeds, default_steps if steps is None else steps)
 
 
 def assert_in_support(tokens, logits, temperature, top_k, top_p, min_p):
     sampled = temperature > 0
-    probs = reference_probs(logits, temperature, top_k, top_p, min_p)
+    probs = reference_distribution(logits, temperature, top_k, top_p, min_p)
     chosen = probs.gather(1, tokens[:, None].clamp(0, logits.shape[1] - 1)).squeeze(1)
     outside = sampled & ((tokens < 0) | (tokens >= logits.shape[1]) | (chosen <= 0))
     assert not bool(outside.any()), f"rows {outside.nonzero().flatten().tolist()} drew tokens outside the reference support"
@@ -193,7 +181,7 @@ def test_sampled_frequencies_follow_the_reference_distribution(device, vocab, te
         steps=torch.arange(DRAWS, dtype=torch.int64, device=device),
     )
     tokens = sample_tokens(logits, *args)
-    probs = reference_probs(row, *[a[:1] for a in args[:4]])[0].cpu()
+    probs = reference_distribution(row, *[a[:1] for a in args[:4]])[0].cpu()
     counts = torch.bincount(tokens.cpu(), minlength=vocab)
     assert counts[probs == 0].sum() == 0, "tokens outside the reference support were drawn"
     pvalue = chi_square_pvalue(counts, probs)
@@ -211,7 +199,7 @@ def test_sampled_frequencies_at_the_real_vocabulary(device):
             steps=torch.arange(draws, dtype=torch.int64, device=device),
         )
         tokens = sample_tokens(row.expand(draws, vocab), *args)
-        probs = reference_probs(row, *[a[:1] for a in args[:4]])[0].cpu()
+        probs = reference_distribution(row, *[a[:1] for a in args[:4]])[0].cpu()
         counts = torch.bincount(tokens.cpu(), minlength=vocab)
         assert counts[probs == 0].sum() == 0
         assert chi_square_pvalue(counts, probs) > ALPHA

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from deepinfer_core.conformance.checkpoints import is_fp8_linear, quantize_fp8_block  # noqa: F401 (quantize_fp8_block: re-exported)
+from deepinfer_core.conformance.checkpoints import is_fp8_linear, mtp_checkpoint_tensors, quantize_fp8_block  # noqa: F401 (quantize_fp8_block: re-exported)
 
 BASE = dict(
     vocab_size=160,
@@ -200,26 +200,10 @@ def build_mtp_layer(hf_config_obj, mtp_layer_cls=None):
 
 
 def mtp_checkpoint_keys(tensors: dict[str, torch.Tensor], layer: int, hidden: int, vocab: int) -> dict[str, torch.Tensor]:
-    """MtpLayer state_dict -> checkpoint keys under model.layers.{layer} (experts split per expert)."""
-    out = {}
+    """MtpLayer state_dict -> checkpoint keys under model.layers.{layer} (experts split per expert),
+    plus random embed_tokens / shared_head.head, which DeepSeek's checkpoints store in the MTP layer too."""
+    out = mtp_checkpoint_tensors(tensors, layer)
     prefix = f"model.layers.{layer}."
-    for key, t in tensors.items():
-        if key == "post_norm.weight":
-            out[prefix + "shared_head.norm.weight"] = t
-        elif key.startswith("mtp_block.mlp.experts."):
-            base = prefix + "mlp.experts"
-            if key.endswith("gate_up_proj"):
-                half = t.shape[1] // 2
-                for e in range(t.shape[0]):
-                    out[f"{base}.{e}.gate_proj.weight"] = t[e, :half].clone()
-                    out[f"{base}.{e}.up_proj.weight"] = t[e, half:].clone()
-            else:
-                for e in range(t.shape[0]):
-                    out[f"{base}.{e}.down_proj.weight"] = t[e].clone()
-        elif key.startswith("mtp_block."):
-            out[prefix + key[len("mtp_block.") :]] = t
-        else:
-            out[prefix + key] = t
     gen = torch.Generator().manual_seed(123)
     out[prefix + "embed_tokens.weight"] = torch.randn(vocab, hidden, generator=gen)
     out[prefix + "shared_head.head.weight"] = torch.randn(vocab, hidden, generator=gen)

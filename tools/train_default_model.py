@@ -302,34 +302,12 @@ def train(model: WithMTP, data: dict, device, steps: int, deadline: float, log, 
 
 
 # ---- export ------------------------------------------------------------------------------------
-def mtp_checkpoint_tensors(mtp_state: dict, layer: int) -> dict:
-    """transformers' MtpLayer state -> DeepSeek's checkpoint keys under model.layers.{layer}: enorm,
-    hnorm, eh_proj, shared_head.norm and the decoder layer, routed experts one by one. The
-    embedding and output head are the main model's (not stored again)."""
-    out = {}
-    prefix = f"model.layers.{layer}."
-    for key, t in mtp_state.items():
-        if key == "post_norm.weight":
-            out[prefix + "shared_head.norm.weight"] = t
-        elif key == "mtp_block.mlp.experts.gate_up_proj":
-            half = t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = t[e, :half].clone()
-                out[f"{prefix}mlp.experts.{e}.up_proj.weight"] = t[e, half:].clone()
-        elif key == "mtp_block.mlp.experts.down_proj":
-            for e in range(t.shape[0]):
-                out[f"{prefix}mlp.experts.{e}.down_proj.weight"] = t[e].clone()
-        elif key.startswith("mtp_block."):
-            out[prefix + key[len("mtp_block."):]] = t
-        else:
-            out[prefix + key] = t
-    return out
-
-
 def export(model: WithMTP, out: Path) -> int:
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
+
+    from deepinfer_core.conformance.checkpoints import mtp_checkpoint_tensors
 
     model.main.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     path = out / "model.safetensors"

@@ -273,6 +273,30 @@ def checkpoint_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def mtp_checkpoint_tensors(mtp_state: dict, layer: int) -> dict[str, torch.Tensor]:
+    """transformers' MtpLayer state dict -> DeepSeek's checkpoint keys under model.layers.{layer}:
+    enorm, hnorm, eh_proj, shared_head.norm and the decoder layer, routed experts one by one. The
+    embedding and output head are the main model's and not included."""
+    out = {}
+    prefix = f"model.layers.{layer}."
+    for key, t in mtp_state.items():
+        if key == "post_norm.weight":
+            out[prefix + "shared_head.norm.weight"] = t
+        elif key == "mtp_block.mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
+            half = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = t[e, :half].clone()
+                out[f"{prefix}mlp.experts.{e}.up_proj.weight"] = t[e, half:].clone()
+        elif key == "mtp_block.mlp.experts.down_proj":
+            for e in range(t.shape[0]):
+                out[f"{prefix}mlp.experts.{e}.down_proj.weight"] = t[e].clone()
+        elif key.startswith("mtp_block."):
+            out[prefix + key[len("mtp_block."):]] = t
+        else:
+            out[prefix + key] = t
+    return out
+
+
 def generate_tensors(spec: GeneratedCheckpoint) -> dict[str, torch.Tensor]:
     """Every tensor of ``spec``'s checkpoint, bit-identical on every platform."""
     tensors: dict[str, torch.Tensor] = {}

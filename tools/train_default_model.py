@@ -138,7 +138,6 @@ class WithMTP:
     """The main model and its MTP module; ``losses`` gives (next-token CE, next-next-token CE)."""
 
     def __init__(self, config, device):
-        import torch
         from transformers import DeepseekV3ForCausalLM
         from transformers.modeling_layers import MtpLayer
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
@@ -149,7 +148,6 @@ class WithMTP:
         self.mtp = MtpLayer(mtp_config, DeepseekV3DecoderLayer, DeepseekV3RMSNorm, 0).to(device)
         self.mtp.apply(self.main._init_weights)
         self.params = list(self.main.parameters()) + list(self.mtp.parameters())
-        self.torch = torch
 
     def train(self, mode: bool = True):
         self.main.train(mode)
@@ -157,12 +155,12 @@ class WithMTP:
 
     def forward(self, ids):
         """ids [B, T+2]: logits of the main model at 0..T-1 and of the MTP module at 0..T-1."""
-        torch = self.torch
-        inputs = ids[:, :-2]
+        import torch
+
         hidden = self.main.model(input_ids=ids[:, :-1]).last_hidden_state  # [B, T+1, D]
         logits = self.main.lm_head(hidden[:, :-1])
         # MTP at position p: the main hidden at p and the embedding of token p+1 predict token p+2
-        t = inputs.shape[1]
+        t = ids.shape[1] - 2
         position_ids = torch.arange(t, device=ids.device)[None].expand(ids.shape[0], t)
         embeds = self.main.model.embed_tokens(ids[:, 1:-1])
         cos_sin = self.main.model.rotary_emb(embeds, position_ids)

@@ -4,7 +4,8 @@
 (and why not, and the fix), which one would be selected, and op by op who provides it.
 ``deepinfer generate --prompt TEXT ...``: offline generation through ``deepinfer_core.LLM``.
 ``deepinfer conformance [--backend NAME] ...``: the backend's ops against the reference (or, with
-``--e2e``, end-to-end baselines); exit status 0 pass, 1 fail, 2 could not run.
+``--e2e``, end-to-end baselines; with ``--replay CASE``, one failing case again); exit status 0
+pass, 1 fail, 2 could not run.
 """
 
 from __future__ import annotations
@@ -94,8 +95,8 @@ def _conformance(args: argparse.Namespace) -> int:
 
     backend = args.backend or settings().accelerator
     if args.e2e:
-        if args.ops or args.dtype:
-            print("error: --ops and --dtype select op checks; they do not apply to --e2e", file=sys.stderr)
+        if args.ops or args.dtype or args.replay is not None:
+            print("error: --ops, --dtype and --replay select op checks; they do not apply to --e2e", file=sys.stderr)
             return 2
         from deepinfer_core.conformance import e2e
 
@@ -106,17 +107,54 @@ def _conformance(args: argparse.Namespace) -> int:
         return 2
     from deepinfer_core.conformance import ops_suite
 
+    if args.replay is not None:
+        return _replay(args, backend)
+    examples = ops_suite.DEFAULT_EXAMPLES if args.examples is None else args.examples
+    explore = ops_suite.DEFAULT_EXPLORE_MAX_ELEMENTS if args.explore_max_elements is None else args.explore_max_elements
     try:
         dtypes = [dtype_from_name(d) for d in _split(args.dtype) or []] or None
-        report = ops_suite.run_suite(backend, ops=_split(args.ops), dtypes=dtypes, examples=args.examples, seed=args.seed,
-                                     progress=not args.quiet, explore_max_elements=args.explore_max_elements)
+        report = ops_suite.run_suite(backend, ops=_split(args.ops), dtypes=dtypes, examples=examples, seed=args.seed,
+                                     progress=not args.quiet, explore_max_elements=explore)
     except (BackendError, SpecError, ValueError) as e:
         print(f"error: {_one_line(str(e))}", file=sys.stderr)
         return 2
+    return _op_report(report, args.json)
+
+
+def _op_report(report, json_path: str | None) -> int:
+    """Print an op-suite report (and write it as JSON when asked); its exit status."""
+    from deepinfer_core.conformance import ops_suite
+
     print(ops_suite.format_report(report))
-    if args.json:
-        ops_suite.write_json(report, args.json)
+    if json_path:
+        ops_suite.write_json(report, json_path)
     return 0 if report.passed else 1
+
+
+def _replay(args: argparse.Namespace, backend: str | None) -> int:
+    """``--replay CASE``: exactly one case of the op suite, as a failing report row printed it."""
+    from deepinfer_core.conformance import ops_suite
+    from deepinfer_core.conformance.spec import SpecError
+    from deepinfer_core.plugins import BackendError
+
+    search = {"--ops": args.ops, "--dtype": args.dtype, "--examples": args.examples, "--seed": args.seed,
+              "--explore-max-elements": args.explore_max_elements}
+    given = [flag for flag, value in search.items() if value is not None]
+    if given:  # the case names its op and dtype, and nothing is searched
+        print(f"error: --replay runs exactly the case it is given (its op and dtype, no search); drop {', '.join(given)}",
+              file=sys.stderr)
+        return 2
+    try:
+        case = ops_suite.ReplayCase.parse(args.replay)
+    except (SpecError, ValueError) as e:
+        print(f"error: --replay: {_one_line(str(e))}", file=sys.stderr)
+        return 2
+    try:
+        report = ops_suite.replay(backend, case)
+    except (BackendError, SpecError, ValueError) as e:
+        print(f"error: {_one_line(str(e))}", file=sys.stderr)
+        return 2
+    return _op_report(report, args.json)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,12 +181,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--backend", "--accelerator", dest="backend", help="backend to check (default: DEEPINFER_ACCELERATOR, else automatic)")
     c.add_argument("--ops", help="comma-separated ops to check (default: every op the backend provides)")
     c.add_argument("--dtype", help="comma-separated compute dtypes, e.g. bf16,fp32 (default: every dtype the platform supports)")
-    c.add_argument("--examples", type=int, default=DEFAULT_EXAMPLES,
+    # None = not given (the defaults are filled in later): --replay refuses the search options
+    c.add_argument("--examples", type=int, default=None,
                    help=f"hypothesis cases per op and dtype beyond the declared shapes (default {DEFAULT_EXAMPLES}; 0: declared shapes only)")
-    c.add_argument("--seed", type=int, default=None, help="hypothesis seed (default: a fixed, derandomised search)")
-    c.add_argument("--explore-max-elements", type=int, default=DEFAULT_EXPLORE_MAX_ELEMENTS,
+    c.add_argument("--seed", type=int, default=None,
+                   help="seed of hypothesis' search for cases (default: a fixed, derandomised search); not a case's value seed: "
+                   "to re-run one failing case use --replay")
+    c.add_argument("--explore-max-elements", type=int, default=None,
                    help="hypothesis varies only declared shapes whose inputs hold at most this many elements "
                    f"(default {DEFAULT_EXPLORE_MAX_ELEMENTS}); larger ones run once")
+    c.add_argument("--replay", metavar="CASE",
+                   help="run exactly one case, the JSON object a failing row of the report prints (op, dtype, dims, value seed), "
+                   "on the backend and print its verdict")
     c.add_argument("--json", help="also write the report as JSON to this path")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.add_argument("--e2e", action="store_true", help="end-to-end: per-sample perplexity and greedy tokens against the platform baseline")

@@ -5,25 +5,97 @@ hypothesis draws ``examples`` more cases (a declared shape with its counts redra
 seed for the values) and, when one fails, shrinks it to the smallest failing case it can find.
 The verdict per (op, dtype) is PASS, FAIL (an output outside the tolerance, NaN, a wrong shape
 or dtype, a modified input, an exception) or ERROR (the inputs could not be built).
+
+A FAIL or ERROR names its one failing case as a ``ReplayCase`` (op, dtype, dims, value seed):
+everything its inputs are built from, so ``replay`` re-runs exactly that case, nothing else
+(``deepinfer conformance --replay CASE``; the report prints the command).
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Callable
 
 import torch
 
+from deepinfer_core.conformance import jsonsafe
 from deepinfer_core.conformance.checks import Outcome, check
 from deepinfer_core.conformance.inputs import BUILDERS, make_case, shape_strategy
-from deepinfer_core.conformance.spec import dtype_name, shapes
+from deepinfer_core.conformance.spec import dtype_from_name, dtype_name, shapes
 
 DEFAULT_EXAMPLES = 8
 # Hypothesis explores around the declared shapes whose inputs hold at most this many elements;
 # larger (real-model) shapes run once each. Raise it on fast devices (--explore-max-elements).
 DEFAULT_EXPLORE_MAX_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class ReplayCase:
+    """One case of the suite, as a failing report row names it: its inputs are
+    ``make_case(op, dims, dtype, device, seed)``, judged with the statistical checks of the
+    declared shapes when ``statistical`` (only sample_tokens has any). ``seed`` is the seed of the
+    input values; it is not ``--seed``, which seeds hypothesis' search for cases."""
+
+    op: str
+    dtype: str  # a name of spec.DTYPE_NAMES
+    dims: dict
+    seed: int
+    statistical: bool = False
+
+    def text(self) -> str:
+        """One line of JSON: what ``parse`` reads back (and ``--replay`` takes)."""
+        return json.dumps(asdict(self), allow_nan=False)
+
+    def command(self, backend: str) -> str:
+        """The shell command that replays this case on ``backend``."""
+        return f"deepinfer conformance --backend {shlex.quote(backend)} --replay {shlex.quote(self.text())}"
+
+    @classmethod
+    def parse(cls, text: str) -> ReplayCase:
+        """The case ``text`` (a JSON object as ``text()`` writes it); ValueError saying what is wrong."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"the case is not JSON ({e}); pass the object a failing report prints") from e
+        if not isinstance(data, dict):
+            raise ValueError(f"the case must be a JSON object with {', '.join(_REQUIRED)}, got {type(data).__name__}")
+        _check_names(f"the case needs {', '.join(_REQUIRED)} (and optionally statistical)", _REQUIRED,
+                     [f.name for f in fields(cls)], data)
+        op, dims, seed, statistical = data["op"], data["dims"], data["seed"], data.get("statistical", False)
+        if op not in BUILDERS:
+            raise ValueError(f"unknown op {op!r}; the ops are: {', '.join(BUILDERS)}")
+        if not isinstance(data["dtype"], str):
+            raise ValueError(f"dtype must be a name such as \"bfloat16\", got {data['dtype']!r}")
+        dtype = dtype_name(dtype_from_name(data["dtype"]))
+        _check_dims(op, dims)
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+        if not isinstance(statistical, bool):
+            raise ValueError(f"statistical must be true or false, got {statistical!r}")
+        return cls(op, dtype, dims, seed, statistical)
+
+
+_REQUIRED = ("op", "dtype", "dims", "seed")  # of a ReplayCase's JSON; statistical defaults to false
+
+
+def _check_names(what: str, required, allowed, given: dict) -> None:
+    """ValueError starting with ``what`` unless ``given`` has every ``required`` key and only ``allowed`` ones."""
+    missing = [k for k in required if k not in given]
+    unknown = sorted(k for k in given if k not in allowed)
+    if missing or unknown:
+        found = [f"missing: {', '.join(missing)}"] * bool(missing) + [f"unknown: {', '.join(unknown)}"] * bool(unknown)
+        raise ValueError(f"{what}; {'; '.join(found)}")
+
+
+def _check_dims(op: str, dims) -> None:
+    """``dims`` names exactly the dimensions of ``op``'s declared shapes (values are the builder's to judge)."""
+    if not isinstance(dims, dict):
+        raise ValueError(f"dims must be a JSON object of {op}'s dimensions, got {type(dims).__name__}")
+    names = sorted(shapes(op)[0])  # every declared shape of an op names the same dimensions
+    _check_names(f"the dims of {op} are {', '.join(names)}", names, names, dims)
 
 
 @dataclass
@@ -36,7 +108,8 @@ class OpReport:
     cases: int = 0
     worst_error: float = 0.0  # worst error / tolerance over the cases run (<= 1 passes)
     failing_shape: dict | None = None
-    failing_seed: int | None = None
+    failing_seed: int | None = None  # the value seed of the failing case (ReplayCase.seed)
+    failing_case: ReplayCase | None = None  # all of it: what ``replay`` takes
     message: str = ""
     seconds: float = 0.0
 
@@ -44,7 +117,11 @@ class OpReport:
         if self.result == "PASS":
             return ""
         where = ", ".join(f"{k}={v}" for k, v in (self.failing_shape or {}).items())
-        return f"[{where}; seed {self.failing_seed}] {self.message}" if where else self.message
+        return f"[{where}; value seed {self.failing_seed}] {self.message}" if where else self.message
+
+    def replay_command(self, backend: str) -> str:
+        """The command that re-runs exactly the failing case on ``backend`` ("" when none failed)."""
+        return self.failing_case.command(backend) if self.failing_case else ""
 
 
 @dataclass
@@ -54,6 +131,7 @@ class SuiteReport:
     device: str
     ops: list[OpReport] = field(default_factory=list)
     not_provided: list[str] = field(default_factory=list)  # ops the backend leaves to the reference
+    replayed: ReplayCase | None = None  # set when the report is of one replayed case (``replay``)
 
     @property
     def passed(self) -> bool:
@@ -64,52 +142,83 @@ class SuiteReport:
 
 
 class _CaseFailed(Exception):
-    def __init__(self, dims: dict, seed: int, outcome: Outcome):
+    def __init__(self, case: ReplayCase, outcome: Outcome):
         super().__init__(outcome.message)
-        self.dims, self.seed, self.outcome = dims, seed, outcome
+        self.case, self.outcome = case, outcome
 
 
-def run_op(op: str, fn: Callable, dtype: torch.dtype, device: torch.device | str, examples: int = DEFAULT_EXAMPLES,
-           seed: int | None = None, explore_max_elements: int = DEFAULT_EXPLORE_MAX_ELEMENTS) -> OpReport:
-    """Check one op implementation ``fn`` in ``dtype`` on ``device``."""
-    started = time.perf_counter()
-    report = OpReport(op, dtype_name(dtype), "PASS")
-
-    def run(dims: dict, case_seed: int, declared: bool = False) -> int:
-        try:
-            case = make_case(op, dims, dtype, device, case_seed)
-            case.extra["statistical"] = declared  # the expensive statistical checks run on declared shapes
-        except Exception as e:
-            raise _CaseFailed(dims, case_seed, Outcome(False, float("inf"), f"could not build inputs: {type(e).__name__}: {e}")) from e
-        elements = case.elements()
-        outcome = check(fn, case)
-        del case
-        report.cases += 1
-        report.worst_error = max(report.worst_error, outcome.error)
-        if not outcome.ok:
-            raise _CaseFailed(dims, case_seed, outcome)
-        return elements
-
-    declared = shapes(op)
+def _run_case(report: OpReport, fn: Callable, device: torch.device | str, case: ReplayCase) -> int:
+    """Build ``case``'s inputs and judge ``fn`` on them, counted in ``report``. Returns how many
+    elements the inputs held; raises _CaseFailed (carrying ``case`` itself, so a failure names
+    exactly the inputs that failed) on a failure or when the inputs cannot be built."""
     try:
-        sizes = [run(dims, 0, declared=True) for dims in declared]  # every declared shape, always
-        small = [dims for dims, size in zip(declared, sizes) if size <= explore_max_elements]
-        if examples > 0 and small:
-            _explore(op, small, run, examples, seed)
+        inputs = make_case(case.op, case.dims, dtype_from_name(case.dtype), device, case.seed)
+        inputs.extra["statistical"] = case.statistical  # the expensive statistical checks run on declared shapes
+    except Exception as e:
+        raise _CaseFailed(case, Outcome(False, float("inf"), f"could not build inputs: {type(e).__name__}: {e}")) from e
+    elements = inputs.elements()
+    outcome = check(fn, inputs)
+    del inputs
+    report.cases += 1
+    report.worst_error = max(report.worst_error, outcome.error)
+    if not outcome.ok:
+        raise _CaseFailed(case, outcome)
+    return elements
+
+
+def _judge(report: OpReport, cases: Callable[[], object]) -> OpReport:
+    """Run ``cases`` (which raise _CaseFailed at the first failure) and record the verdict in ``report``."""
+    started = time.perf_counter()
+    try:
+        cases()
     except _CaseFailed as failed:
         building = failed.outcome.message.startswith("could not build inputs")
         report.result = "ERROR" if building else "FAIL"
-        report.failing_shape, report.failing_seed, report.message = failed.dims, failed.seed, failed.outcome.message
+        report.failing_case, report.message = failed.case, failed.outcome.message
+        report.failing_shape, report.failing_seed = failed.case.dims, failed.case.seed
         report.worst_error = max(report.worst_error, failed.outcome.error)
     report.seconds = time.perf_counter() - started
     return report
 
 
+def run_op(op: str, fn: Callable, dtype: torch.dtype, device: torch.device | str, examples: int = DEFAULT_EXAMPLES,
+           seed: int | None = None, explore_max_elements: int = DEFAULT_EXPLORE_MAX_ELEMENTS) -> OpReport:
+    """Check one op implementation ``fn`` in ``dtype`` on ``device``."""
+    report = OpReport(op, dtype_name(dtype), "PASS")
+
+    def run(dims: dict, case_seed: int, declared: bool = False) -> int:
+        return _run_case(report, fn, device, ReplayCase(op, report.dtype, dims, case_seed, statistical=declared))
+
+    def cases() -> None:
+        declared = shapes(op)
+        sizes = [run(dims, 0, declared=True) for dims in declared]  # every declared shape, always
+        small = [dims for dims, size in zip(declared, sizes) if size <= explore_max_elements]
+        if examples > 0 and small:
+            _explore(op, small, run, examples, seed)
+
+    return _judge(report, cases)
+
+
+def replay_case(case: ReplayCase, fn: Callable, device: torch.device | str) -> OpReport:
+    """Check ``fn`` on exactly ``case`` (one case, no search): the verdict the suite gave it."""
+    report = OpReport(case.op, case.dtype, "PASS")
+    return _judge(report, lambda: _run_case(report, fn, device, case))
+
+
+def _flaky_case(error: BaseException) -> _CaseFailed | None:
+    """The failure a hypothesis Flaky error is about (a sub-exception; the cause in older versions)."""
+    for e in [*getattr(error, "exceptions", ()), error.__cause__, error.__context__]:
+        if isinstance(e, _CaseFailed):
+            return e
+    return None
+
+
 def _explore(op: str, declared: list[dict], run: Callable[[dict, int], None], examples: int, seed: int | None) -> None:
-    """Hypothesis over the declared shapes: raises the smallest failing case it finds."""
+    """Hypothesis over the declared shapes: raises the smallest failing case it finds (_CaseFailed)."""
     from hypothesis import HealthCheck, Phase, Verbosity, given, settings
     from hypothesis import seed as hypothesis_seed
     from hypothesis import strategies as st
+    from hypothesis.errors import Flaky
 
     @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
               suppress_health_check=list(HealthCheck), phases=(Phase.generate, Phase.shrink),
@@ -120,7 +229,14 @@ def _explore(op: str, declared: list[dict], run: Callable[[dict, int], None], ex
 
     if seed is not None:
         explore = hypothesis_seed(seed)(explore)
-    explore()
+    try:
+        explore()
+    except Flaky as e:  # the case failed, then passed when hypothesis ran it again: still a FAIL, not a crash
+        failed = _flaky_case(e)
+        if failed is None:
+            raise
+        note = "flaky: this case failed once, then passed on the same inputs (a race? uninitialised memory?): "
+        raise _CaseFailed(failed.case, Outcome(False, failed.outcome.error, note + failed.outcome.message)) from e
 
 
 def resolve_backend(backend: str | None):
@@ -144,26 +260,11 @@ def run_suite(backend: str | None, ops: list[str] | None = None, dtypes: list[to
     """
     from tqdm import tqdm
 
-    from deepinfer_core.plugins import REFERENCE_BACKEND
-
     chosen, platform, table = resolve_backend(backend)
-    own = [name for name in BUILDERS if table.providers.get(name) == chosen.name]
-    not_provided = [name for name in BUILDERS if name not in own]
+    own, dtypes = _selection(chosen, platform, table, ops, dtypes)
+    report = SuiteReport(chosen.name, platform.name, str(platform.device), not_provided=[o for o in BUILDERS if o not in own])
     if ops:
-        unknown = [o for o in ops if o not in BUILDERS]
-        if unknown:
-            raise ValueError(f"unknown ops {unknown}; the ops are: {', '.join(BUILDERS)}")
-        fallback = [o for o in ops if o not in own]
-        if fallback:
-            raise ValueError(f"backend {chosen.name!r} does not provide {fallback} (they fall back to the {REFERENCE_BACKEND} "
-                             f"implementation, so there is nothing of its own to check); it provides: {', '.join(own) or 'none'}")
         own = [o for o in own if o in ops]
-    dtypes = list(dtypes or platform.supported_dtypes)
-    unsupported = [d for d in dtypes if d not in platform.supported_dtypes]
-    if unsupported:
-        raise ValueError(f"platform {platform.name} does not support {[dtype_name(d) for d in unsupported]}; "
-                         f"it supports {[dtype_name(d) for d in platform.supported_dtypes]}")
-    report = SuiteReport(chosen.name, platform.name, str(platform.device), not_provided=not_provided)
     jobs = [(op, dtype) for op in own for dtype in dtypes]
     with tqdm(jobs, desc=f"conformance {chosen.name}", unit="check", disable=not progress) as bar:
         for op, dtype in bar:
@@ -174,6 +275,39 @@ def run_suite(backend: str | None, ops: list[str] | None = None, dtypes: list[to
     return report
 
 
+def replay(backend: str | None, case: ReplayCase) -> SuiteReport:
+    """Re-run exactly ``case`` (as a failing report row names it) on ``backend``'s own op: a report
+    of one row and one case. ValueError as ``run_suite`` for an op the backend does not provide or
+    a dtype its platform does not support."""
+    chosen, platform, table = resolve_backend(backend)
+    _selection(chosen, platform, table, [case.op], [dtype_from_name(case.dtype)])
+    report = SuiteReport(chosen.name, platform.name, str(platform.device), replayed=case)
+    report.ops.append(replay_case(case, table[case.op], platform.device))
+    return report
+
+
+def _selection(chosen, platform, table, ops: list[str] | None, dtypes: list[torch.dtype] | None) -> tuple[list[str], list[torch.dtype]]:
+    """(the ops ``chosen`` provides itself, the dtypes to check); ValueError for a requested op it
+    does not provide (checking it would only test the reference) or a dtype its platform lacks."""
+    from deepinfer_core.plugins import REFERENCE_BACKEND
+
+    own = [name for name in BUILDERS if table.providers.get(name) == chosen.name]
+    if ops:
+        unknown = [o for o in ops if o not in BUILDERS]
+        if unknown:
+            raise ValueError(f"unknown ops {unknown}; the ops are: {', '.join(BUILDERS)}")
+        fallback = [o for o in ops if o not in own]
+        if fallback:
+            raise ValueError(f"backend {chosen.name!r} does not provide {fallback} (they fall back to the {REFERENCE_BACKEND} "
+                             f"implementation, so there is nothing of its own to check); it provides: {', '.join(own) or 'none'}")
+    dtypes = list(dtypes or platform.supported_dtypes)
+    unsupported = [d for d in dtypes if d not in platform.supported_dtypes]
+    if unsupported:
+        raise ValueError(f"platform {platform.name} does not support {[dtype_name(d) for d in unsupported]}; "
+                         f"it supports {[dtype_name(d) for d in platform.supported_dtypes]}")
+    return own, dtypes
+
+
 def format_report(report: SuiteReport) -> str:
     rows = [("OP", "DTYPE", "RESULT", "CASES", "WORST ERROR", "DETAIL")]
     for r in report.ops:
@@ -182,6 +316,8 @@ def format_report(report: SuiteReport) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     lines = [f"Op conformance of backend {report.backend!r} on platform {report.platform} ({report.device})",
              "WORST ERROR: the largest |out - ref| / (atol + rtol |ref|) over the cases run; <= 1 passes (specs/ops.toml)."]
+    if report.replayed:
+        lines.append(f"Replayed one case: {report.replayed.text()}")
     lines += [("  " + "  ".join(c.ljust(w) for c, w in zip(row[:5], widths)) + "  " + row[5]).rstrip() for row in rows]
     failed = [r for r in report.ops if r.result != "PASS"]
     if report.not_provided and report.backend != "reference":
@@ -192,9 +328,13 @@ def format_report(report: SuiteReport) -> str:
         lines.append(f"FAILED: {len(failed)} of {len(report.ops)} checks: " + ", ".join(f"{r.op} ({r.dtype})" for r in failed))
     else:
         lines.append(f"PASSED: all {len(report.ops)} checks ({sum(r.cases for r in report.ops)} cases).")
+    replayable = [r for r in failed if r.failing_case and not report.replayed]
+    if replayable:  # last, to copy: exactly the failing case again, without the search that found it
+        lines.append("Replay a failing case (its op, dtype, dims and value seed) with:")
+        lines += [f"  {r.replay_command(report.backend)}" for r in replayable]
     return "\n".join(lines)
 
 
 def write_json(report: SuiteReport, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(report.to_json(), f, indent=2, default=str)
+    """The report as strict JSON (a failed op's inf worst error as "inf", not a bare Infinity)."""
+    jsonsafe.write(report.to_json(), path)

@@ -26,9 +26,10 @@ class OpConformanceFailure(Exception):
 
 
 class OpCheckItem(pytest.Item):
-    def __init__(self, *, op: str, dtype, fn, device, examples: int, **kwargs):
+    def __init__(self, *, op: str, dtype, fn, device, examples: int, backend: str, **kwargs):
         super().__init__(**kwargs)
         self.op, self.dtype, self.fn, self.device, self.examples = op, dtype, fn, device, examples
+        self.backend = backend
         self.report_row = None
 
     def runtest(self) -> None:
@@ -38,7 +39,8 @@ class OpCheckItem(pytest.Item):
         self.report_row = row
         if row.result != "PASS":
             raise OpConformanceFailure(f"{row.op} ({row.dtype}) {row.result}: {row.detail()} "
-                                       f"[worst error {row.worst_error:.3g}, {row.cases} cases]")
+                                       f"[worst error {row.worst_error:.3g}, {row.cases} cases]\n"
+                                       f"replay this case: {row.replay_command(self.backend)}")
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, OpConformanceFailure):
@@ -75,7 +77,8 @@ class ConformanceCollector(pytest.Collector):
         for op in own:
             for dtype in dtypes or platform.supported_dtypes:
                 yield OpCheckItem.from_parent(self, name=f"{op}[{dtype_name(dtype)}]", op=op, dtype=dtype, fn=table[op],
-                                              device=platform.device, examples=DEFAULT_EXAMPLES if examples is None else examples)
+                                              device=platform.device, examples=DEFAULT_EXAMPLES if examples is None else examples,
+                                              backend=chosen.name)
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:

@@ -95,13 +95,13 @@ def _conformance(args: argparse.Namespace) -> int:
 
     backend = args.backend or settings().accelerator
     if args.e2e:
-        if args.ops or args.dtype or args.replay is not None:
-            print("error: --ops, --dtype and --replay select op checks; they do not apply to --e2e", file=sys.stderr)
+        if args.ops or args.replay is not None:
+            print("error: --ops and --replay select op checks; they do not apply to --e2e", file=sys.stderr)
             return 2
         from deepinfer_core.conformance import e2e
 
         return e2e.main(backend, workloads=_split(args.workloads), refresh=args.refresh, json_out=args.json,
-                        structured=args.check_structured_output)
+                        structured=args.check_structured_output, dtype=args.dtype)
     if args.refresh or args.workloads or args.check_structured_output:
         print("error: --refresh, --workloads and --check-structured-output belong to --e2e", file=sys.stderr)
         return 2
@@ -180,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "platform's entry in specs/baselines/offline_decode_ppl.json. Exit status: 0 pass, 1 fail, 2 could not run.")
     c.add_argument("--backend", "--accelerator", dest="backend", help="backend to check (default: DEEPINFER_ACCELERATOR, else automatic)")
     c.add_argument("--ops", help="comma-separated ops to check (default: every op the backend provides)")
-    c.add_argument("--dtype", help="comma-separated compute dtypes, e.g. bf16,fp32 (default: every dtype the platform supports)")
+    c.add_argument("--dtype", help="comma-separated compute dtypes, e.g. bf16,fp32 (default: every dtype the platform supports); "
+                   "with --e2e --refresh: the one dtype to record the workloads in (default: as recorded before)")
     # None = not given (the defaults are filled in later): --replay refuses the search options
     c.add_argument("--examples", type=int, default=None,
                    help=f"hypothesis cases per op and dtype beyond the declared shapes (default {DEFAULT_EXAMPLES}; 0: declared shapes only)")

@@ -323,3 +323,30 @@ def test_cli_conformance_catches_the_broken_op(vendor_site):
     assert all(results[op, "float32"] == "PASS" for op in VENDOR_OPS - {BROKEN_OP}), done.stdout
     row = next(line for line in done.stdout.splitlines() if line.split()[:1] == [BROKEN_OP])
     assert "FAIL" in row
+
+
+def test_e2e_catches_the_decode_only_bug_that_keeps_perplexities(vendor, monkeypatch, tmp_path, capsys):
+    """With a baseline recorded by vendor_example, the broken twin (its decode attention never sees
+    the newest token) fails end to end: not on perplexity (teacher-forced, the prefill path) but
+    on the decode steps' greedy logprobs, on samples whose greedy tokens survive the bug too."""
+    import json
+    import shutil
+
+    from deepinfer_core.conformance import e2e
+    from deepinfer_core.conformance.spec import specs_dir
+
+    monkeypatch.setenv(ENABLE_VAR, "1")
+    specs = tmp_path / "specs"
+    shutil.copytree(specs_dir(), specs)
+    monkeypatch.setenv("DEEPINFER_SPECS_DIR", str(specs))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert e2e.main("vendor_example", workloads=["default"], refresh=True) == 0
+    assert e2e.main("vendor_example", workloads=["default"]) == 0
+    capsys.readouterr()
+    report = tmp_path / "broken.json"
+    assert e2e.main("vendor_example_broken", workloads=["default"], json_out=str(report)) == 1
+    rows = json.loads(report.read_text())["rows"]
+    assert all(r["rel_diff"] <= 5e-3 for r in rows)  # the perplexities hold: the bug is decode-only
+    on_logprobs = [r for r in rows if "greedy logprob of token" in r["reason"]]
+    assert len(on_logprobs) >= 6 and not any(r["passed"] for r in rows), [r["reason"] for r in rows]
+    assert any(r["greedy_agreement"] == 1.0 for r in on_logprobs)  # tokens survived the bug; its logprobs did not

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence as Seq
@@ -124,6 +126,8 @@ class LLM:
         if dtype == "auto" and env.dtype:
             dtype = env.dtype
         self.engine = Engine(self.model_dir, config, accelerator or env.accelerator, dtype, progress=progress)
+        self._lock = threading.Lock()  # one generate at a time: the engine is not thread-safe
+        self._generating_in: int | None = None  # the thread running generate, to refuse re-entry
 
     @property
     def tokenizer(self):
@@ -131,18 +135,22 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[int] | Seq[str | list[int]],
+        prompts: str | list[int] | dict | Seq[str | list[int] | dict],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt; outputs come back in prompt order.
 
-        A prompt is a string or a list of token ids. ``sampling_params`` is one SamplingParams for
-        all prompts or one per prompt. Every request is checked before any runs: a bad one
-        raises and nothing is queued.
+        A prompt is a string, a list of token ids, or vLLM's ``{"prompt": text}`` /
+        ``{"prompt_token_ids": ids}``. ``sampling_params`` is one SamplingParams for all prompts
+        or one per prompt. Every request is checked before any runs: a bad one raises and nothing
+        is queued. Calls from several threads run one after another. An interrupted call
+        (Ctrl-C) withdraws its requests and leaves the engine as it was before the call.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
+        if not isinstance(prompts, Iterable):
+            raise TypeError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -152,31 +160,48 @@ class LLM:
         for i, p in enumerate(params):
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params[{i}] is a {type(p).__name__}, not a SamplingParams")
+        if self._generating_in == threading.get_ident():
+            raise RuntimeError("LLM.generate was called from inside a running generate call in the same thread; "
+                               "call it again after the first one returns")
+        with self._lock:
+            self._generating_in = threading.get_ident()
+            try:
+                return self._generate(prompts, params, use_tqdm)
+            finally:
+                self._generating_in = None
+
+    def _generate(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
+        before = (set(engine.requests), engine.next_seq_id, engine.next_request_id)
         order: list[str] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 order.append(engine.add_request(prompt, p, label=f"prompt {i}"))
-        except Exception:
-            for rid in order:  # all or nothing: a failed call leaves no request behind
-                engine.abort(rid)
+        except BaseException:
+            self._withdraw(before)  # all or nothing: a refused call leaves no request behind
             raise
-
         done: dict[str, Request] = {}
-        bar = tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm)
         try:
-            while engine.has_unfinished():
-                for req in engine.step():
-                    done[req.request_id] = req
-                    bar.update(1)
+            with tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+                while engine.has_unfinished():
+                    for req in engine.step():
+                        done[req.request_id] = req
+                        bar.update(1)
         except Exception as e:
             for req in engine.abort_all():
                 done.setdefault(req.request_id, req)
             outputs = [_to_output(done[rid]) for rid in order]
             raise GenerationError(f"generation failed: {type(e).__name__}: {e}; finished results are in .outputs", outputs) from e
-        finally:
-            bar.close()
+        except BaseException:  # KeyboardInterrupt, SystemExit: the caller will never see these results
+            self._withdraw(before)
+            raise
         return [_to_output(done[rid]) for rid in order]
+
+    def _withdraw(self, before: tuple[set[str], int, int]) -> None:
+        """Take back every request this call added (those not in ``before[0]``), even one whose id
+        the call had not stored yet when it was interrupted."""
+        engine = self.engine
+        engine.withdraw([rid for rid in engine.requests if rid not in before[0]], before[1:])
 
 
 def _to_output(req: Request) -> RequestOutput:

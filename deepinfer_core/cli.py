@@ -69,12 +69,20 @@ def _backends(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
     from deepinfer_core import LLM, GenerationError, SamplingParams
+    from deepinfer_core.config import validation_problems
     from deepinfer_core.plugins import BackendError
 
+    try:  # the parameters first: a bad one is reported before minutes of loading a model
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    except ValidationError as e:
+        flags = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p", "seed": "--seed"}
+        print(f"error: {validation_problems(e, flags)}", file=sys.stderr)
+        return 1
     try:
         llm = LLM(model=args.model, accelerator=args.accelerator)
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
         outputs = llm.generate(args.prompt, params)
     except (BackendError, GenerationError, ValueError) as e:  # ValueError: bad config, checkpoint, request or parameter
         print(f"error: {_one_line(str(e))}", file=sys.stderr)

@@ -6,6 +6,7 @@ Every DEEPINFER_* environment variable is read here, by ``Settings``, and nowher
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,10 +36,19 @@ def settings() -> Settings:
     return Settings()
 
 
+def validation_problems(error: ValidationError, names: dict[str, str] | None = None) -> str:
+    """A pydantic error as one line, "field: what is wrong; ..."; ``names`` renames fields (CLI flags)."""
+    def where(loc: tuple) -> str:
+        field = ".".join(map(str, loc))
+        return f"{(names or {}).get(field, field)}: " if field else ""
+
+    return "; ".join(where(err["loc"]) + err["msg"].removeprefix("Value error, ") for err in error.errors())
+
+
 class ModelConfig(BaseModel):
     """The fields of an HF DeepSeek V2/V3 config.json that the engine uses, validated."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     model_type: Literal["deepseek_v3", "deepseek_v2"]
     vocab_size: int = Field(gt=0)
@@ -62,7 +72,7 @@ class ModelConfig(BaseModel):
     n_group: int = Field(gt=0)
     topk_group: int = Field(gt=0)
     norm_topk_prob: bool
-    routed_scaling_factor: float
+    routed_scaling_factor: float = Field(gt=0)
     rms_norm_eps: float = Field(gt=0)
     rope_theta: float = Field(gt=0)
     rope_parameters: dict[str, Any]
@@ -87,6 +97,10 @@ class ModelConfig(BaseModel):
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds n_routed_experts={self.n_routed_experts}")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even")
+        bad = {k: v for k, v in self.rope_parameters.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isfinite(v)}
+        if bad:
+            raise ValueError(f"rope_parameters must be finite numbers, got {bad}")
         return self
 
     @property
@@ -115,8 +129,10 @@ class ModelConfig(BaseModel):
             raise ConfigError(f"{path} not found: a model directory must hold an HF config.json")
         try:
             raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path} holds a JSON {type(raw).__name__}, not an object: an HF config.json is one object of settings")
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
@@ -200,11 +216,7 @@ class ModelConfig(BaseModel):
         try:
             return cls(**fields)
         except ValidationError as e:
-            problems = "; ".join(
-                (f"{'.'.join(map(str, err['loc']))}: " if err["loc"] else "") + err["msg"].removeprefix("Value error, ")
-                for err in e.errors()
-            )
-            raise ConfigError(f"not usable: {problems}") from e
+            raise ConfigError(f"not usable: {validation_problems(e)}") from e
 
 
 class EngineConfig(BaseModel):

@@ -19,6 +19,8 @@
   dtype (W8A16) unless the model keeps FP8 weights (``keep_fp8=True``), then copied as is.
 * tensors are read one at a time through ``safe_open`` (memory-mapped) and copied into their
   parameter straight away; dtype conversion happens in that copy.
+* every loaded tensor (and every FP8 scale) is checked for NaN / inf after the copy, so a
+  corrupt tensor or a value the compute dtype cannot hold is an error naming it, not NaN logits.
 
 Every problem with the checkpoint raises ``CheckpointError`` naming the file and key, checked
 from the headers before any tensor is read where possible.
@@ -47,6 +49,7 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 FP8_HEADER_DTYPES = ("F8_E4M3",)
 # Keys of an MTP layer that duplicate the main model's embedding and head.
 MTP_TIED_KEYS = ("embed_tokens.weight", "shared_head.head.weight")
+FINITE_CHUNK = 1 << 26  # elements per step of the non-finite scan (a 64 MiB bool temporary)
 EXPERT_KEY = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_scale_inv)?")
 
 
@@ -257,6 +260,7 @@ def load_model(model_dir: str | Path, config: ModelConfig, model: torch.nn.Modul
                 "load it with keep_fp8=False or use DeepSeek's block-FP8 checkpoint"
             )
 
+    finite: list[tuple[str, torch.Tensor]] = []  # (key, 0-d bool on the device): one sync at the end
     with torch.no_grad(), tqdm(total=len(expected), desc="Loading weights", unit="tensor", disable=not progress) as bar:
         for path in files:
             for key in handles[path].keys():
@@ -270,10 +274,49 @@ def load_model(model_dir: str | Path, config: ModelConfig, model: torch.nn.Modul
                 src = _read(handles, key_file, key)
                 if src.dtype == torch.float8_e4m3fn and dst.dtype != torch.float8_e4m3fn:
                     scale = _read(handles, key_file, companions[key]).to(dst.device)
+                    finite.append((companions[key], all_finite(scale)))
                     src = dequantize_fp8_block(src.to(dst.device), scale, config.fp8_block, dst.dtype)
                 dst.copy_(src)
+                finite.append((key, all_finite(dst)))  # after the copy: an overflow of the dtype conversion counts
                 bar.update()
+    _check_finite(finite, key_file, handles, params, expected)
     model.post_load()
+
+
+def all_finite(t: torch.Tensor) -> torch.Tensor:
+    """0-d bool tensor on t's device: no NaN or inf in ``t``, read in chunks (bounded temporaries).
+    float8_e4m3fn has no inf; its NaN is every bit of exponent and mantissa set."""
+    flat = t.reshape(-1)
+    ok = torch.ones((), dtype=torch.bool, device=t.device)
+    for start in range(0, flat.numel(), FINITE_CHUNK):
+        chunk = flat[start : start + FINITE_CHUNK]
+        if chunk.dtype == torch.float8_e4m3fn:
+            ok &= ~((chunk.view(torch.uint8) & 0x7F) == 0x7F).any()
+        elif chunk.is_floating_point():
+            ok &= torch.isfinite(chunk).all()
+    return ok
+
+
+def _check_finite(finite, key_file: dict[str, Path], handles, params, expected: dict[str, Slot]) -> None:
+    """CheckpointError naming every tensor that holds NaN or inf once loaded."""
+    if not finite:
+        return
+    flags = torch.stack([flag for _, flag in finite]).tolist()
+    bad = [key for (key, _), ok in zip(finite, flags) if not ok]
+    if not bad:
+        return
+    details = []
+    for key in bad[:5]:
+        if not bool(all_finite(_read(handles, key_file, key))):
+            why = "holds NaN or inf"
+        else:  # finite as stored: the conversion to the compute dtype overflowed
+            why = f"holds values beyond the range of {params[expected[key].param].dtype}, the dtype it is loaded in"
+        details.append(f"{key} ({key_file[key].name}) {why}")
+    more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+    raise CheckpointError(
+        f"{len(bad)} checkpoint tensor(s) are not finite: {'; '.join(details)}{more}. The model would produce NaN "
+        f"logits: the checkpoint is corrupt (download it again) or needs a wider dtype (e.g. LLM(dtype='float32'))"
+    )
 
 
 def _read(handles: dict, key_file: dict[str, Path], key: str) -> torch.Tensor:

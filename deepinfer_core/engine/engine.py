@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import time
@@ -25,6 +24,7 @@ log = logging.getLogger("deepinfer")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_MEMORY_FRACTION = 0.25
+PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt / TokensPrompt
 
 
 class RequestError(ValueError):
@@ -121,8 +121,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, graphs)
         self.observer = self.plugins.step_observer()
         self.requests: dict[str, Request] = {}
-        self._seq_ids = itertools.count()
-        self._req_ids = itertools.count()
+        self.next_seq_id = 0  # sequence ids seed unseeded samples (see _seed)
+        self.next_request_id = 0
         self._step = 0
         self.num_preemptions = 0  # total, for tests and metrics
         log.info(
@@ -190,16 +190,40 @@ class Engine:
         return tuple(sorted(ids))
 
     # ---- requests ------------------------------------------------------------------------------
-    def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def encode(self, prompt: str | list[int] | dict, label: str = "prompt") -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt: a string, a list of token ids, or vLLM's dict forms
+        ``{"prompt": text}`` and ``{"prompt_token_ids": ids}``."""
+        if isinstance(prompt, dict):
+            unknown = sorted(map(str, set(prompt) - set(PROMPT_KEYS)))
+            if unknown or len(prompt) != 1:
+                raise RequestError(
+                    f"{label} is a dict with keys {sorted(map(str, prompt))}; a dict prompt has exactly one of the keys "
+                    f"{' or '.join(map(repr, PROMPT_KEYS))}" + (f" (unknown: {unknown})" if unknown else "")
+                )
+            (key, prompt), = prompt.items()
+            if key == "prompt" and not isinstance(prompt, str):
+                raise RequestError(f"{label}: 'prompt' must be a string, got {type(prompt).__name__}")
+            if key == "prompt_token_ids" and isinstance(prompt, str):
+                raise RequestError(f"{label}: 'prompt_token_ids' must be a list of token ids, got a string")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError(
                     "this model directory has no tokenizer files, so text prompts cannot be encoded; pass token "
                     "ids (a list of ints) instead, or add tokenizer.json / tokenizer_config.json to the directory"
                 )
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise RequestError(
+                    f"{label} is not valid Unicode text: {e.reason} {prompt[e.start:e.end]!r} at character {e.start} "
+                    f"(lone surrogates cannot be tokenised); fix the text or pass token ids"
+                ) from None
             return prompt, list(self.tokenizer(prompt).input_ids)
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise RequestError(f"a prompt must be a string or a list of token ids (ints), got {type(prompt).__name__}")
+            raise RequestError(
+                f"{label} must be a string, a list of token ids (ints) or a dict with 'prompt' or 'prompt_token_ids', "
+                f"got {_describe(prompt)}"
+            )
         return None, list(prompt)
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams, label: str = "prompt") -> None:
@@ -223,20 +247,29 @@ class Engine:
             raise RequestError(f"stop_token_ids {bad_stop} are outside the vocabulary [0, {vocab})")
         if params.logprobs is not None and params.logprobs > vocab or params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
             raise RequestError(f"logprobs / prompt_logprobs exceed the vocabulary size {vocab}")
+        if params.n > self.max_num_seqs:
+            raise RequestError(
+                f"n={params.n} samples exceed max_num_seqs={self.max_num_seqs}, the sequences the engine runs at once; "
+                f"lower n or raise max_num_seqs"
+            )
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, label: str = "prompt") -> str:
-        text, ids = self.encode(prompt)
+    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
+                    label: str = "prompt") -> str:
+        text, ids = self.encode(prompt, label)
         self.check(ids, params, label)
-        rid = request_id if request_id is not None else str(next(self._req_ids))
+        rid = request_id if request_id is not None else str(self.next_request_id)
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
         req = Request(rid, text, ids, params)
+        first = self.next_seq_id
         for i in range(params.n):
-            seq_id = next(self._seq_ids)
-            req.seqs.append(Sequence(seq_id, rid, i, list(ids), params, self._seed(params, i, seq_id)))
+            req.seqs.append(Sequence(first + i, rid, i, list(ids), params, self._seed(params, i, first + i)))
         for seq in req.seqs:  # queued only once every sequence could be built
             self.scheduler.add(seq)
         self.requests[rid] = req
+        self.next_seq_id += params.n
+        if request_id is None:
+            self.next_request_id += 1
         return rid
 
     def _seed(self, params: SamplingParams, index: int, seq_id: int) -> int:
@@ -249,16 +282,36 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def abort(self, request_id: str) -> Request:
-        """Stop a request (unfinished samples get finish_reason "abort"), free its blocks, return it."""
+        """Stop a request (unfinished samples get finish_reason "abort" and the text of the tokens
+        they produced), free its blocks, return it."""
         req = self.requests.pop(request_id)
         for seq in req.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
+                seq.text = self.detokenize(seq)
         return req
 
     def abort_all(self) -> list[Request]:
-        return [self.abort(rid) for rid in list(self.requests)]
+        aborted = [self.abort(rid) for rid in list(self.requests)]
+        self.scheduler.reset()  # nothing is left: whatever a failed step left half-done is gone too
+        return aborted
+
+    def withdraw(self, request_ids: list[str], ids_before: tuple[int, int]) -> None:
+        """Take back requests whose caller will never see them (an interrupted ``generate``). When
+        no other request remains, the engine is left as new: queues and block pool rebuilt (an
+        interrupt may have landed between two bookkeeping steps) and the id counters where they
+        were before the requests came (``ids_before``: next_seq_id, next_request_id), so a rerun
+        samples exactly what the interrupted call would have."""
+        for rid in request_ids:
+            if rid in self.requests:
+                req = self.requests.pop(rid)
+                for seq in req.seqs:
+                    if not seq.is_finished:
+                        self.scheduler.finish(seq)
+        if not self.requests:
+            self.scheduler.reset()
+            self.next_seq_id, self.next_request_id = ids_before
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -274,6 +327,7 @@ class Engine:
         for seq, first, logits in out.prompt_logits:
             self._record_prompt_logprobs(seq, first, logits)
         results = sample(self.ops, out.sample_logits, out.sample_seqs, self.eos_ids) if out.sample_seqs else []
+        self.scheduler.commit(batch)
         for seq, (token, logprob, top) in zip(out.sample_seqs, results):
             self._append(seq, token, logprob, top)
         finished = [r for r in self.requests.values() if r.finished]
@@ -350,6 +404,14 @@ class Engine:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+
+
+def _describe(value) -> str:
+    """A short description of a bad prompt for an error message."""
+    if isinstance(value, (list, tuple)):
+        bad = next((t for t in value if not isinstance(t, int) or isinstance(t, bool)), None)
+        return f"a {type(value).__name__} holding {type(bad).__name__} {bad!r:.40}"
+    return type(value).__name__
 
 
 def load_tokenizer(model_dir: Path):

@@ -36,7 +36,11 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int):
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.reset()
+
+    def reset(self) -> None:
+        """Every block free (the sequences that held blocks must be gone)."""
+        self.free_blocks: list[int] = list(range(self.num_blocks - 1, -1, -1))
 
     @property
     def num_free(self) -> int:

@@ -24,7 +24,12 @@ class StepOutput:
 
 
 class ModelRunner:
-    """``graphs``: when given, decode-only steps that fit its buckets replay CUDA graphs."""
+    """``graphs``: when given, decode-only steps that fit its buckets replay CUDA graphs.
+
+    ``run`` changes no sequence: the caches hold the new tokens' entries afterwards, but the
+    computed-token counts advance only when the engine commits the step (``Scheduler.commit``),
+    so a step that fails or is interrupted before that leaves every sequence as it was.
+    """
 
     def __init__(self, model, kv_cache: KVCache, block_manager: BlockManager, device: torch.device, graphs: DecodeGraphs | None = None):
         self.model = model
@@ -107,10 +112,6 @@ class ModelRunner:
         hidden = self.model.forward(ids, positions, meta, self.kv_cache.tensors)
         rows = self._tensor(logits_rows, torch.int64)
         logits = self.model.compute_logits(hidden.index_select(0, rows)) if logits_rows else hidden.new_empty(0, 0)
-        for seq, num_new in batch.prefills:
-            seq.num_computed_tokens += num_new
-        for seq in batch.decodes:
-            seq.num_computed_tokens += 1
         prompt_logits = [(seq, first, logits[r0 : r0 + n]) for seq, first, r0, n in prompt_rows]
         return StepOutput(sample_seqs, logits[sample_rows], prompt_logits)
 
@@ -123,6 +124,4 @@ class ModelRunner:
             slots.append(self.blocks.slot(seq, pos))
         keys = [(s.seq_id, s.num_preemptions) for s in decodes]  # a preempted sequence gets new blocks
         logits = self.graphs.run(keys, ids, positions, slots, [s.block_table for s in decodes], [p + 1 for p in positions])
-        for seq in decodes:
-            seq.num_computed_tokens += 1
         return StepOutput(list(decodes), logits, [])

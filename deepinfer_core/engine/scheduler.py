@@ -86,6 +86,13 @@ class Scheduler:
         one-token chunk in the middle of a prompt is a prefill: it must not sample)."""
         return num_new == 1 and seq.num_computed_tokens == seq.num_tokens - 1 > 0
 
+    def commit(self, batch: ScheduledBatch) -> None:
+        """The batch ran and was sampled: its sequences' new tokens are now in the cache."""
+        for seq, num_new in batch.prefills:
+            seq.num_computed_tokens += num_new
+        for seq in batch.decodes:
+            seq.num_computed_tokens += 1
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)
@@ -102,3 +109,10 @@ class Scheduler:
             self.waiting.remove(seq)
         self.blocks.free(seq)
         seq.status = Status.FINISHED
+
+    def reset(self) -> None:
+        """Forget every sequence and free every block (nothing may be queued or running): what an
+        interrupt that landed inside the bookkeeping may have left half-done is undone."""
+        self.waiting.clear()
+        self.running.clear()
+        self.blocks.reset()

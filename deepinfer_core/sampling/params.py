@@ -8,12 +8,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 class SamplingParams(BaseModel):
     """Per-request sampling settings, shaped like vLLM's.
 
-    temperature 0 means greedy. top_k 0 or -1 disables top-k. A ``seed`` makes the request's
-    samples reproducible whatever batch it runs in; without one, samples derive from the
-    engine seed (``LLM(seed=...)``).
+    temperature 0 (or below 1e-5) means greedy. top_k 0 or -1 disables top-k; a top_k beyond the
+    vocabulary keeps it all. A ``seed`` makes the request's samples reproducible whatever batch
+    it runs in; without one, samples derive from the engine seed (``LLM(seed=...)``). Floats
+    must be finite. ``n`` is at most the engine's ``max_num_seqs`` (checked when the request is
+    added).
     """
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     n: int = Field(1, ge=1, description="Number of samples to return for the prompt.")
     temperature: float = Field(1.0, ge=0.0)

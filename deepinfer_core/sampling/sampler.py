@@ -3,6 +3,12 @@
 Penalties and min_tokens are applied here, batched; the draw itself is the ``sample_tokens``
 op of the backend's op table. Logprobs are those of the model's distribution (log_softmax of
 the raw logits, before penalties, temperature and truncation), as vLLM reports them.
+
+Any valid SamplingParams is safe here: a temperature below ``GREEDY_TEMPERATURE`` samples
+greedily (dividing by it would overflow), top_k is capped at the vocabulary, and penalised
+logits are capped at ``MAX_LOGIT`` so no penalty can produce an infinity. A row whose raw
+logits are not finite (NaN or inf: the model or a kernel is broken) raises
+``NonFiniteLogitsError`` naming its request.
 """
 
 from __future__ import annotations
@@ -12,6 +18,12 @@ import torch
 from deepinfer_core.engine.sequence import Sequence
 
 NEG_INF = float("-inf")
+GREEDY_TEMPERATURE = 1e-5  # below this, temperature sampling is greedy (vLLM's threshold)
+MAX_LOGIT = 1e6  # penalised logits are capped here: / GREEDY_TEMPERATURE stays far from float32's limit
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """The model produced NaN or inf logits: no token can be chosen from them."""
 
 
 def top_logprobs(logprobs_row: torch.Tensor, k: int, token: int | None = None) -> dict[int, float]:
@@ -58,21 +70,33 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[i
             banned = list(s.params.stop_token_ids) + ([] if s.params.ignore_eos else list(eos_ids))
             if banned:
                 logits[i, torch.tensor(banned, device=device)] = NEG_INF
-    return logits
+    return logits.clamp_(max=MAX_LOGIT)
 
 
 def sample(ops, logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...] = ()) -> list[tuple[int, float | None, dict[int, float] | None]]:
     """For each row of ``logits`` [N, V] and its sequence: (token, logprob, top logprobs), the last
     two None unless the sequence asked for logprobs."""
-    device = logits.device
+    device, vocab = logits.device, logits.shape[-1]
     processed = apply_penalties(logits, seqs, eos_ids)
     params = [s.params for s in seqs]
+    temperatures = [p.temperature if p.temperature >= GREEDY_TEMPERATURE else 0.0 for p in params]
     # two host-to-device copies per step, whatever the batch size
-    floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]], dtype=torch.float32).to(device)
+    floats = torch.tensor([temperatures, [p.top_p for p in params], [p.min_p for p in params]], dtype=torch.float32).to(device)
     ints = torch.tensor(
-        [[max(p.top_k, 0) for p in params], [s.seed for s in seqs], [len(s.output_token_ids) for s in seqs]], dtype=torch.int64
+        [[min(max(p.top_k, 0), vocab) for p in params], [s.seed for s in seqs], [len(s.output_token_ids) for s in seqs]],
+        dtype=torch.int64,
     ).to(device)
-    tokens = ops.sample_tokens(processed, floats[0], ints[0], floats[1], floats[2], ints[1], ints[2]).tolist()
+    tokens = ops.sample_tokens(processed, floats[0], ints[0], floats[1], floats[2], ints[1], ints[2])
+    # one device-to-host copy: the tokens and, per row, whether its logits were finite
+    tokens, finite = torch.stack([tokens, torch.isfinite(logits).all(dim=-1).to(tokens.dtype)]).tolist()
+    broken = [i for i, ok in enumerate(finite) if not ok]
+    if broken:
+        rows = ", ".join(f"{seqs[i].request_id} (sample {seqs[i].index}, {len(seqs[i].output_token_ids)} tokens generated)" for i in broken)
+        raise NonFiniteLogitsError(
+            f"the model produced NaN or inf logits for request(s) {rows}: no token can be chosen. The weights are "
+            f"finite (checked at load), so an activation overflowed or a kernel is wrong; a float32 run "
+            f"(LLM(dtype='float32')) or the reference backend (accelerator='cpu') tells which"
+        )
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     results: list[tuple[int, float | None, dict[int, float] | None]] = [(t, None, None) for t in tokens]
     if wanted:

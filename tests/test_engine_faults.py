@@ -1,0 +1,321 @@
+"""The engine under interrupts, threads and bad input: nothing corrupted, nothing lost, clear errors.
+
+Runs on the embedded default model (it has a tokenizer) in float32 on the reference backend.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from deepinfer_core import LLM, GenerationError, SamplingParams
+from deepinfer_core.cli import main
+from deepinfer_core.config import DEFAULT_MODEL_DIR, ConfigError
+from deepinfer_core.engine.engine import RequestError
+from deepinfer_core.loader import CheckpointError
+
+PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n    def __init__(self):"]
+# greedy, seeded and unseeded sampling: an engine "as new" reproduces all three
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True),
+    SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True),
+]
+
+
+def make_llm(**kw) -> LLM:
+    kw.setdefault("dtype", "float32")
+    return LLM(accelerator="cpu", progress=False, **kw)
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def assert_clean(llm: LLM) -> None:
+    engine = llm.engine
+    assert not engine.requests and not engine.has_unfinished()
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    assert sorted(engine.block_manager.free_blocks) == list(range(engine.block_manager.num_blocks))
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[list[int]]:
+    """What a fresh engine produces for PROMPTS / PARAMS."""
+    return tokens(make_llm().generate(PROMPTS, PARAMS, use_tqdm=False))
+
+
+@pytest.fixture
+def llm() -> LLM:
+    return make_llm()
+
+
+def interrupt_on_call(monkeypatch, owner, name: str, n: int) -> None:
+    """``owner.name`` raises KeyboardInterrupt (what Ctrl-C raises) on its n-th call."""
+    real = getattr(owner, name)
+    calls = {"n": 0}
+
+    def wrapper(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapper)
+
+
+# ---- interrupts --------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 3, 6])
+def test_ctrl_c_during_sampling_leaves_the_engine_as_new(llm, expected, monkeypatch, n):
+    interrupt_on_call(monkeypatch, llm.engine.ops, "sample_tokens", n)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    monkeypatch.undo()
+    assert_clean(llm)
+    assert tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == expected
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_ctrl_c_between_steps_withdraws_the_interrupted_requests(llm, expected, monkeypatch, n):
+    real_step = llm.engine.step
+    calls = {"n": 0}
+
+    def step_then_interrupt():
+        finished = real_step()
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise KeyboardInterrupt
+        return finished
+
+    monkeypatch.setattr(llm.engine, "step", step_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    monkeypatch.undo()
+    assert_clean(llm)
+    # the next call runs its own requests only, and exactly as a fresh engine would
+    assert tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == expected
+
+
+def test_ctrl_c_while_queueing_leaves_nothing_behind(llm, expected, monkeypatch):
+    interrupt_on_call(monkeypatch, llm.engine, "add_request", 3)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    monkeypatch.undo()
+    assert_clean(llm)
+    assert tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == expected
+
+
+def test_ctrl_c_inside_block_bookkeeping_is_repaired(llm, expected, monkeypatch):
+    """An interrupt between taking a block off the free list and recording it would leak the block."""
+    manager = llm.engine.block_manager
+    real_pop = manager.free_blocks.pop
+    calls = {"n": 0}
+
+    class LeakyList(list):
+        def pop(self, *args):
+            value = real_pop(*args)
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise KeyboardInterrupt  # the popped block is in no block table
+            return value
+
+    manager.free_blocks = LeakyList(manager.free_blocks)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert_clean(llm)
+    assert tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == expected
+
+
+# ---- threads -----------------------------------------------------------------------------------
+def test_generate_from_several_threads_runs_them_one_after_another(llm, expected):
+    results, errors = {}, []
+
+    def worker(i: int) -> None:
+        try:
+            for _ in range(2):
+                out = llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 3, use_tqdm=False)
+                results.setdefault(i, []).append(tokens(out))
+        except BaseException as e:  # noqa: BLE001 - any failure in a thread is the test's failure
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    greedy = make_llm().generate(PROMPTS, [PARAMS[0]] * 3, use_tqdm=False)
+    assert all(r == tokens(greedy) for runs in results.values() for r in runs) and len(results) == 4
+    assert_clean(llm)
+
+
+def test_generate_inside_generate_is_refused(llm, monkeypatch):
+    real_step = llm.engine.step
+
+    def step_that_reenters():
+        llm.generate("x", SamplingParams(max_tokens=1), use_tqdm=False)
+        return real_step()
+
+    monkeypatch.setattr(llm.engine, "step", step_that_reenters)
+    with pytest.raises(GenerationError, match="inside a running generate call in the same thread"):
+        llm.generate(PROMPTS[0], PARAMS[0], use_tqdm=False)
+    monkeypatch.undo()
+    assert_clean(llm)
+
+
+# ---- prompts -----------------------------------------------------------------------------------
+def test_vllm_dict_prompts_are_accepted(llm):
+    ids = llm.tokenizer(PROMPTS[0]).input_ids
+    plain = tokens(llm.generate([PROMPTS[0], ids], PARAMS[0], use_tqdm=False))
+    assert tokens(llm.generate({"prompt": PROMPTS[0]}, PARAMS[0], use_tqdm=False)) == plain[:1]
+    both = llm.generate([{"prompt": PROMPTS[0]}, {"prompt_token_ids": ids}], PARAMS[0], use_tqdm=False)
+    assert tokens(both) == plain and both[0].prompt == PROMPTS[0] and both[1].prompt is None
+
+
+@pytest.mark.parametrize(
+    "prompt, needle",
+    [
+        ({"text": "x"}, "a dict prompt has exactly one of the keys 'prompt' or 'prompt_token_ids' (unknown: ['text'])"),
+        ({"prompt": "x", "prompt_token_ids": [1]}, "exactly one of the keys"),
+        ({"prompt": [1, 2]}, "'prompt' must be a string"),
+        ({"prompt_token_ids": "x"}, "'prompt_token_ids' must be a list of token ids"),
+        ("x = '\ud800'", "prompt 0 is not valid Unicode text: surrogates not allowed '\\ud800' at character 5"),
+        ([1, 2.5], "a list holding float 2.5"),
+        ([1, True], "a list holding bool True"),
+    ],
+)
+def test_bad_prompts_get_clear_errors(llm, prompt, needle):
+    with pytest.raises(RequestError) as err:
+        llm.generate(prompt, PARAMS[0], use_tqdm=False)
+    assert needle in str(err.value)
+    assert_clean(llm)
+
+
+def test_a_lone_surrogate_on_the_command_line_is_a_clear_error(capsys):
+    assert main(["generate", "--prompt", "x\udcffy", "--max-tokens", "2", "--accelerator", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("error: prompt 0 is not valid Unicode text") and "Traceback" not in err
+
+
+def test_the_cli_checks_its_parameters_before_loading_a_model(monkeypatch, capsys):
+    import deepinfer_core
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the parameters were checked")
+
+    monkeypatch.setattr(deepinfer_core, "LLM", no_model)
+    assert main(["generate", "--prompt", "x", "--max-tokens", "0"]) == 1
+    assert "--max-tokens: Input should be greater than or equal to 1" in capsys.readouterr().err
+
+
+# ---- sampling parameters -------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30, 1e-6])
+def test_a_tiny_temperature_is_greedy(llm, temperature):
+    greedy = tokens(llm.generate(PROMPTS, PARAMS[0], use_tqdm=False))
+    tiny = SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True, seed=3)
+    assert tokens(llm.generate(PROMPTS, tiny, use_tqdm=False)) == greedy
+
+
+def test_a_top_k_beyond_the_vocabulary_keeps_it_all(llm):
+    base = dict(temperature=1.0, max_tokens=6, ignore_eos=True, seed=11)
+    huge = SamplingParams(top_k=2**63, **base)
+    off = SamplingParams(top_k=0, **base)
+    both = llm.generate([PROMPTS[0], PROMPTS[1]], [huge, PARAMS[0]], use_tqdm=False)  # its batch-mate is unharmed
+    assert tokens(both)[0] == tokens(llm.generate(PROMPTS[0], off, use_tqdm=False))[0]
+    assert len(both[1].outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize("field, value", [("temperature", float("inf")), ("top_p", float("nan")),
+                                          ("repetition_penalty", float("inf")), ("min_p", float("nan"))])
+def test_non_finite_parameters_are_refused(field, value):
+    with pytest.raises(ValueError, match=f"{field}[\\s\\S]*finite number"):
+        SamplingParams(**{field: value})
+
+
+def test_extreme_penalties_stay_finite(llm):
+    extreme = SamplingParams(temperature=0.5, repetition_penalty=1e-300, frequency_penalty=-2, max_tokens=6, seed=1)
+    out = llm.generate(PROMPTS, extreme, use_tqdm=False)
+    assert all(len(t) >= 1 for t in tokens(out))
+    assert_clean(llm)
+
+
+def test_more_samples_than_sequence_slots_is_refused(llm):
+    with pytest.raises(RequestError, match="n=65 samples exceed max_num_seqs=64"):
+        llm.generate(PROMPTS[0], SamplingParams(n=65), use_tqdm=False)
+
+
+# ---- non-finite weights and logits ---------------------------------------------------------------
+@pytest.fixture
+def model_copy(tmp_path):
+    path = tmp_path / "model"
+    shutil.copytree(DEFAULT_MODEL_DIR, path)
+    return path
+
+
+def test_a_nan_weight_is_named_at_load(model_copy):
+    key = "model.layers.2.mlp.experts.3.down_proj.weight"
+    tensors = load_file(model_copy / "model.safetensors")
+    tensors[key][5, 7] = float("nan")
+    save_file(tensors, model_copy / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as err:
+        make_llm(model=str(model_copy))
+    assert f"1 checkpoint tensor(s) are not finite: {key} (model.safetensors) holds NaN or inf" in str(err.value)
+
+
+def test_a_weight_beyond_the_compute_dtype_is_named_at_load(model_copy):
+    key = "model.layers.0.self_attn.o_proj.weight"
+    tensors = load_file(model_copy / "model.safetensors")
+    tensors[key] = tensors[key].float()
+    tensors[key][0, 0] = 1e6  # float16 ends at 65504
+    save_file(tensors, model_copy / "model.safetensors", metadata={"format": "pt"})
+    assert make_llm(model=str(model_copy))  # float32 holds it
+    with pytest.raises(CheckpointError, match=f"{key} .* holds values beyond the range of torch.float16"):
+        make_llm(model=str(model_copy), dtype="float16")
+
+
+def test_nan_logits_name_the_request_and_keep_the_others(llm, monkeypatch):
+    model = llm.engine.model
+    real = model.compute_logits
+    steps = {"n": 0}
+
+    def poisoned(hidden):
+        logits = real(hidden)
+        steps["n"] += 1
+        if steps["n"] == 3:
+            logits[-1, 17] = float("nan")  # the last row: the third request's decode step
+        return logits
+
+    monkeypatch.setattr(model, "compute_logits", poisoned)
+    short = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    with pytest.raises(GenerationError, match=r"NaN or inf logits for request\(s\) \d+ \(sample 0, 2 tokens generated\)") as err:
+        llm.generate(PROMPTS, [short, PARAMS[0], PARAMS[0]], use_tqdm=False)
+    first, second, third = err.value.outputs
+    assert first.outputs[0].finish_reason == "length" and len(first.outputs[0].token_ids) == 1
+    for aborted in (second, third):
+        out = aborted.outputs[0]
+        assert out.finish_reason == "abort" and out.token_ids
+        assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True) != ""  # decoded, not ""
+    monkeypatch.undo()
+    assert_clean(llm)
+
+
+# ---- checkpoints -------------------------------------------------------------------------------
+@pytest.mark.parametrize("content, needle", [("[1, 2]", "holds a JSON list, not an object"), ('"x"', "holds a JSON str"),
+                                             ("{", "is not valid JSON"), (b"\xff\xfe{}", "is not valid JSON")])
+def test_a_config_json_that_is_not_an_object(model_copy, content, needle):
+    path = model_copy / "config.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ConfigError, match=needle):
+        make_llm(model=str(model_copy))
+
+
+def test_json_logits_of_the_default_model_are_finite(llm):
+    """The guard above must not fire on a healthy model (and costs one transfer per step)."""
+    out = llm.generate(PROMPTS, SamplingParams(max_tokens=3, logprobs=2, temperature=0), use_tqdm=False)
+    assert all(torch.isfinite(torch.tensor(list(step.values()))).all() for o in out for step in o.outputs[0].logprobs)
+    json.dumps([o.outputs[0].logprobs for o in out], allow_nan=False)

@@ -29,7 +29,7 @@ def _backends(args: argparse.Namespace) -> int:
 
     manager = PluginManager()
     backends = manager.discover()
-    rows = sorted(backends.values(), key=lambda b: (-(b.info.priority if b.info else -1), b.name))
+    rows = sorted([*backends.values(), *manager.rejected], key=lambda b: (-(b.info.priority if b.info else -1), b.name))
     print(f"Backends (entry-point group {ENTRY_POINT_GROUP!r}, hookspec version {SPEC_VERSION}):")
     width = max([len("BACKEND")] + [len(b.name) + (len(" (" + ", ".join(b.info.aliases) + ")") if b.info and b.info.aliases else 0) for b in rows])
     print(f"  {'BACKEND':<{width}}  {'PRIORITY':>8}  STATUS")

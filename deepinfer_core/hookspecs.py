@@ -9,8 +9,14 @@ Hooks are called by the core:
 
 * at discovery, for every backend: ``deepinfer_backend`` then ``deepinfer_probe``;
 * once at start-up, for the selected backend only: ``deepinfer_platform``, then
-  ``deepinfer_ops``, ``deepinfer_communicator`` and ``deepinfer_scheduler_limits``;
-* once per engine step, for every backend that implements it: ``deepinfer_step_observer``.
+  ``deepinfer_ops`` and ``deepinfer_scheduler_limits``;
+* once per engine step, for every backend that implements it: ``deepinfer_step_observer``;
+* never yet: ``deepinfer_communicator`` (specified for multi-process runs, which the core does
+  not have yet; the scale-out work will call it).
+
+What each hook returns is checked against this contract when it is called (types and fields of
+the returned objects, the signatures of op callables): a mistake is reported naming the plugin,
+at discovery (BackendInfo, ProbeResult) or at start-up (the rest).
 
 No other plugin code runs on the hot path except the op callables that ``deepinfer_ops``
 returns. A backend that needs a seam that is not here asks for a new hook; it never patches
@@ -43,9 +49,12 @@ class BackendInfo:
 
     name: the name users select it by (``DEEPINFER_ACCELERATOR=name``); must equal the
         entry-point name.
-    priority: automatic selection picks the available backend with the highest priority.
+    priority: automatic selection picks the available backend with the highest priority;
+        between equal priorities the reference backend wins, then the name that sorts first.
     min_spec_version / max_spec_version: the hookspec versions this backend implements.
-    aliases: other names that select it (the reference backend answers to ``cpu``).
+    aliases: other names that select it (the reference backend answers to ``cpu``). A name or
+        alias that two backends claim makes both broken; ``reference``, ``cpu`` and ``auto``
+        are reserved (the core's reference backend, automatic selection).
     required_ops: ops this backend must provide itself; if its op table lacks one, start-up
         fails instead of falling back to the reference implementation.
     description: one line for ``deepinfer backends``.
@@ -149,7 +158,8 @@ class BackendSpec:
     def deepinfer_communicator(self, platform: Platform, group: Any) -> Any:
         """Return a communicator for ``group`` (all_reduce, all_gather, reduce_scatter,
         all_to_all / MoE dispatch-combine, broadcast, barrier), or ``None`` to use the core's
-        torch.distributed one. Called once per process group when world size > 1.
+        torch.distributed one. To be called once per process group when world size > 1; the
+        core does not run more than one process yet, so today it is never called.
         """
 
     @hookspec(firstresult=True)
@@ -161,5 +171,6 @@ class BackendSpec:
     @hookspec
     def deepinfer_step_observer(self, stats: StepStats) -> None:
         """Observe one finished engine step (metrics, profiling). Called after every step for
-        every registered plugin that implements it; must be cheap and must not raise.
+        every registered plugin that implements it; must be cheap and must not raise. One that
+        raises is logged once, naming its plugin, and not called again in that engine.
         """

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import pluggy
 
-from deepinfer_core import hookspecs
+from deepinfer_core import hook_checks, hookspecs
 from deepinfer_core.hookspecs import SPEC_VERSION, BackendInfo, ProbeResult, SchedulerLimits, StepStats
 from deepinfer_core.ops import OP_NAMES, REFERENCE_OPS, OpTable
 
@@ -25,6 +25,10 @@ log = logging.getLogger("deepinfer")
 
 ENTRY_POINT_GROUP = "deepinfer.backends"
 REFERENCE_BACKEND = "reference"
+CORE_DISTRIBUTION = "deepinfer"  # the distribution that ships the reference backend
+# Names no other backend may take, as its name or an alias: the reference backend's own and
+# the selection keyword.
+RESERVED_NAMES = ("reference", "cpu", "auto")
 
 
 class BackendError(RuntimeError):
@@ -38,6 +42,7 @@ class Backend:
     name: str
     module: Any
     source: str  # "module (distribution version)"
+    distribution: str = ""  # the distribution's normalised name ("" when registered in-process)
     info: BackendInfo | None = None
     probe: ProbeResult | None = None
     error: str | None = None  # a broken plugin: import failure, bad hooks, probe raised
@@ -62,28 +67,71 @@ class PluginManager:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs.BackendSpec)
         self.backends: dict[str, Backend] = {}
+        # backends that lost a name to another (a reserved name, or a name registered twice):
+        # listed by `deepinfer backends` as broken, never selectable
+        self.rejected: list[Backend] = []
 
     # ---- discovery -------------------------------------------------------------------------
     def discover(self) -> dict[str, Backend]:
-        for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        """Import, register and probe every installed backend; then make every name or alias that
+        two backends claim (or that a backend other than the core's reference claims from
+        RESERVED_NAMES) an error of each claimant, naming both distributions."""
+        found = []
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
             dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
             source = f"{ep.value} ({dist})"
-            if ep.name in self.backends:
-                twice = self.backends[ep.name]
-                if twice.source != source:  # two distributions claim one name: neither may be picked silently
-                    twice.error = f"the name is registered twice, by {twice.source} and by {source}; uninstall one of them"
-                    if self.pm.has_plugin(ep.name):
-                        self.pm.unregister(name=ep.name)
+            if all(b.source != source or b.name != ep.name for b, _ in found):  # one distribution seen twice on sys.path
+                found.append((Backend(name=ep.name, module=None, source=source, distribution=_normalise(ep.dist.name if ep.dist else "")), ep))
+        # the core's reference first, then by name: it keeps its name whatever else is installed
+        found.sort(key=lambda item: (not _is_core_reference(item[0]), item[0].name, item[0].source))
+        for backend, ep in found:
+            if backend.name in self.backends:
+                self._reject(backend, f"the name {backend.name!r} is already taken by {self.backends[backend.name].source}")
                 continue
-            backend = Backend(name=ep.name, module=None, source=source)
-            self.backends[ep.name] = backend
+            self.backends[backend.name] = backend
             try:
                 backend.module = ep.load()
             except Exception as e:  # a plugin's import error must not take the others down
                 backend.error = f"importing {ep.value} failed: {type(e).__name__}: {e}"
                 continue
             self._register(backend)
+        self._check_claims()
         return self.backends
+
+    def _reject(self, backend: Backend, why: str) -> None:
+        """A backend that lost its name: broken (never imported), and the holder, unless it is the
+        core's reference, broken too (neither may be picked silently)."""
+        holder = self.backends[backend.name]
+        backend.error = f"{why}; uninstall one of them"
+        self.rejected.append(backend)
+        if not _is_core_reference(holder):
+            self._break(holder, f"the name {holder.name!r} is registered twice, by {holder.source} and by {backend.source}; "
+                                f"uninstall one of them")
+
+    def _break(self, backend: Backend, why: str) -> None:
+        if backend.error is None:
+            backend.error = why
+        if self.pm.has_plugin(backend.name):  # a broken backend takes no further part (no observer runs)
+            self.pm.unregister(name=backend.name)
+
+    def _check_claims(self) -> None:
+        """Names and aliases: each selects exactly one backend, and the reserved ones the core's reference."""
+        claims: dict[str, list[Backend]] = {}
+        for b in self.backends.values():
+            for label in {b.name.lower(), *(a.strip().lower() for a in (b.info.aliases if b.info else ()))}:
+                claims.setdefault(label, []).append(b)
+        for label, owners in sorted(claims.items()):
+            if label in RESERVED_NAMES:
+                for b in owners:
+                    if not _is_core_reference(b) or label == "auto":
+                        holder = next((o for o in self.backends.values() if _is_core_reference(o)), None)
+                        whose = f"the built-in reference backend ({holder.source})" if holder and label != "auto" else "automatic selection"
+                        self._break(b, f"it claims the name {label!r}, which is reserved for {whose}; rename it or drop the alias")
+            elif len(owners) > 1:
+                for b in owners:
+                    others = " and ".join(o.source for o in owners if o is not b)
+                    self._break(b, f"the name or alias {label!r} is claimed by {b.source} and by {others}; uninstall one of them "
+                                   f"or change the alias")
 
     def add(self, name: str, module: Any, source: str = "registered in-process") -> Backend:
         """Register a backend module directly (used when no distribution is installed)."""
@@ -114,8 +162,12 @@ class PluginManager:
         except Exception as e:
             backend.error = f"deepinfer_backend() raised {type(e).__name__}: {e}"
             return
-        if not isinstance(info, BackendInfo):
+        if info is None:
             backend.error = "does not implement deepinfer_backend() returning a BackendInfo"
+            return
+        problems = hook_checks.info_problems(info, OP_NAMES)
+        if problems:
+            backend.error = f"deepinfer_backend(): {'; '.join(problems)}"
             return
         backend.info = info
         if info.name != backend.name:
@@ -132,8 +184,12 @@ class PluginManager:
         except Exception as e:
             backend.error = f"deepinfer_probe() raised {type(e).__name__}: {e}"
             return
-        if not isinstance(probe, ProbeResult):
+        if probe is None:
             backend.error = "does not implement deepinfer_probe() returning a ProbeResult"
+            return
+        problems = hook_checks.probe_problems(probe)
+        if problems:
+            backend.error = f"deepinfer_probe(): {'; '.join(problems)}"
             return
         backend.probe = probe
 
@@ -189,7 +245,8 @@ class PluginManager:
                 "no usable backend found; `deepinfer backends` shows why each one cannot run. Reinstall "
                 "deepinfer (the reference backend ships with it)."
             )
-        best = max(candidates, key=lambda b: (b.info.priority, b.name == REFERENCE_BACKEND))  # type: ignore[union-attr]
+        # the highest priority; between equals the reference, then the name that sorts first
+        best = min(candidates, key=lambda b: (-b.info.priority, not _is_core_reference(b), b.name))  # type: ignore[union-attr]
         log.info("auto-selected backend %r (priority %d)", best.name, best.info.priority)  # type: ignore[union-attr]
         return best
 
@@ -207,10 +264,15 @@ class PluginManager:
             raise BackendError(f"backend {backend.name!r} failed to load its platform: {type(e).__name__}: {e}") from e
         if platform is None:
             raise BackendError(f"backend {backend.name!r} does not implement deepinfer_platform()")
+        self._require(backend, "deepinfer_platform()", hook_checks.platform_problems(platform, backend.name))
         ops = self.resolve_ops(backend, platform, model_config)
         limits = None
         if model_config is not None:
-            limits = self._call(backend.name, "deepinfer_scheduler_limits", platform=platform, model_config=model_config)
+            try:
+                limits = self._call(backend.name, "deepinfer_scheduler_limits", platform=platform, model_config=model_config)
+            except Exception as e:
+                raise BackendError(f"backend {backend.name!r}: deepinfer_scheduler_limits() raised {type(e).__name__}: {e}") from e
+            self._require(backend, "deepinfer_scheduler_limits()", hook_checks.limits_problems(limits))
         fallback = [name for name, who in ops.providers.items() if who != backend.name]
         if fallback and backend.name != REFERENCE_BACKEND:
             log.warning(
@@ -225,6 +287,9 @@ class PluginManager:
             provided: dict[str, Callable] = self._call(backend.name, "deepinfer_ops", platform=platform, model_config=model_config) or {}
         except Exception as e:
             raise BackendError(f"backend {backend.name!r}: deepinfer_ops() raised {type(e).__name__}: {e}") from e
+        if not isinstance(provided, dict):
+            raise BackendError(f"backend {backend.name!r}: deepinfer_ops() returned a {type(provided).__name__}, not a dict "
+                               f"{{op name: callable}}")
         unknown = sorted(set(provided) - set(OP_NAMES))
         if unknown:
             raise BackendError(
@@ -234,6 +299,11 @@ class PluginManager:
         not_callable = sorted(name for name, fn in provided.items() if not callable(fn))
         if not_callable:
             raise BackendError(f"backend {backend.name!r} provides non-callable ops {not_callable}")
+        wrong = [f"op {name!r} {why}" for name, fn in provided.items()
+                 if (why := hook_checks.signature_problem(fn, REFERENCE_OPS[name]))]
+        if wrong:
+            raise BackendError(f"backend {backend.name!r}: deepinfer_ops() returned callables that break their contract "
+                               f"(deepinfer_core.ops): {'; '.join(wrong)}")
         assert backend.info is not None
         missing_required = sorted(set(backend.info.required_ops) - set(provided))
         if missing_required:
@@ -245,20 +315,40 @@ class PluginManager:
         providers = {name: backend.name if name in provided else REFERENCE_BACKEND for name in OP_NAMES}
         return OpTable(impls, providers)
 
+    @staticmethod
+    def _require(backend: Backend, hook: str, problems: list[str]) -> None:
+        if problems:
+            raise BackendError(f"backend {backend.name!r} ({backend.source}): {hook} broke its contract "
+                               f"(deepinfer_core.hookspecs): {'; '.join(problems)}")
+
     # ---- per-step hooks --------------------------------------------------------------------
     def step_observer(self) -> Callable[[StepStats], None] | None:
-        """A callable notifying every observer, or None when no plugin observes steps."""
-        hook = self.pm.hook.deepinfer_step_observer
-        if not hook.get_hookimpls():
+        """A callable notifying every observer, or None when no plugin observes steps. An
+        observer that raises is named in one logged traceback and not called again: it must
+        never take the engine down, nor fill the log once per step."""
+        observers = {impl.plugin_name: impl.function for impl in self.pm.hook.deepinfer_step_observer.get_hookimpls()}
+        if not observers:
             return None
 
         def notify(stats: StepStats) -> None:
-            try:
-                hook(stats=stats)
-            except Exception:  # an observer must never take the engine down
-                log.exception("a deepinfer_step_observer raised; ignoring it")
+            for name, observe in list(observers.items()):
+                try:
+                    observe(stats=stats)
+                except Exception:
+                    del observers[name]
+                    log.exception("the deepinfer_step_observer of backend %r (%s) raised at step %d; it is not called again",
+                                  name, self.backends[name].source if name in self.backends else "?", stats.step)
 
         return notify
+
+
+def _normalise(distribution: str) -> str:
+    return distribution.lower().replace("_", "-")
+
+
+def _is_core_reference(backend: Backend) -> bool:
+    """The reference backend the core ships (not another distribution using its name)."""
+    return backend.name == REFERENCE_BACKEND and backend.distribution in (CORE_DISTRIBUTION, "")
 
 
 def load_backend(requested: str | None = None, model_config: Any = None):

@@ -38,6 +38,7 @@ BROKEN = {  # entry-point name -> what its "broken:" status must say
     "fakeversion": ["hookspec versions 0..0", f"speaks version {SPEC_VERSION}"],
     "fakebadhook": ["invalid hook implementation", "deepinfer_ops", "model_cfg"],
     "fakeimporterror": ["importing deepinfer_fake_broken.importerror failed", "ImportError", "fake_vendor_sdk"],
+    "fakebadinfo": ["deepinfer_backend(): BackendInfo.priority is 'high', expected an int"],
 }
 UNAVAIL_REASON = "fake accelerator not present (/dev/fakeaccel0 missing)"
 UNAVAIL_FIX = "plug in a fake accelerator, or choose DEEPINFER_ACCELERATOR=cpu"
@@ -482,6 +483,8 @@ def test_cli_backends_honours_deepinfer_accelerator(with_fakes, monkeypatch, cap
         ("fakerequired", ["'fakerequired'", "mla_decode_attention", "required"]),
         ("fakebadhook", ["is broken", "model_cfg"]),
         ("nosuch", ["'nosuch' is not installed", "reference (alias cpu)", "fakegood"]),
+        ("fakedictplatform", ["'fakedictplatform'", "deepinfer_platform() broke its contract", "returned a dict"]),
+        ("fakebadsignature", ["'fakebadsignature'", "op 'rms_norm' takes (x, weight) but its contract is rms_norm(x, weight, eps)"]),
     ],
 )
 def test_cli_backends_fails_for_a_backend_that_cannot_load(with_fakes, capsys, name, needles):

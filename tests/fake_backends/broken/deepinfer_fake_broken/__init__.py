@@ -1,1 +1,2 @@
-"""Test fakes that are broken: fakebroken_probe, fakeversion, fakebadhook, fakeimporterror."""
+"""Test fakes that are broken: fakebroken_probe, fakeversion, fakebadhook, fakeimporterror, fakebadinfo,
+fakedictplatform, fakebadsignature."""

@@ -1,0 +1,18 @@
+"""fakedictplatform: probes fine, but deepinfer_platform() returns a dict instead of a Platform."""
+
+from deepinfer_core.hookspecs import BackendInfo, ProbeResult, hookimpl
+
+
+@hookimpl
+def deepinfer_backend():
+    return BackendInfo(name="fakedictplatform", priority=-5)
+
+
+@hookimpl
+def deepinfer_probe():
+    return ProbeResult(True, detail="fake")
+
+
+@hookimpl
+def deepinfer_platform():
+    return {"name": "fake-dict", "device": "cpu"}

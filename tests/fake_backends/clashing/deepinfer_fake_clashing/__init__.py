@@ -1,0 +1,1 @@
+"""Test fakes that claim names or aliases held by other backends."""

@@ -1,0 +1,20 @@
+"""reference: a second distribution registering the reference backend's name (priority -1)."""
+
+from deepinfer_core.hookspecs import BackendInfo, ProbeResult, hookimpl
+
+
+@hookimpl
+def deepinfer_backend():
+    return BackendInfo(name="reference", priority=-1, aliases=())
+
+
+@hookimpl
+def deepinfer_probe():
+    return ProbeResult(True, detail="fake, always here")
+
+
+@hookimpl
+def deepinfer_platform():
+    from deepinfer_core.platform import Platform
+
+    return Platform(name="fake-clashing", device="cpu", backend="reference")

@@ -1,0 +1,206 @@
+"""The plugin contract's edges: names and aliases that collide, hooks that return the wrong
+things, op callables whose signatures break their contract, observers that raise.
+
+The colliding backends are a real distribution (tests/fake_backends/clashing), installed with
+the well-behaved fakes (good/) into a private directory, as tests/test_plugins.py does with its
+fakes; see tests/fake_backends/README.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from deepinfer_core import hook_checks
+from deepinfer_core.hookspecs import BackendInfo, ProbeResult, SchedulerLimits, StepStats, hookimpl
+from deepinfer_core.ops import REFERENCE_OPS
+from deepinfer_core.platform import Platform
+from deepinfer_core.plugins import BackendError, PluginManager
+
+from .installing import install
+
+FAKES = Path(__file__).resolve().parent / "fake_backends"
+CORE_REFERENCE = "deepinfer_core.backends.reference (deepinfer "
+CLASHING = "(deepinfer-fake-clashing-backends 0.0.1)"
+GOOD = "(deepinfer-fake-backends 0.0.1)"
+
+
+@pytest.fixture(scope="module")
+def clash_site(tmp_path_factory) -> Path:
+    target = tmp_path_factory.mktemp("clashing_site")
+    install([FAKES / "good", FAKES / "clashing"], tmp_path_factory.mktemp("clashing_src"), target)
+    return target
+
+
+@pytest.fixture
+def clashing(clash_site, monkeypatch) -> PluginManager:
+    monkeypatch.delenv("DEEPINFER_ACCELERATOR", raising=False)
+    monkeypatch.syspath_prepend(str(clash_site))
+    manager = PluginManager()
+    manager.discover()
+    return manager
+
+
+# ---- names and aliases -----------------------------------------------------------------------
+def test_the_alias_cpu_stays_with_the_reference(clashing):
+    """A third-party backend declaring the alias 'cpu' (priority -1) must not take it."""
+    chosen = clashing.select("cpu")
+    assert chosen.name == "reference" and chosen.source.startswith(CORE_REFERENCE)
+    fake = clashing.backends["fakecpu"]
+    assert not fake.available
+    assert "claims the name 'cpu', which is reserved for the built-in reference backend" in fake.error
+    assert CORE_REFERENCE in fake.error
+    with pytest.raises(BackendError, match="'fakecpu'.*is broken.*reserved"):
+        clashing.select("fakecpu")
+
+
+def test_a_second_reference_is_rejected_and_the_real_one_keeps_its_alias(clashing):
+    reference = clashing.backends["reference"]
+    assert reference.source.startswith(CORE_REFERENCE) and reference.available and reference.info.aliases == ("cpu",)
+    (impostor,) = [b for b in clashing.rejected if b.name == "reference"]
+    assert impostor.source == f"deepinfer_fake_clashing.impostor {CLASHING}"
+    assert "the name 'reference' is already taken by deepinfer_core.backends.reference" in impostor.error
+    platform, _, _, fallback = clashing.load(clashing.select("reference"))
+    assert platform.name == "cpu-reference" and fallback == []
+
+
+def test_an_alias_two_backends_declare_breaks_both_naming_both(clashing):
+    a, b = clashing.backends["fakealias_a"], clashing.backends["fakealias_b"]
+    for mine, other in ((a, b), (b, a)):
+        assert not mine.available
+        assert "'fakeaccel' is claimed by" in mine.error and mine.source in mine.error and other.source in mine.error
+    with pytest.raises(BackendError, match="is broken.*fakeaccel"):
+        clashing.select("fakeaccel")
+
+
+def test_a_name_two_distributions_register_breaks_both(clashing):
+    holder = clashing.backends["fakegood"]
+    (second,) = [b for b in clashing.rejected if b.name == "fakegood"]
+    assert {holder.source.split(" (")[1], second.source.split(" (")[1]} == {GOOD[1:], CLASHING[1:]}
+    for b in (holder, second):
+        assert not b.available and "fakegood" in b.error
+    assert holder.source in holder.error and second.source in holder.error
+    assert clashing.select().name not in {"fakegood", "fakealias_a", "fakealias_b", "fakecpu"}
+    assert clashing.pm.get_plugin("fakegood") is None  # its step observer never runs
+
+
+def test_cli_lists_every_claimant_and_cpu_selects_the_reference(clash_site):
+    env = {**os.environ, "DEEPINFER_ACCELERATOR": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(clash_site), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
+    done = subprocess.run([sys.executable, "-m", "deepinfer_core.cli", "backends"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "Selected: reference (requested by DEEPINFER_ACCELERATOR=cpu)" in done.stdout
+    assert f"source: deepinfer_fake_clashing.impostor {CLASHING}" in done.stdout
+    rows = [line for line in done.stdout.splitlines() if line.split()[:1] == ["reference"]]
+    assert len(rows) == 2 and sum("broken: the name 'reference' is already taken" in r for r in rows) == 1
+
+
+# ---- what the hooks return -------------------------------------------------------------------
+def _backend(name: str, **hooks) -> SimpleNamespace:
+    """An in-process backend module whose hooks are the given functions."""
+    module = SimpleNamespace(
+        deepinfer_backend=hookimpl(lambda: BackendInfo(name=name, priority=-10)),
+        deepinfer_probe=hookimpl(lambda: ProbeResult(True)),
+        deepinfer_platform=hookimpl(lambda: Platform(name="fake-inline", backend=name)),
+    )
+    for hook, fn in hooks.items():
+        setattr(module, hook, hookimpl(fn))
+    return module
+
+
+def _load(module: SimpleNamespace, name: str):
+    manager = PluginManager()
+    backend = manager.add(name, module)
+    assert backend.error is None, backend.error
+    return manager.load(backend, model_config=SimpleNamespace())
+
+
+@pytest.mark.parametrize(
+    "hooks, needles",
+    [
+        ({"deepinfer_platform": lambda: {"name": "x"}}, ["deepinfer_platform() broke its contract", "returned a dict"]),
+        ({"deepinfer_platform": lambda: Platform(name="p", device="gpu!", backend="inline")}, ["Platform.device is 'gpu!'"]),
+        ({"deepinfer_platform": lambda: Platform(name="p", backend="someone-else")}, ["Platform.backend is 'someone-else'"]),
+        ({"deepinfer_platform": lambda: Platform(name="p", backend="inline", supported_dtypes=())}, ["supported_dtypes"]),
+        ({"deepinfer_ops": lambda platform, model_config: [REFERENCE_OPS["rms_norm"]]}, ["deepinfer_ops() returned a list"]),
+        ({"deepinfer_ops": lambda platform, model_config: {"rms_norm": lambda x, w: x}},
+         ["op 'rms_norm' takes (x, w) but its contract is rms_norm(x, weight, eps): too many positional arguments"]),
+        ({"deepinfer_ops": lambda platform, model_config: {"moe_route": lambda x, gate_weight, correction_bias, **kw: None,
+                                                           "linear": lambda x, weight: None}},
+         ["op 'linear' takes (x, weight)", "too many positional arguments"]),
+        ({"deepinfer_scheduler_limits": lambda platform, model_config: {"max_num_seqs": 4}}, ["returned a dict"]),
+        ({"deepinfer_scheduler_limits": lambda platform, model_config: SchedulerLimits(graph_batch_sizes=(8, 1))},
+         ["graph_batch_sizes is (8, 1)", "ascending"]),
+    ],
+    ids=["platform-dict", "platform-device", "platform-backend", "platform-dtypes", "ops-list", "op-missing-arg",
+         "op-extra-positional", "limits-dict", "limits-order"],
+)
+def test_a_hook_returning_the_wrong_thing_is_named_at_start_up(hooks, needles):
+    with pytest.raises(BackendError) as err:
+        _load(_backend("inline", **hooks), "inline")
+    msg = str(err.value)
+    assert msg.startswith("backend 'inline'"), msg
+    for needle in needles:
+        assert needle in msg, msg
+
+
+def test_op_signatures_that_keep_the_contract_are_accepted():
+    loose = {
+        "rms_norm": lambda x, weight, eps=1e-6: x,  # an extra default is fine
+        "fp8_block_linear": lambda *args, **kwargs: None,  # so is taking anything
+        "moe_route": lambda x, gate_weight, correction_bias, **kwargs: None,
+        "sample_tokens": max,  # a builtin without an inspectable signature: not checked
+    }
+    _, ops, _, _ = _load(_backend("inline", deepinfer_ops=lambda platform, model_config: loose), "inline")
+    assert ops.providers["rms_norm"] == "inline"
+    for name, fn in REFERENCE_OPS.items():  # the reference keeps its own contract
+        assert hook_checks.signature_problem(fn, fn) is None, name
+
+
+@pytest.mark.parametrize(
+    "info, needle",
+    [
+        (BackendInfo(name="x", priority="high"), "BackendInfo.priority is 'high', expected an int"),
+        (BackendInfo(name="x", priority=1, aliases="cpu"), "BackendInfo.aliases is 'cpu'"),
+        (BackendInfo(name="x", priority=1, required_ops=frozenset({"flash"})), "unknown ops ['flash']"),
+        ({"name": "x"}, "returned a dict"),
+    ],
+)
+def test_a_bad_backend_info_is_a_broken_plugin(info, needle):
+    backend = PluginManager().add("x", _backend("x", deepinfer_backend=lambda: info))
+    assert not backend.available and needle in backend.error, backend.error
+
+
+def test_a_bad_probe_result_is_a_broken_plugin():
+    backend = PluginManager().add("x", _backend("x", deepinfer_probe=lambda: ProbeResult("yes")))
+    assert "ProbeResult.available is 'yes', expected a bool" in backend.error
+
+
+# ---- step observers ---------------------------------------------------------------------------
+def test_a_raising_observer_is_named_once_and_the_others_keep_observing(caplog):
+    seen = []
+
+    def explode(stats):
+        raise ValueError("observer bug")
+
+    manager = PluginManager()
+    manager.add("loud", _backend("loud", deepinfer_step_observer=explode))
+    manager.add("quiet", _backend("quiet", deepinfer_step_observer=lambda stats: seen.append(stats)))
+    notify = manager.step_observer()
+    stats = [StepStats(step=i, num_prefill_tokens=0, num_decode_tokens=1, num_running=1, num_waiting=0, num_preempted=0,
+                       free_kv_blocks=1, seconds=0.0) for i in (1, 2, 3)]
+    with caplog.at_level(logging.ERROR, logger="deepinfer"):
+        for s in stats:
+            notify(s)
+    assert seen == stats
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1
+    message = errors[0].getMessage()
+    assert "backend 'loud' (registered in-process) raised at step 1; it is not called again" in message
+    assert "observer bug" in caplog.text  # the traceback, once

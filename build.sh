@@ -31,8 +31,22 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   esac
 fi
 # The plugins are small and probe-only until selected, so both are always installed:
-# `deepinfer backends` then shows why each can or cannot run here.
-"${pip[@]}" install -e ".[dev]" -e plugins/nvidia_sm100 -e plugins/ascend_950
+# `deepinfer backends` then shows why each can or cannot run here. The installs are editable, so
+# only a change to what they declare (the pyproject files) needs pip again: the stamp records
+# those files' hash, and the check below that this checkout's packages and the dev tools import.
+stamp=.venv/.deepinfer-install
+want="$(cat pyproject.toml plugins/*/pyproject.toml | sha256sum | cut -d' ' -f1)"
+installed() {
+  [[ "$(cat "$stamp" 2>/dev/null)" == "$want" ]] && .venv/bin/python - "$PWD" <<'PY' 2>/dev/null
+import sys, importlib.metadata as md, pytest, deepinfer_core, deepinfer_nvidia_sm100, deepinfer_ascend_950
+sys.exit(not all(m.__file__.startswith(sys.argv[1]) for m in (deepinfer_core, deepinfer_nvidia_sm100, deepinfer_ascend_950))
+         or not md.entry_points(group="deepinfer.backends", name="reference"))
+PY
+}
+if ! installed; then
+  "${pip[@]}" install -e ".[dev]" -e plugins/nvidia_sm100 -e plugins/ascend_950
+  echo "$want" >"$stamp"
+fi
 
 case "${1:-build}" in
   build) echo "built: .venv (backend for this machine: $accel). Try ./build.sh run or ./build.sh test" ;;

@@ -164,8 +164,8 @@ class LLM:
             raise RuntimeError("LLM.generate was called from inside a running generate call in the same thread; "
                                "call it again after the first one returns")
         with self._lock:
-            self._generating_in = threading.get_ident()
             try:
+                self._generating_in = threading.get_ident()
                 return self._generate(prompts, params, use_tqdm)
             finally:
                 self._generating_in = None

@@ -279,7 +279,7 @@ def load_model(model_dir: str | Path, config: ModelConfig, model: torch.nn.Modul
                 dst.copy_(src)
                 finite.append((key, all_finite(dst)))  # after the copy: an overflow of the dtype conversion counts
                 bar.update()
-    _check_finite(finite, key_file, handles, params, expected)
+    _check_finite(finite, key_file, handles, params, expected, companions)
     model.post_load()
 
 
@@ -297,8 +297,9 @@ def all_finite(t: torch.Tensor) -> torch.Tensor:
     return ok
 
 
-def _check_finite(finite, key_file: dict[str, Path], handles, params, expected: dict[str, Slot]) -> None:
-    """CheckpointError naming every tensor that holds NaN or inf once loaded."""
+def _check_finite(finite, key_file: dict[str, Path], handles, params, expected: dict[str, Slot], scales: dict[str, str]) -> None:
+    """CheckpointError naming every tensor that holds NaN or inf once loaded (``scales``: FP8
+    weight key -> its scale's key, for the weights dequantised at load)."""
     if not finite:
         return
     flags = torch.stack([flag for _, flag in finite]).tolist()
@@ -309,6 +310,8 @@ def _check_finite(finite, key_file: dict[str, Path], handles, params, expected: 
     for key in bad[:5]:
         if not bool(all_finite(_read(handles, key_file, key))):
             why = "holds NaN or inf"
+        elif key in scales and scales[key] in bad:
+            why = f"is dequantised with the non-finite scale {scales[key]}"
         else:  # finite as stored: the conversion to the compute dtype overflowed
             why = f"holds values beyond the range of {params[expected[key].param].dtype}, the dtype it is loaded in"
         details.append(f"{key} ({key_file[key].name}) {why}")

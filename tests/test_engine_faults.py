@@ -131,6 +131,26 @@ def test_ctrl_c_inside_block_bookkeeping_is_repaired(llm, expected, monkeypatch)
     assert tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == expected
 
 
+def test_a_step_cut_short_between_its_tokens_resumes_exactly(llm, monkeypatch):
+    """Driving the Engine directly (no generate to withdraw anything): an interrupt after some of
+    a step's tokens were appended loses nothing; stepping on gives the uninterrupted tokens."""
+    engine = llm.engine
+    greedy = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 3
+    expected = tokens(llm.generate(PROMPTS, greedy, use_tqdm=False))
+    ids = [engine.add_request(p, g) for p, g in zip(PROMPTS, greedy)]
+    for _ in range(3):
+        engine.step()
+    interrupt_on_call(monkeypatch, engine, "_append", 2)  # the second of the step's three tokens
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    monkeypatch.undo()
+    done = {}
+    while engine.has_unfinished():
+        done.update({r.request_id: r for r in engine.step()})
+    assert [done[i].seqs[0].output_token_ids for i in ids] == expected
+    assert_clean(llm)
+
+
 # ---- threads -----------------------------------------------------------------------------------
 def test_generate_from_several_threads_runs_them_one_after_another(llm, expected):
     results, errors = {}, []
@@ -244,9 +264,13 @@ def test_extreme_penalties_stay_finite(llm):
     assert_clean(llm)
 
 
-def test_more_samples_than_sequence_slots_is_refused(llm):
-    with pytest.raises(RequestError, match="n=65 samples exceed max_num_seqs=64"):
-        llm.generate(PROMPTS[0], SamplingParams(n=65), use_tqdm=False)
+def test_samples_beyond_the_sequence_slots_run_in_waves_and_absurd_n_is_refused():
+    small = make_llm(max_num_seqs=2)
+    out = small.generate(PROMPTS[0], SamplingParams(n=5, max_tokens=3, seed=1), use_tqdm=False)[0]
+    assert len(out.outputs) == 5 and all(len(c.token_ids) == 3 for c in out.outputs)
+    with pytest.raises(RequestError, match="n=1000000000 samples exceed 4096, the most one request may ask for"):
+        small.generate(PROMPTS[0], SamplingParams(n=10**9), use_tqdm=False)
+    assert_clean(small)
 
 
 # ---- non-finite weights and logits ---------------------------------------------------------------
@@ -276,6 +300,24 @@ def test_a_weight_beyond_the_compute_dtype_is_named_at_load(model_copy):
     assert make_llm(model=str(model_copy))  # float32 holds it
     with pytest.raises(CheckpointError, match=f"{key} .* holds values beyond the range of torch.float16"):
         make_llm(model=str(model_copy), dtype="float16")
+
+
+def test_a_nan_fp8_scale_is_named_with_the_weight_it_scales(tmp_path, monkeypatch):
+    from deepinfer_core.conformance import checkpoints
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tmp_path / "fp8"
+    shutil.copytree(checkpoints.materialize("tiny-v3-fp8"), path)
+    key = "model.layers.1.self_attn.o_proj.weight"
+    tensors = load_file(path / "model.safetensors")
+    tensors[key + "_scale_inv"][0, 0] = float("nan")
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as err:
+        make_llm(model=str(path))  # the reference dequantises FP8 weights at load
+    msg = str(err.value)
+    assert "2 checkpoint tensor(s) are not finite" in msg
+    assert f"{key} (model.safetensors) is dequantised with the non-finite scale {key}_scale_inv" in msg
+    assert f"{key}_scale_inv (model.safetensors) holds NaN or inf" in msg
 
 
 def test_nan_logits_name_the_request_and_keep_the_others(llm, monkeypatch):

@@ -25,6 +25,9 @@ log = logging.getLogger("deepinfer")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_MEMORY_FRACTION = 0.25
 PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt / TokensPrompt
+# Samples of one request beyond max_num_seqs run in waves; this bounds the host memory a single
+# request can claim (n=10**9 would build a billion sequences before any runs).
+MAX_SAMPLES_PER_REQUEST = 4096
 
 
 class RequestError(ValueError):
@@ -247,10 +250,10 @@ class Engine:
             raise RequestError(f"stop_token_ids {bad_stop} are outside the vocabulary [0, {vocab})")
         if params.logprobs is not None and params.logprobs > vocab or params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
             raise RequestError(f"logprobs / prompt_logprobs exceed the vocabulary size {vocab}")
-        if params.n > self.max_num_seqs:
+        if params.n > MAX_SAMPLES_PER_REQUEST:
             raise RequestError(
-                f"n={params.n} samples exceed max_num_seqs={self.max_num_seqs}, the sequences the engine runs at once; "
-                f"lower n or raise max_num_seqs"
+                f"n={params.n} samples exceed {MAX_SAMPLES_PER_REQUEST}, the most one request may ask for (each sample "
+                f"holds its own copy of the prompt in host memory from the start); split it into several requests"
             )
 
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
@@ -264,9 +267,9 @@ class Engine:
         first = self.next_seq_id
         for i in range(params.n):
             req.seqs.append(Sequence(first + i, rid, i, list(ids), params, self._seed(params, i, first + i)))
+        self.requests[rid] = req  # known before queued: a withdraw always finds what was queued
         for seq in req.seqs:  # queued only once every sequence could be built
             self.scheduler.add(seq)
-        self.requests[rid] = req
         self.next_seq_id += params.n
         if request_id is None:
             self.next_request_id += 1
@@ -327,9 +330,11 @@ class Engine:
         for seq, first, logits in out.prompt_logits:
             self._record_prompt_logprobs(seq, first, logits)
         results = sample(self.ops, out.sample_logits, out.sample_seqs, self.eos_ids) if out.sample_seqs else []
-        self.scheduler.commit(batch)
+        # Tokens first, then the computed counts: a step cut short in between leaves sequences that
+        # know a token more than they computed (the next step recomputes it), never the reverse.
         for seq, (token, logprob, top) in zip(out.sample_seqs, results):
             self._append(seq, token, logprob, top)
+        self.scheduler.commit(batch)
         finished = [r for r in self.requests.values() if r.finished]
         for req in finished:
             del self.requests[req.request_id]

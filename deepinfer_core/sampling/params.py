@@ -11,8 +11,8 @@ class SamplingParams(BaseModel):
     temperature 0 (or below 1e-5) means greedy. top_k 0 or -1 disables top-k; a top_k beyond the
     vocabulary keeps it all. A ``seed`` makes the request's samples reproducible whatever batch
     it runs in; without one, samples derive from the engine seed (``LLM(seed=...)``). Floats
-    must be finite. ``n`` is at most the engine's ``max_num_seqs`` (checked when the request is
-    added).
+    must be finite. ``n`` is at most 4096 (checked when the request is added); samples beyond
+    the engine's ``max_num_seqs`` run in waves.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)

@@ -5,8 +5,9 @@ op of the backend's op table. Logprobs are those of the model's distribution (lo
 the raw logits, before penalties, temperature and truncation), as vLLM reports them.
 
 Any valid SamplingParams is safe here: a temperature below ``GREEDY_TEMPERATURE`` samples
-greedily (dividing by it would overflow), top_k is capped at the vocabulary, and penalised
-logits are capped at ``MAX_LOGIT`` so no penalty can produce an infinity. A row whose raw
+greedily (dividing by it would overflow), temperatures and repetition penalties are clamped
+into ``FLOAT32_SAFE``, top_k is capped at the vocabulary, and penalised logits are capped at
+``MAX_LOGIT``, so no parameter can produce an infinity or a NaN. A row whose raw
 logits are not finite (NaN or inf: the model or a kernel is broken) raises
 ``NonFiniteLogitsError`` naming its request.
 """
@@ -20,10 +21,18 @@ from deepinfer_core.engine.sequence import Sequence
 NEG_INF = float("-inf")
 GREEDY_TEMPERATURE = 1e-5  # below this, temperature sampling is greedy (vLLM's threshold)
 MAX_LOGIT = 1e6  # penalised logits are capped here: / GREEDY_TEMPERATURE stays far from float32's limit
+# Python floats beyond float32's range would become inf on the device (and -inf / inf is NaN):
+# temperatures and repetition penalties are clamped into this range first, which changes nothing
+# a float32 distribution can show (a temperature of 1e30 is already uniform).
+FLOAT32_SAFE = (1e-30, 1e30)
 
 
 class NonFiniteLogitsError(RuntimeError):
     """The model produced NaN or inf logits: no token can be chosen from them."""
+
+
+def _float32_safe(value: float) -> float:
+    return min(max(value, FLOAT32_SAFE[0]), FLOAT32_SAFE[1])
 
 
 def top_logprobs(logprobs_row: torch.Tensor, k: int, token: int | None = None) -> dict[int, float]:
@@ -55,7 +64,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[i
     rep = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
     if rep:
         seen = _token_mask([seqs[i].token_ids() for i in rep], vocab, device, counts=False)
-        penalty = torch.tensor([seqs[i].params.repetition_penalty for i in rep], device=device)[:, None]
+        penalty = torch.tensor([_float32_safe(seqs[i].params.repetition_penalty) for i in rep], device=device)[:, None]
         rows = logits[rep]
         scaled = torch.where(rows > 0, rows / penalty, rows * penalty)
         logits[rep] = torch.where(seen, scaled, rows)
@@ -79,7 +88,7 @@ def sample(ops, logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, 
     device, vocab = logits.device, logits.shape[-1]
     processed = apply_penalties(logits, seqs, eos_ids)
     params = [s.params for s in seqs]
-    temperatures = [p.temperature if p.temperature >= GREEDY_TEMPERATURE else 0.0 for p in params]
+    temperatures = [_float32_safe(p.temperature) if p.temperature >= GREEDY_TEMPERATURE else 0.0 for p in params]
     # two host-to-device copies per step, whatever the batch size
     floats = torch.tensor([temperatures, [p.top_p for p in params], [p.min_p for p in params]], dtype=torch.float32).to(device)
     ints = torch.tensor(

@@ -102,7 +102,10 @@ class PluginManager:
         """A backend that lost its name: broken (never imported), and the holder, unless it is the
         core's reference, broken too (neither may be picked silently)."""
         holder = self.backends[backend.name]
-        backend.error = f"{why}; uninstall one of them"
+        if _is_core_reference(holder):
+            backend.error = f"the name {backend.name!r} is reserved for the built-in reference backend ({holder.source}); rename this backend"
+        else:
+            backend.error = f"{why}; uninstall one of them"
         self.rejected.append(backend)
         if not _is_core_reference(holder):
             self._break(holder, f"the name {holder.name!r} is registered twice, by {holder.source} and by {backend.source}; "
@@ -124,8 +127,7 @@ class PluginManager:
             if label in RESERVED_NAMES:
                 for b in owners:
                     if not _is_core_reference(b) or label == "auto":
-                        holder = next((o for o in self.backends.values() if _is_core_reference(o)), None)
-                        whose = f"the built-in reference backend ({holder.source})" if holder and label != "auto" else "automatic selection"
+                        whose = "automatic selection" if label == "auto" else "the built-in reference backend (deepinfer_core.backends.reference)"
                         self._break(b, f"it claims the name {label!r}, which is reserved for {whose}; rename it or drop the alias")
             elif len(owners) > 1:
                 for b in owners:
@@ -194,15 +196,20 @@ class PluginManager:
         backend.probe = probe
 
     def _call(self, backend_name: str, hook: str, **kwargs: Any) -> Any:
-        """Call one backend's implementation of ``hook`` (None if it has none)."""
+        """Call one backend's implementation of ``hook`` (None if it has none), with the arguments
+        it takes (pluggy lets an implementation take a subset of the spec's)."""
         for impl in getattr(self.pm.hook, hook).get_hookimpls():
             if impl.plugin_name == backend_name:
-                return impl.function(**kwargs)
+                return impl.function(**{name: kwargs[name] for name in impl.argnames})
         return None
 
     # ---- selection -------------------------------------------------------------------------
     def find(self, requested: str) -> Backend:
         wanted = requested.strip().lower()
+        if wanted in RESERVED_NAMES:  # whoever else claims them (and is broken for it)
+            core = next((b for b in self.backends.values() if _is_core_reference(b)), None)
+            if core is not None:
+                return core
         for backend in self.backends.values():  # a backend's own name wins over another's alias
             if backend.name.lower() == wanted:
                 return backend
@@ -326,14 +333,14 @@ class PluginManager:
         """A callable notifying every observer, or None when no plugin observes steps. An
         observer that raises is named in one logged traceback and not called again: it must
         never take the engine down, nor fill the log once per step."""
-        observers = {impl.plugin_name: impl.function for impl in self.pm.hook.deepinfer_step_observer.get_hookimpls()}
+        observers = {impl.plugin_name: impl for impl in self.pm.hook.deepinfer_step_observer.get_hookimpls()}
         if not observers:
             return None
 
         def notify(stats: StepStats) -> None:
-            for name, observe in list(observers.items()):
+            for name, impl in list(observers.items()):
                 try:
-                    observe(stats=stats)
+                    impl.function(**{arg: stats for arg in impl.argnames})  # "stats", or nothing
                 except Exception:
                     del observers[name]
                     log.exception("the deepinfer_step_observer of backend %r (%s) raised at step %d; it is not called again",

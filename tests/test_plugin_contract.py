@@ -55,9 +55,12 @@ def test_the_alias_cpu_stays_with_the_reference(clashing):
     fake = clashing.backends["fakecpu"]
     assert not fake.available
     assert "claims the name 'cpu', which is reserved for the built-in reference backend" in fake.error
-    assert CORE_REFERENCE in fake.error
+    assert "rename it or drop the alias" in fake.error
     with pytest.raises(BackendError, match="'fakecpu'.*is broken.*reserved"):
         clashing.select("fakecpu")
+    named_cpu = clashing.backends["cpu"]  # an entry point named 'cpu' (whose import fails) takes nothing either
+    assert not named_cpu.available and named_cpu.source.endswith(CLASHING)
+    assert clashing.select("CPU").name == "reference"
 
 
 def test_a_second_reference_is_rejected_and_the_real_one_keeps_its_alias(clashing):
@@ -65,7 +68,8 @@ def test_a_second_reference_is_rejected_and_the_real_one_keeps_its_alias(clashin
     assert reference.source.startswith(CORE_REFERENCE) and reference.available and reference.info.aliases == ("cpu",)
     (impostor,) = [b for b in clashing.rejected if b.name == "reference"]
     assert impostor.source == f"deepinfer_fake_clashing.impostor {CLASHING}"
-    assert "the name 'reference' is already taken by deepinfer_core.backends.reference" in impostor.error
+    assert "the name 'reference' is reserved for the built-in reference backend (deepinfer_core.backends.reference" in impostor.error
+    assert impostor.error.endswith("rename this backend")
     platform, _, _, fallback = clashing.load(clashing.select("reference"))
     assert platform.name == "cpu-reference" and fallback == []
 
@@ -98,7 +102,7 @@ def test_cli_lists_every_claimant_and_cpu_selects_the_reference(clash_site):
     assert "Selected: reference (requested by DEEPINFER_ACCELERATOR=cpu)" in done.stdout
     assert f"source: deepinfer_fake_clashing.impostor {CLASHING}" in done.stdout
     rows = [line for line in done.stdout.splitlines() if line.split()[:1] == ["reference"]]
-    assert len(rows) == 2 and sum("broken: the name 'reference' is already taken" in r for r in rows) == 1
+    assert len(rows) == 2 and sum("broken: the name 'reference' is reserved" in r for r in rows) == 1
 
 
 # ---- what the hooks return -------------------------------------------------------------------
@@ -152,9 +156,11 @@ def test_a_hook_returning_the_wrong_thing_is_named_at_start_up(hooks, needles):
 
 def test_op_signatures_that_keep_the_contract_are_accepted():
     loose = {
-        "rms_norm": lambda x, weight, eps=1e-6: x,  # an extra default is fine
-        "fp8_block_linear": lambda *args, **kwargs: None,  # so is taking anything
+        "rms_norm": lambda x, w, eps=1e-6: x,  # own names and an extra default are fine
+        "linear": lambda x, weight, bias: x,  # the model always passes bias (None or a tensor)
+        "fp8_block_linear": lambda *args: None,  # so is taking anything positionally
         "moe_route": lambda x, gate_weight, correction_bias, **kwargs: None,
+        "moe_experts": lambda x, w13, w2, weights, ids, w1_scale=None, w2_scale=None, block=None: x,
         "sample_tokens": max,  # a builtin without an inspectable signature: not checked
     }
     _, ops, _, _ = _load(_backend("inline", deepinfer_ops=lambda platform, model_config: loose), "inline")
@@ -183,6 +189,19 @@ def test_a_bad_probe_result_is_a_broken_plugin():
 
 
 # ---- step observers ---------------------------------------------------------------------------
+def test_hooks_may_take_a_subset_of_the_spec_arguments():
+    """pluggy allows it: an observer without ``stats``, ops without ``model_config``."""
+    calls = []
+    module = _backend("subset", deepinfer_ops=lambda platform: {}, deepinfer_step_observer=lambda: calls.append(1))
+    manager = PluginManager()
+    manager.add("subset", module)
+    platform, ops, _, _ = manager.load(manager.backends["subset"], model_config=SimpleNamespace())
+    assert set(ops.providers.values()) == {"reference"}
+    manager.step_observer()(StepStats(step=1, num_prefill_tokens=0, num_decode_tokens=0, num_running=0, num_waiting=0,
+                                      num_preempted=0, free_kv_blocks=0, seconds=0.0))
+    assert calls == [1]
+
+
 def test_a_raising_observer_is_named_once_and_the_others_keep_observing(caplog):
     seen = []
 

@@ -162,14 +162,21 @@ def test_a_divergence_at_a_near_tie_is_excused(measured):
     ranked = sorted(result.greedy_top_logprobs[step].items(), key=lambda kv: -kv[1])
     (best, lp_best), (second, lp_second) = ranked[0], ranked[1]
     assert best == result.greedy_tokens[step]
+    # a platform that chose the runner-up recorded (about) this run's logprob of it at that step
+    logprobs = result.greedy_logprobs[:step] + [lp_second] + [0.0] * 12
     baseline = {"default": {"fibonacci": {"ppl": result.ppl, "greedy_tokens": result.greedy_tokens[:step] + [second] + [0] * 12,
-                                          "greedy_logprobs": result.greedy_logprobs}}}
+                                          "greedy_logprobs": logprobs}}}
     results = {"default": {"fibonacci": result}}
     gap = lp_best - lp_second
-    within = e2e.compare(results, baseline, {"ppl_rtol": 0, "min_greedy_agreement": 1.0, "greedy_tie_margin": gap + 1e-6})[0]
-    outside = e2e.compare(results, baseline, {"ppl_rtol": 0, "min_greedy_agreement": 1.0, "greedy_tie_margin": gap / 2})[0]
-    assert within.passed and within.greedy_tie and within.greedy_agreement == step / 16
+    tol = {"ppl_rtol": 0, "min_greedy_agreement": 1.0, "greedy_logprob_atol": 1e-6}
+    within = e2e.compare(results, baseline, {**tol, "greedy_tie_margin": gap + 1e-6})[0]
+    outside = e2e.compare(results, baseline, {**tol, "greedy_tie_margin": gap / 2})[0]
+    assert within.passed and within.greedy_tie and within.greedy_agreement == step / 16 and within.logprob_diff == 0
     assert not outside.passed and "token 3" in outside.reason and "nats below its own" in outside.reason
+    # the diverging step is still teacher-forced: its logprob of the baseline's token is compared too
+    baseline["default"]["fibonacci"]["greedy_logprobs"] = result.greedy_logprobs[:step] + [lp_second + 0.01] + [0.0] * 12
+    moved = e2e.compare(results, baseline, {**tol, "greedy_tie_margin": gap + 1e-6})[0]
+    assert not moved.passed and "greedy logprob of token 3 (decode step)" in moved.reason
 
 
 def test_a_decode_only_change_fails_on_the_greedy_logprobs(specs_copy, replay, capsys):
@@ -207,6 +214,7 @@ def test_the_reference_baseline_holds_on_another_cpu_isa(cache_dir):
     "platform, supported, entry_dtype, refresh, dtype, expected",
     [
         ("cpu-reference", ("float32", "bfloat16"), "float32", False, None, "float32"),  # its entry's dtype
+        ("cpu-reference", ("float32", "bfloat16"), None, True, None, "float32"),  # the reference's new workloads: float32
         ("acme-x1", ("float32", "bfloat16"), None, False, None, "float32"),  # no entry: the reference's dtype
         ("acme-x1", ("bfloat16",), None, False, None, "auto"),  # ... unless it cannot: the workload's own
         ("acme-x1", ("float32", "bfloat16"), None, True, None, "auto"),  # recording a new entry: the workload's own
@@ -216,6 +224,8 @@ def test_the_reference_baseline_holds_on_another_cpu_isa(cache_dir):
 )
 def test_each_workload_runs_in_the_dtype_its_baseline_was_recorded_in(platform, supported, entry_dtype, refresh, dtype, expected):
     baselines = {"cpu-reference": {"_meta": {"workloads": {"default": {"dtype": "float32"}}}}}
+    if entry_dtype is None and platform == "cpu-reference":
+        baselines = {}
     if entry_dtype and platform != "cpu-reference":
         baselines[platform] = {"_meta": {"workloads": {"default": {"dtype": entry_dtype}}}}
     (planned,) = e2e.plan(e2e.load_workloads(["default"]), baselines, platform, supported, refresh, dtype)
@@ -251,7 +261,7 @@ def test_missing_sample_fails_with_how_to_record(specs_copy, replay, capsys):
     assert e2e.main("cpu", workloads=["tiny-v3-fp8"]) == 1
     text = capsys.readouterr().out
     assert "FAIL tiny-v3-fp8/dict_counter: no baseline for this sample on cpu-reference" in text
-    assert "deepinfer conformance --e2e --refresh --backend cpu" in text
+    assert "deepinfer conformance --e2e --refresh --backend cpu --dtype float32" in text
 
 
 # ---- refresh -------------------------------------------------------------------------------------

@@ -50,9 +50,15 @@ from deepinfer_core.conformance import checkpoints, jsonsafe
 from deepinfer_core.conformance.spec import SpecError, dtype_from_name, dtype_name, specs_dir
 
 REFERENCE_PLATFORM = "cpu-reference"
+REFERENCE_DTYPE = "float32"  # what cpu-reference records in: its bf16 results depend on the CPU's ISA
 META = "_meta"
 BASELINE_FILE = Path("baselines") / "offline_decode_ppl.json"
 RECORD_COMMAND = "deepinfer conformance --e2e --refresh --backend {backend}"
+
+
+def record_command(backend: str, platform: str) -> str:
+    """The command that records ``platform``'s entry (the reference's in float32)."""
+    return RECORD_COMMAND.format(backend=backend) + (f" --dtype {REFERENCE_DTYPE}" if platform == REFERENCE_PLATFORM else "")
 # A platform recorded for the first time gets this tolerance (the documented one for a bf16
 # platform); review it against repeated runs. A logit of 8..16 in bf16 moves in steps of 0.06.
 DEFAULT_TOLERANCE = {"ppl_rtol": 5e-3, "min_greedy_agreement": 1.0, "greedy_tie_margin": 0.05, "greedy_logprob_atol": 0.05}
@@ -346,14 +352,17 @@ def compare(
             lp_diff = None
             if "greedy_logprobs" not in base:
                 reasons.append(f"the baseline has no greedy_logprobs (recorded before the decode path was measured){hint}")
-            elif same:
-                diffs = [abs(a - b) for a, b in zip(r.greedy_logprobs[:same], base["greedy_logprobs"][:same])]
+            elif same or tie:
+                mine = r.greedy_logprobs[:same]
+                if tie:  # the step that diverged still had the baseline's context: its token's logprob compares too
+                    mine = [*mine, r.greedy_top_logprobs[same][want[same]]]
+                diffs = [abs(a - b) for a, b in zip(mine, base["greedy_logprobs"])]
                 lp_diff = max(d if d == d else math.inf for d in diffs)  # NaN counts as infinitely far
                 if not lp_diff <= lp_atol:
                     step = diffs.index(max(diffs, key=lambda d: d if d == d else math.inf))
                     reasons.append(
                         f"greedy logprob of token {step} ({'prefill' if step == 0 else 'decode step'}) is "
-                        f"{r.greedy_logprobs[step]:.6g}, baseline {base['greedy_logprobs'][step]:.6g}: diff {lp_diff:.2e} "
+                        f"{mine[step]:.6g}, baseline {base['greedy_logprobs'][step]:.6g}: diff {lp_diff:.2e} "
                         f"> greedy_logprob_atol {lp_atol:g}"
                     )
             rows.append(Row(workload, sample, r.ppl, base["ppl"], rel, agree, not reasons, "; ".join(reasons),
@@ -514,9 +523,9 @@ def recorded_dtype(entry: dict | None, workload: str) -> str | None:
 def plan(workloads: list[Workload], baselines: dict, platform: str, supported: tuple[str, ...],
          refresh: bool, dtype: str | None = None) -> list[Workload]:
     """The workloads with the compute dtype each runs in: ``dtype`` when given (refresh only); else
-    the dtype the platform's entry recorded it in; a platform with no entry runs in the dtype of
-    ``cpu-reference``'s entry where it supports it (so the comparison with it is like for like);
-    otherwise the workload's own."""
+    the dtype the platform's entry recorded it in; cpu-reference otherwise in REFERENCE_DTYPE; a
+    platform with no entry runs in the dtype of ``cpu-reference``'s entry where it supports it
+    (so the comparison with it is like for like); otherwise the workload's own."""
     entry, reference = baselines.get(platform), baselines.get(REFERENCE_PLATFORM)
     out = []
     for w in workloads:
@@ -524,6 +533,8 @@ def plan(workloads: list[Workload], baselines: dict, platform: str, supported: t
             chosen = dtype
         elif recorded_dtype(entry, w.name):
             chosen = recorded_dtype(entry, w.name)
+        elif platform == REFERENCE_PLATFORM:
+            chosen = REFERENCE_DTYPE
         elif entry is None and not refresh and recorded_dtype(reference, w.name) in supported:
             chosen = recorded_dtype(reference, w.name)
         else:
@@ -616,7 +627,7 @@ def main(
     entry = baselines.get(m.platform)
     if entry is None:
         print(f"\nno baseline for platform {m.platform!r} in {path}: this run cannot pass.")
-        print(f"record one (deliberately, on a machine of that platform) with:\n  {RECORD_COMMAND.format(backend=record_backend)}")
+        print(f"record one (deliberately, on a machine of that platform) with:\n  {record_command(record_backend, m.platform)}")
         reference = baselines.get(REFERENCE_PLATFORM)
         if reference is None or m.platform == REFERENCE_PLATFORM:
             report.update(status="no-baseline", exit_code=1)
@@ -639,7 +650,7 @@ def main(
         return 1
 
     tol = {**DEFAULT_TOLERANCE, **entry.get(META, {}).get("tolerance", {})}
-    hint = f" on {m.platform}; record it with {RECORD_COMMAND.format(backend=record_backend)}"
+    hint = f" on {m.platform}; record it with {record_command(record_backend, m.platform)}"
     rows = compare(m.results, entry, tol, hint=hint)
     recorded_on = entry.get(META, {}).get("workloads", {})
     for w, info in m.workload_info.items():

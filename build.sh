@@ -32,20 +32,12 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 # The plugins are small and probe-only until selected, so both are always installed:
 # `deepinfer backends` then shows why each can or cannot run here. The installs are editable, so
-# only a change to what they declare (the pyproject files) needs pip again: the stamp records
-# those files' hash, and the check below that this checkout's packages and the dev tools import.
+# pip runs again only when tools/venv_is_current.py says the pyproject files changed since the
+# last install or the venv lacks what it installed.
 stamp=.venv/.deepinfer-install
-want="$(cat pyproject.toml plugins/*/pyproject.toml | sha256sum | cut -d' ' -f1)"
-installed() {
-  [[ "$(cat "$stamp" 2>/dev/null)" == "$want" ]] && .venv/bin/python - "$PWD" <<'PY' 2>/dev/null
-import sys, importlib.metadata as md, pytest, deepinfer_core, deepinfer_nvidia_sm100, deepinfer_ascend_950
-sys.exit(not all(m.__file__.startswith(sys.argv[1]) for m in (deepinfer_core, deepinfer_nvidia_sm100, deepinfer_ascend_950))
-         or not md.entry_points(group="deepinfer.backends", name="reference"))
-PY
-}
-if ! installed; then
+if ! .venv/bin/python -P tools/venv_is_current.py "$PWD" "$stamp" 2>/dev/null; then
   "${pip[@]}" install -e ".[dev]" -e plugins/nvidia_sm100 -e plugins/ascend_950
-  echo "$want" >"$stamp"
+  .venv/bin/python -P tools/venv_is_current.py "$PWD" "$stamp" --write
 fi
 
 case "${1:-build}" in

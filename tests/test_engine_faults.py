@@ -257,6 +257,16 @@ def test_non_finite_parameters_are_refused(field, value):
         SamplingParams(**{field: value})
 
 
+@pytest.mark.parametrize("field, huge, largest_safe", [("temperature", 1e39, 1e30), ("repetition_penalty", 1e39, 1e30),
+                                                      ("repetition_penalty", 1e-300, 1e-30)])
+def test_parameters_beyond_float32_sample_like_the_largest_it_holds(llm, field, huge, largest_safe):
+    """1e39 is a valid Python float but inf in float32 (and -inf / inf is NaN: token 0 again)."""
+    base = dict(temperature=0.7, min_tokens=4, max_tokens=6, seed=5)  # EOS banned for 4 tokens: -inf logits
+    beyond = llm.generate(PROMPTS, SamplingParams(**{**base, field: huge}), use_tqdm=False)
+    safe = llm.generate(PROMPTS, SamplingParams(**{**base, field: largest_safe}), use_tqdm=False)
+    assert tokens(beyond) == tokens(safe)
+
+
 def test_extreme_penalties_stay_finite(llm):
     extreme = SamplingParams(temperature=0.5, repetition_penalty=1e-300, frequency_penalty=-2, max_tokens=6, seed=1)
     out = llm.generate(PROMPTS, extreme, use_tqdm=False)

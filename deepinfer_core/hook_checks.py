@@ -2,8 +2,9 @@
 
 pluggy checks a hook implementation's name and argument names; these check what it returns,
 field by field, and that each op callable can be called the way the model calls the op (the
-reference implementation's arguments, positionally, and its keyword-only ones by name), so a plugin's mistake is reported at start-up, naming the
-plugin and the field or op, instead of surfacing as an AttributeError or TypeError mid-run.
+reference implementation's arguments positionally, its keyword-only ones by name), so a
+plugin's mistake is reported at start-up, naming the plugin and the field or op, instead of
+surfacing as an AttributeError or TypeError mid-run.
 Each function returns the problems found as short phrases (an empty list: none).
 """
 

@@ -20,8 +20,9 @@ within ``ppl_rtol`` of the baseline (relative), at least ``min_greedy_agreement`
 greedy tokens match the baseline as a prefix, or the first token that differs is a near-tie
 (this run's logprob of the baseline's token is within ``greedy_tie_margin`` of its own choice),
 and over the agreeing prefix every greedy logprob is within ``greedy_logprob_atol`` of the
-baseline's. After a near-tie the two continuations are different texts and nothing further is
-compared.
+baseline's (at a near-tie also this run's logprob of the baseline's token: that step still had
+the baseline's context). After a near-tie the two continuations are different texts and nothing
+further is compared.
 
 Each platform's entry records the compute dtype of each workload, and validation runs the
 workload in that dtype. ``cpu-reference`` is recorded in float32: in bf16 a CPU's result
@@ -634,7 +635,8 @@ def main(
             _write_json(json_out, report)
             return 1
         tol = {**DEFAULT_CROSS_PLATFORM_TOLERANCE, **reference.get(META, {}).get("cross_platform_tolerance", {})}
-        alike = {w: rs for w, rs in m.results.items() if m.workload_info[w]["dtype"] == recorded_dtype(reference, w)}
+        alike = {w: rs for w, rs in m.results.items()  # a workload the reference lacks is reported by compare()
+                 if recorded_dtype(reference, w) in (None, m.workload_info[w]["dtype"])}
         for w in sorted(set(m.results) - set(alike)):
             print(f"not compared: workload {w} ran in {m.workload_info[w]['dtype']}, {REFERENCE_PLATFORM} recorded it in "
                   f"{recorded_dtype(reference, w)}, which platform {m.platform} does not support")

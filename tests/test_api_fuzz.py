@@ -29,7 +29,7 @@ from deepinfer_core.engine.engine import RequestError
 from deepinfer_core.loader import CheckpointError
 from deepinfer_core.sampling.sampler import NonFiniteLogitsError
 
-from .test_engine_faults import assert_clean, tokens
+from .test_engine_faults import assert_clean, interrupt_on_call, tokens
 
 SEED = os.environ.get("DEEPINFER_FUZZ_SEED")
 SCALE = int(os.environ.get("DEEPINFER_FUZZ_EXAMPLES", "1"))
@@ -160,24 +160,14 @@ def test_an_interrupt_anywhere_changes_nothing(llm, where, call):
                 SamplingParams(temperature=0.7, top_k=5, seed=4, max_tokens=6, ignore_eos=True)]
     expected = tokens(llm.generate(prompts, sampling, use_tqdm=False))
     owner = {"sample_tokens": llm.engine.ops, "step": llm.engine, "add_request": llm.engine, "forward": llm.engine.model}[where]
-    real = getattr(owner, where)
-    calls = {"n": 0}
-
-    def interrupting(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == call:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
     counters = (llm.engine.next_seq_id, llm.engine.next_request_id)  # they seed the unseeded row
-    setattr(owner, where, interrupting)
-    try:
-        llm.generate(prompts, sampling, use_tqdm=False)
-        interrupted = False
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        setattr(owner, where, real)
+    with pytest.MonkeyPatch.context() as mp:
+        interrupt_on_call(mp, owner, where, call)
+        try:
+            llm.generate(prompts, sampling, use_tqdm=False)
+            interrupted = False
+        except KeyboardInterrupt:
+            interrupted = True
     assert_clean(llm)
     if interrupted:  # as before the call: the rerun samples what the interrupted call would have
         assert (llm.engine.next_seq_id, llm.engine.next_request_id) == counters

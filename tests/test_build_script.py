@@ -19,10 +19,16 @@ installed_here = all(venv_is_current._from(m, REPO) for m in venv_is_current.PAC
 needs_this_checkout = pytest.mark.skipif(not installed_here, reason="deepinfer is not installed from this checkout (./build.sh does that)")
 
 
-def test_the_digest_follows_the_pyproject_files_only(tmp_path):
+def copy_pyprojects(dest: Path) -> Path:
+    """A checkout-shaped directory holding only this one's pyproject files."""
     for rel in ("pyproject.toml", "plugins/nvidia_sm100/pyproject.toml", "plugins/ascend_950/pyproject.toml"):
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(REPO / rel, tmp_path / rel)
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / rel, dest / rel)
+    return dest
+
+
+def test_the_digest_follows_the_pyproject_files_only(tmp_path):
+    copy_pyprojects(tmp_path)
     before = venv_is_current.digest(tmp_path)
     assert before == venv_is_current.digest(REPO)
     (tmp_path / "README.md").write_text("code and docs change nothing pip installs")
@@ -50,10 +56,7 @@ def test_current_only_with_the_right_stamp(tmp_path, monkeypatch):
 
 @needs_this_checkout
 def test_another_checkout_is_not_current(tmp_path):
-    other = tmp_path / "other-checkout"
-    for rel in ("pyproject.toml", "plugins/nvidia_sm100/pyproject.toml", "plugins/ascend_950/pyproject.toml"):
-        (other / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(REPO / rel, other / rel)
+    other = copy_pyprojects(tmp_path / "other-checkout")
     stamp = tmp_path / "stamp"
     venv_is_current.main([str(other), str(stamp), "--write"])  # same pyproject files, other place
     assert not venv_is_current.current(other, stamp)  # this venv's packages import from REPO, not from it

@@ -55,16 +55,19 @@ def llm() -> LLM:
     return make_llm()
 
 
-def interrupt_on_call(monkeypatch, owner, name: str, n: int) -> None:
-    """``owner.name`` raises KeyboardInterrupt (what Ctrl-C raises) on its n-th call."""
+def interrupt_on_call(monkeypatch, owner, name: str, n: int, after: bool = False) -> None:
+    """``owner.name`` raises KeyboardInterrupt (what Ctrl-C raises) on its n-th call: instead of
+    running, or ``after`` it ran."""
     real = getattr(owner, name)
     calls = {"n": 0}
 
     def wrapper(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == n:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
+        if calls["n"] != n:
+            return real(*args, **kwargs)
+        if after:
+            real(*args, **kwargs)
+        raise KeyboardInterrupt
 
     monkeypatch.setattr(owner, name, wrapper)
 
@@ -82,17 +85,7 @@ def test_ctrl_c_during_sampling_leaves_the_engine_as_new(llm, expected, monkeypa
 
 @pytest.mark.parametrize("n", [1, 2, 5])
 def test_ctrl_c_between_steps_withdraws_the_interrupted_requests(llm, expected, monkeypatch, n):
-    real_step = llm.engine.step
-    calls = {"n": 0}
-
-    def step_then_interrupt():
-        finished = real_step()
-        calls["n"] += 1
-        if calls["n"] == n:
-            raise KeyboardInterrupt
-        return finished
-
-    monkeypatch.setattr(llm.engine, "step", step_then_interrupt)
+    interrupt_on_call(monkeypatch, llm.engine, "step", n, after=True)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     monkeypatch.undo()

@@ -308,10 +308,7 @@ class Engine:
         samples exactly what the interrupted call would have."""
         for rid in request_ids:
             if rid in self.requests:
-                req = self.requests.pop(rid)
-                for seq in req.seqs:
-                    if not seq.is_finished:
-                        self.scheduler.finish(seq)
+                self.abort(rid)
         if not self.requests:
             self.scheduler.reset()
             self.next_seq_id, self.next_request_id = ids_before

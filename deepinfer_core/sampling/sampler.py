@@ -6,9 +6,9 @@ the raw logits, before penalties, temperature and truncation), as vLLM reports t
 
 Any valid SamplingParams is safe here: a temperature below ``GREEDY_TEMPERATURE`` samples
 greedily (dividing by it would overflow), temperatures and repetition penalties are clamped
-into ``FLOAT32_SAFE``, top_k is capped at the vocabulary, and penalised logits are capped at
-``MAX_LOGIT``, so no parameter can produce an infinity or a NaN. A row whose raw
-logits are not finite (NaN or inf: the model or a kernel is broken) raises
+into ``FLOAT32_SAFE``, top_k is capped at the vocabulary, and logits divided by a repetition
+penalty are capped at ``MAX_LOGIT``, so no parameter can produce an infinity or a NaN. A row
+whose raw logits are not finite (NaN or inf: the model or a kernel is broken) raises
 ``NonFiniteLogitsError`` naming its request.
 """
 
@@ -20,7 +20,7 @@ from deepinfer_core.engine.sequence import Sequence
 
 NEG_INF = float("-inf")
 GREEDY_TEMPERATURE = 1e-5  # below this, temperature sampling is greedy (vLLM's threshold)
-MAX_LOGIT = 1e6  # penalised logits are capped here: / GREEDY_TEMPERATURE stays far from float32's limit
+MAX_LOGIT = 1e6  # logits raised by a repetition penalty are capped here: / GREEDY_TEMPERATURE stays finite
 # Python floats beyond float32's range would become inf on the device (and -inf / inf is NaN):
 # temperatures and repetition penalties are clamped into this range first, which changes nothing
 # a float32 distribution can show (a temperature of 1e30 is already uniform).
@@ -66,7 +66,8 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[i
         seen = _token_mask([seqs[i].token_ids() for i in rep], vocab, device, counts=False)
         penalty = torch.tensor([_float32_safe(seqs[i].params.repetition_penalty) for i in rep], device=device)[:, None]
         rows = logits[rep]
-        scaled = torch.where(rows > 0, rows / penalty, rows * penalty)
+        # dividing by a tiny penalty is the one way a penalty can overflow: capped right here
+        scaled = torch.where(rows > 0, (rows / penalty).clamp(max=MAX_LOGIT), rows * penalty)
         logits[rep] = torch.where(seen, scaled, rows)
     freq = [i for i, s in enumerate(seqs) if (s.params.presence_penalty or s.params.frequency_penalty) and s.output_token_ids]
     if freq:
@@ -79,7 +80,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[i
             banned = list(s.params.stop_token_ids) + ([] if s.params.ignore_eos else list(eos_ids))
             if banned:
                 logits[i, torch.tensor(banned, device=device)] = NEG_INF
-    return logits.clamp_(max=MAX_LOGIT)
+    return logits
 
 
 def sample(ops, logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...] = ()) -> list[tuple[int, float | None, dict[int, float] | None]]:

@@ -13,6 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# The model_type values (config.json) DeepInfer serves: the one list. models/registry.py maps each to
+# its class; it lives here because the registry imports this module (and the model code with it).
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 
@@ -50,7 +52,7 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    model_type: Literal["deepseek_v3", "deepseek_v2"]
+    model_type: Literal[SUPPORTED_MODEL_TYPES]  # type: ignore[valid-type]  # Literal[("a", "b")] is Literal["a", "b"]
     vocab_size: int = Field(gt=0)
     hidden_size: int = Field(gt=0)
     intermediate_size: int = Field(gt=0)

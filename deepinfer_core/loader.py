@@ -50,6 +50,7 @@ FP8_HEADER_DTYPES = ("F8_E4M3",)
 # Keys of an MTP layer that duplicate the main model's embedding and head.
 MTP_TIED_KEYS = ("embed_tokens.weight", "shared_head.head.weight")
 FINITE_CHUNK = 1 << 26  # elements per step of the non-finite scan (a 64 MiB bool temporary)
+# Fused routed experts: gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I].
 EXPERT_KEY = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_scale_inv)?")
 
 
@@ -133,20 +134,27 @@ def _expected_keys(model: torch.nn.Module, config: ModelConfig, present: set[str
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         key = _checkpoint_name(name, config.num_hidden_layers)
-        m = EXPERT_KEY.fullmatch(key)
-        if m is None or key in present:
-            expected[key] = Slot(name)
-            continue
-        experts, proj, scale = m[1], m[2], m[3]
-        suffix = "weight_scale_inv" if scale else "weight"
-        half = tensor.shape[1] // 2
-        for e in range(tensor.shape[0]):
-            if proj == "down_proj":
-                expected[f"{experts}.{e}.down_proj.{suffix}"] = Slot(name, e)
-            else:
-                expected[f"{experts}.{e}.gate_proj.{suffix}"] = Slot(name, e, slice(0, half))
-                expected[f"{experts}.{e}.up_proj.{suffix}"] = Slot(name, e, slice(half, 2 * half))
+        split = None if key in present else split_expert_key(key, tensor.shape, name)
+        expected.update({key: Slot(name)} if split is None else split)
     return expected
+
+
+def split_expert_key(key: str, shape: tuple[int, ...], param: str | None = None) -> dict[str, Slot] | None:
+    """A fused routed-expert key (``EXPERT_KEY``) of tensor ``shape`` -> DeepSeek's per-expert
+    keys, each with its part of the fused tensor (of ``param``, default ``key``); None for any
+    other key."""
+    m = EXPERT_KEY.fullmatch(key)
+    if m is None:
+        return None
+    experts, proj, suffix, param = m[1], m[2], "weight_scale_inv" if m[3] else "weight", param or key
+    if proj == "down_proj":
+        return {f"{experts}.{e}.down_proj.{suffix}": Slot(param, e) for e in range(shape[0])}
+    half = shape[1] // 2
+    split = {}
+    for e in range(shape[0]):
+        split[f"{experts}.{e}.gate_proj.{suffix}"] = Slot(param, e, slice(0, half))
+        split[f"{experts}.{e}.up_proj.{suffix}"] = Slot(param, e, slice(half, 2 * half))
+    return split
 
 
 def _resolve_mtp(model, config: ModelConfig, key_file: dict[str, Path]) -> None:

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from deepinfer_core.config import DEFAULT_MODEL_DIR
+from deepinfer_core.loader import split_expert_key
 
 DEFAULT = "default"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -258,18 +259,11 @@ def checkpoint_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         model = model_cls(hf_config)
     shapes: dict[str, tuple[int, ...]] = {}
     for key, tensor in model.state_dict().items():
-        shape = tuple(tensor.shape)
-        if key.endswith(".mlp.experts.gate_up_proj"):  # [E, 2I, H] -> gate_proj / up_proj [I, H] per expert
-            base = key[: -len("gate_up_proj")]
-            for e in range(shape[0]):
-                shapes[f"{base}{e}.gate_proj.weight"] = (shape[1] // 2, shape[2])
-                shapes[f"{base}{e}.up_proj.weight"] = (shape[1] // 2, shape[2])
-        elif key.endswith(".mlp.experts.down_proj"):  # [E, H, I] -> down_proj [H, I] per expert
-            base = key[: -len("down_proj")]
-            for e in range(shape[0]):
-                shapes[f"{base}{e}.down_proj.weight"] = shape[1:]
-        else:
-            shapes[key] = shape
+        split = split_expert_key(key, tensor.shape)
+        if split is None:
+            shapes[key] = tuple(tensor.shape)
+        else:  # routed experts: one key per expert, as DeepSeek ships them
+            shapes.update({k: tuple(slot.view(tensor).shape) for k, slot in split.items()})
     return shapes
 
 
@@ -282,14 +276,9 @@ def mtp_checkpoint_tensors(mtp_state: dict, layer: int) -> dict[str, torch.Tenso
     for key, t in mtp_state.items():
         if key == "post_norm.weight":
             out[prefix + "shared_head.norm.weight"] = t
-        elif key == "mtp_block.mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
-            half = t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = t[e, :half].clone()
-                out[f"{prefix}mlp.experts.{e}.up_proj.weight"] = t[e, half:].clone()
-        elif key == "mtp_block.mlp.experts.down_proj":
-            for e in range(t.shape[0]):
-                out[f"{prefix}mlp.experts.{e}.down_proj.weight"] = t[e].clone()
+        elif key.startswith("mtp_block.") and (split := split_expert_key(key, t.shape)) is not None:
+            for expert_key, slot in split.items():  # routed experts one by one
+                out[prefix + expert_key[len("mtp_block."):]] = slot.view(t).clone()
         elif key.startswith("mtp_block."):
             out[prefix + key[len("mtp_block."):]] = t
         else:

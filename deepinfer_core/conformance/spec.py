@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16", "half": "float16"}
+from deepinfer_core.dtypes import DTYPE_ALIASES, DTYPES, dtype_from_name  # noqa: F401 (re-exported)
+
+DTYPE_NAMES = DTYPES  # the op spec's compute dtypes (its tolerance tables are keyed by these names)
 
 
 class SpecError(RuntimeError):
@@ -57,14 +58,6 @@ def _ops_spec(path: Path) -> dict:
 def ops_spec() -> dict:
     """``[ops.<name>]`` tables of specs/ops.toml, by op name."""
     return _ops_spec(specs_dir() / "ops.toml")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """'bf16' / 'bfloat16' / 'fp32' / ... -> torch dtype; a clear error for anything else."""
-    key = DTYPE_ALIASES.get(name.strip().lower(), name.strip().lower())
-    if key not in DTYPE_NAMES:
-        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(DTYPE_NAMES)} (or bf16, fp16, fp32)")
-    return DTYPE_NAMES[key]
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from deepinfer_core.config import ConfigError, EngineConfig, ModelConfig
+from deepinfer_core.dtypes import DTYPES
 from deepinfer_core.engine.graphs import DecodeGraphs
 from deepinfer_core.engine.kv_cache import BlockManager, KVCache
 from deepinfer_core.engine.runner import ModelRunner
@@ -22,7 +23,6 @@ from deepinfer_core.sampling.sampler import sample, top_logprobs
 
 log = logging.getLogger("deepinfer")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_MEMORY_FRACTION = 0.25
 PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt / TokensPrompt
 # Samples of one request beyond max_num_seqs run in waves; this bounds the host memory a single

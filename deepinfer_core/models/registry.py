@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from deepinfer_core.config import ConfigError
+from deepinfer_core.config import SUPPORTED_MODEL_TYPES, ConfigError
 from deepinfer_core.models.deepseek_v3 import DeepseekV3ForCausalLM
 
-MODEL_CLASSES: dict[str, type] = {
-    "deepseek_v3": DeepseekV3ForCausalLM,
-    "deepseek_v2": DeepseekV3ForCausalLM,
-}
+MODEL_CLASSES: dict[str, type] = dict.fromkeys(SUPPORTED_MODEL_TYPES, DeepseekV3ForCausalLM)
 
 
 def get_model_class(model_type: str) -> type:

@@ -14,6 +14,7 @@ import functools
 import pytest
 import torch
 
+from deepinfer_core.conformance.checkpoints import FP8_MAX
 from deepinfer_core.conformance.inputs import ROPE_PARAMETERS, quantize_block_fp8
 from deepinfer_core.ops import REFERENCE_OPS
 from deepinfer_core.ops.rope import rope_cos_sin_table
@@ -56,7 +57,7 @@ def quantize_dequantize_activations(x: torch.Tensor, bk: int) -> torch.Tensor:
     m, k = x.shape
     kp = -(-k // bk) * bk
     blocks = torch.nn.functional.pad(x.float(), (0, kp - k)).view(m, kp // bk, bk)
-    scale = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 448.0
+    scale = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-12) / FP8_MAX
     q = (blocks * (1.0 / scale)).to(torch.float8_e4m3fn).float()
     return (q * scale).view(m, kp)[:, :k]
 

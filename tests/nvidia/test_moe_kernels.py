@@ -15,12 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from deepinfer_core.conformance.checkpoints import FP8_MAX
 from deepinfer_core.conformance.checks import judge_moe_route
 from deepinfer_core.conformance.inputs import ROUTE_KEYS, quantize_block_fp8
 from deepinfer_core.ops import REFERENCE_OPS
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton): the NVIDIA kernels cannot run")
 
+from deepinfer_nvidia_sm100.kernels import fp8_linear
 from deepinfer_nvidia_sm100.kernels import moe as kmoe
 from tests.op_spec import assert_close, shapes
 
@@ -251,8 +253,8 @@ def _w8a8_emulation(x, w13, w2, weights, ids, s13, s2, block):
         padded[:, :k] = a.float()
         blocks = padded.view(t, kb, bk)
         amax = blocks.abs().amax(-1, keepdim=True)
-        scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-        q = (blocks / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
         return q.view(t, kb * bk)[:, :k]
 
     out = torch.zeros(x.shape, device=x.device)
@@ -279,7 +281,8 @@ def test_moe_experts_w8a8_mode(tiles, device, dtype):
 
 
 def test_round_to_e4m3_matches_torch(device):
-    """The interpreter's float32 -> e4m3 rounding, against torch's cast (ties to even, carries)."""
+    """The interpreter's float32 -> e4m3 rounding (fp8_linear's, the MoE kernels use it too),
+    against torch's cast (ties to even, carries)."""
     import triton
     import triton.language as tl
 
@@ -287,11 +290,11 @@ def test_round_to_e4m3_matches_torch(device):
     def round_kernel(v_ptr, out_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         v = tl.load(v_ptr + offs, mask=offs < n)
-        tl.store(out_ptr + offs, kmoe._round_to_e4m3(v), mask=offs < n)
+        tl.store(out_ptr + offs, fp8_linear.round_to_e4m3(v), mask=offs < n)
 
     grid = torch.tensor([0.0, 448.0, 2.0**-9, 2.0**-7, 3 * 2.0**-10, 15.5, 31.5, 100.0, 104.0, 127.9, 2.0**-6 * 1.0625])
     values = torch.cat([grid, -grid, torch.randn(4000, generator=_generator("cpu", 0)) * 30,
-                        torch.rand(1000, generator=_generator("cpu", 1)) * 0.03]).clamp(-448, 448).to(device)
+                        torch.rand(1000, generator=_generator("cpu", 1)) * 0.03]).clamp(-FP8_MAX, FP8_MAX).to(device)
     out = torch.empty_like(values)
     round_kernel[(triton.cdiv(values.numel(), 1024),)](values, out, values.numel(), BLOCK=1024)
     torch.testing.assert_close(out.cpu(), values.to(torch.float8_e4m3fn).float().cpu(), atol=0, rtol=0)

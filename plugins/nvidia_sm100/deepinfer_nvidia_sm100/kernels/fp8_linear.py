@@ -22,13 +22,15 @@ bias. No host synchronisation anywhere: grids and buffers follow from shapes onl
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from deepinfer_core.conformance.checkpoints import FP8_MAX, quantize_fp8_block
+from deepinfer_nvidia_sm100.kernels.device import num_sms
 
 # ---- tunables (sweep on the GPU) -------------------------------------------------------------
 # Tile shapes per regime: (BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_K is always the
@@ -55,8 +57,7 @@ FP8_SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles per program (H100/B200 
 FP8_REDUCE_BLOCK_N = 1024  # split-K reduction: columns per program
 INTERPRETER_SMS = 4  # "SM count" used under TRITON_INTERPRET (CPU tensors)
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-_E4M3_MAX = tl.constexpr(FP8_MAX)
+E4M3_MAX = tl.constexpr(FP8_MAX)  # largest finite float8_e4m3fn, for the kernels (moe.py too)
 # Activation blocks whose amax is below this are quantised against it instead (all-zero rows
 # would otherwise divide by zero); their values then quantise to 0 or to tiny subnormals.
 _AMAX_FLOOR = tl.constexpr(1e-12)
@@ -69,13 +70,6 @@ class Fp8Config(NamedTuple):
     num_stages: int
     split_k: int  # number of K splits (1: no split, the GEMM writes the output itself)
     mode: int  # W8A16 (widen the weight), W8A8_FUSED or W8A8_PREQUANT (activations in e4m3)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return INTERPRETER_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def fp8_config(m: int, n: int, k: int, bk: int, x_dtype: torch.dtype, device: torch.device) -> Fp8Config:
@@ -97,7 +91,7 @@ def fp8_config(m: int, n: int, k: int, bk: int, x_dtype: torch.dtype, device: to
 
     k_blocks = triton.cdiv(k, bk)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    target = FP8_SPLIT_K_CTAS_PER_SM * _num_sms(device)
+    target = FP8_SPLIT_K_CTAS_PER_SM * num_sms(device, INTERPRETER_SMS)
     split = 1
     if tiles < target:
         split = max(1, min(triton.cdiv(target, tiles), k_blocks // FP8_SPLIT_K_MIN_K_BLOCKS))
@@ -106,19 +100,18 @@ def fp8_config(m: int, n: int, k: int, bk: int, x_dtype: torch.dtype, device: to
 
 
 @triton.jit
-def _round_to_e4m3(v):
-    """Round float32 v (|v| <= 448) to the nearest e4m3 value, ties to even, kept in float32.
+def round_to_e4m3(v):
+    """float32 v (|v| <= 448) rounded to the nearest float8_e4m3fn value (ties to even), as float32.
 
-    Only for the interpreter, whose float32 -> float8 cast gets mantissa carries wrong.
+    For the interpreter only (its float32 -> float8 cast drops mantissa carries); moe.py uses it
+    too. The grid spacing is 2^(e - 3) for a value of exponent e, 2^-9 in the subnormal range
+    (e < -6); dividing by a power of two is exact and the 1.5 * 2^23 trick rounds to an integer,
+    ties to even.
     """
-    bits = v.to(tl.int32, bitcast=True)
-    # Normal range: keep 3 of the 23 mantissa bits (a carry correctly bumps the exponent).
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
-    normal = bits.to(tl.float32, bitcast=True)
-    # Subnormal range (|v| < 2^-6): multiples of 2^-9; adding 2^14 rounds to exactly that.
-    mag = (tl.abs(v) + 16384.0) - 16384.0
-    sub = tl.where(v < 0, -mag, mag)
-    return tl.where(tl.abs(v) < 0.015625, sub, normal)
+    exponent = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    spacing = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    steps = (v / spacing + 12582912.0) - 12582912.0
+    return steps * spacing
 
 
 @triton.jit
@@ -137,10 +130,10 @@ def _quantize_activations_kernel(
     mask = mask_m[:, None] & (k < K)[None, :]
     rows64 = rows.to(tl.int64)
     a = tl.load(x_ptr + rows64[:, None] * stride_xm + k[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
-    a_scale = tl.maximum(tl.max(tl.abs(a), axis=1), _AMAX_FLOOR) / _E4M3_MAX
+    a_scale = tl.maximum(tl.max(tl.abs(a), axis=1), _AMAX_FLOOR) / E4M3_MAX
     q = a * (1.0 / a_scale)[:, None]
     if INTERPRET:
-        q = _round_to_e4m3(q)
+        q = round_to_e4m3(q)
     tl.store(q_ptr + rows64[:, None] * stride_qm + k[None, :], q.to(tl.float8e4nv), mask=mask)
     tl.store(s_ptr + rows64 * stride_sm + kb, a_scale, mask=mask_m)
 
@@ -199,10 +192,10 @@ def _fp8_block_gemm_kernel(
         w_scale = tl.load(scale_cols + kb * stride_sk, mask=mask_n & (kb < k_blocks), other=0.0)
         if MODE == 1:  # W8A8_FUSED: quantise this x tile per row
             a = a.to(tl.float32)
-            a_scale = tl.maximum(tl.max(tl.abs(a), axis=1), _AMAX_FLOOR) / _E4M3_MAX
+            a_scale = tl.maximum(tl.max(tl.abs(a), axis=1), _AMAX_FLOOR) / E4M3_MAX
             q = a * (1.0 / a_scale)[:, None]
             if INTERPRET:  # the interpreter's float8 cast is wrong; exact e4m3 values in float32
-                part = tl.dot(_round_to_e4m3(q), w.to(tl.float32))
+                part = tl.dot(round_to_e4m3(q), w.to(tl.float32))
             else:
                 part = tl.dot(q.to(tl.float8e4nv), w)
             acc += part * a_scale[:, None] * w_scale[None, :]
@@ -369,21 +362,12 @@ V2_LITE_LINEARS = {  # V2-Lite is shipped in bf16; timed in FP8 for the kernel's
 BENCH_TOKENS = (1, 16, 64, 256, 4096)
 
 
-def _random_block_fp8(n: int, k: int, block: tuple[int, int], device) -> tuple[torch.Tensor, torch.Tensor]:
-    bn, bk = block
-    w = torch.randn(triton.cdiv(n, bn) * bn, triton.cdiv(k, bk) * bk, device=device) / k**0.5
-    blocks = w.view(w.shape[0] // bn, bn, w.shape[1] // bk, bk)
-    scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
-    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view_as(w)[:n, :k].contiguous()
-    return q, scale.float().contiguous()
-
-
 def bench(device: str = "cuda") -> list[dict]:
     """Median times (ms) of fp8_block_linear and of the same GEMM in bf16 through cuBLAS."""
     block = (128, 128)
     results = []
     for name, (n, k) in {**V3_FP8_LINEARS, **V2_LITE_LINEARS}.items():
-        weight, scale = _random_block_fp8(n, k, block, device)
+        weight, scale = quantize_fp8_block(torch.randn(n, k, device=device) / k**0.5, block)
         w_bf16 = torch.randn(n, k, device=device, dtype=torch.bfloat16)
         scale_bytes = scale.numel() * 4
         for m in BENCH_TOKENS:

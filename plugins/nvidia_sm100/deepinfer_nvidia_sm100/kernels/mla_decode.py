@@ -20,12 +20,13 @@ cache row. The cache read dominates (576 values per token, shared by all H heads
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
+
+from deepinfer_nvidia_sm100.kernels.device import num_sms
 
 LOG2E = 1.4426950408889634
 
@@ -66,16 +67,6 @@ def _tile_config(num_heads: int, cache_dtype: torch.dtype) -> tuple[int, int, in
     return 16, BLOCK_N, 4
 
 
-@functools.cache
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return INTERPRETER_SMS
-
 
 def _min_split_tokens(batch: int) -> int:
     return SMALL_BATCH_MIN_SPLIT_TOKENS if batch <= SMALL_BATCH else MIN_SPLIT_TOKENS
@@ -86,7 +77,7 @@ def _num_splits(batch: int, head_blocks: int, max_len: int, device: torch.device
     or SPLIT_WAVES_SMALL_HEAD_BLOCKS waves of programs, no split shorter than the minimum split of
     the longest possible sequence."""
     waves = SPLIT_WAVES if block_h >= 64 else SPLIT_WAVES_SMALL_HEAD_BLOCKS
-    target = math.floor(waves * _num_sms(device) / (batch * head_blocks))
+    target = math.floor(waves * num_sms(device, INTERPRETER_SMS) / (batch * head_blocks))
     longest = max(1, math.ceil(max_len / _min_split_tokens(batch)))
     return max(1, min(target, longest, MAX_SPLITS))
 

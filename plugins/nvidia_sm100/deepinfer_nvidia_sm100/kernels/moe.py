@@ -37,9 +37,9 @@ rescaled in float32 before it joins the accumulator. Two numeric modes:
   tolerances of 1e-4 (float32) and 3e-2 (bf16) in specs/ops.toml; so it is off by default.
 
 Triton's interpreter rounds float32 -> float8 wrongly (mantissa carries are lost), so under
-TRITON_INTERPRET the e4m3 quantisation is done in float32 arithmetic (``_round_to_e4m3``) and the
-dot runs on the float32 values of the e4m3 grid (same numerics). It also cannot loop to a runtime
-bound, hence while loops (align) and constexpr loop bounds (GEMM K loops, top-k).
+TRITON_INTERPRET the e4m3 quantisation is done in float32 arithmetic (``fp8_linear.round_to_e4m3``)
+and the dot runs on the float32 values of the e4m3 grid (same numerics). It also cannot loop to a
+runtime bound, hence while loops (align) and constexpr loop bounds (GEMM K loops, top-k).
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.ops.moe import SCORING_FUNCS, TOPK_METHODS
+from deepinfer_core.conformance.checkpoints import FP8_MAX
+from deepinfer_nvidia_sm100.kernels.fp8_linear import E4M3_MAX, round_to_e4m3
 
 # ---- tunables (sweep on the GPU) -------------------------------------------------------------
 ROUTE_ELEMS_PER_WARP = 256  # a routing row of BLOCK_G * BLOCK_S experts gets this many per warp
@@ -86,8 +88,6 @@ ALIGN_BLOCK_B = 64  # M-blocks per step when writing the expert of each M-block
 ALIGN_NUM_WARPS = 8
 SUM_BLOCK_D = 1024  # slot sum: hidden columns per program
 SUM_NUM_WARPS = 4
-
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 # ============================================================================================
@@ -397,30 +397,16 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Exper
 
 
 @triton.jit
-def _round_to_e4m3(v):
-    """float32 v (|v| <= 448) rounded to the nearest float8_e4m3fn value (ties to even), as float32.
-
-    For the interpreter only (its float32 -> float8 cast drops mantissa carries). The grid
-    spacing is 2^(e - 3) for a value of exponent e, 2^-9 in the subnormal range (e < -6);
-    dividing by a power of two is exact and the 1.5 * 2^23 trick rounds to an integer, ties to even.
-    """
-    exponent = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    spacing = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    steps = (v / spacing + 12582912.0) - 12582912.0
-    return steps * spacing
-
-
-@triton.jit
 def _quantize_rows(a, INTERPRET: tl.constexpr):
     """Per-row e4m3 quantisation of a [BLOCK_M, BLOCK_K] tile: (q, scale [BLOCK_M]) with a ~= q * scale."""
     a = a.to(tl.float32)
     amax = tl.max(tl.abs(a), axis=1)
     # IEEE divisions (Triton's `/` is approximate on the GPU): the same scale and the same e4m3
     # rounding as the torch emulation in the tests.
-    scale = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
-    v = tl.clamp(tl.div_rn(a, scale[:, None]), -448.0, 448.0)
+    scale = tl.where(amax > 0, tl.div_rn(amax, E4M3_MAX), 1.0)
+    v = tl.clamp(tl.div_rn(a, scale[:, None]), -E4M3_MAX, E4M3_MAX)
     if INTERPRET:
-        q = _round_to_e4m3(v)
+        q = round_to_e4m3(v)
     else:
         q = v.to(tl.float8e4nv)
     return q, scale
@@ -660,7 +646,7 @@ def _bench_weights(experts: int, rows: int, cols: int, fp8: bool, device: str):
         return torch.randn(experts, rows, cols, device=device, dtype=BENCH_DTYPE) / cols**0.5, None
     w = torch.empty(experts, rows, cols, device=device, dtype=torch.float8_e4m3fn)
     for e in range(experts):  # one expert at a time bounds the float32 temporary
-        w[e] = (torch.randn(rows, cols, device=device) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        w[e] = (torch.randn(rows, cols, device=device) * 100).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     scale = torch.full((experts, triton.cdiv(rows, 128), triton.cdiv(cols, 128)), 0.01 / cols**0.5, device=device)
     return w, scale
 

@@ -47,12 +47,12 @@ logit -inf) give the row's greedy token (or id 0 when every logit is -inf) here.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
+
+from deepinfer_nvidia_sm100.kernels.device import num_sms
 
 # Tunables (sweep on the GPU). Logits per tile (a power of two >= 16); warps per program.
 BLOCK_V = 2048
@@ -186,18 +186,11 @@ def _combine_kernel(part_key_ptr, part_id_ptr, out_ptr, num_splits, SPLITS: tl.c
     tl.store(out_ptr + row, tl.sum(tl.where(s == first, ids, 0)).to(tl.int64))
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return INTERPRETER_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _launch_config(rows: int, vocab: int, device: torch.device) -> tuple[int, int, int]:
     """(BLOCK, tiles per split, splits) from the shapes alone."""
     block = max(16, min(BLOCK_V, triton.next_power_of_2(vocab)))
     tiles = triton.cdiv(vocab, block)
-    wanted = triton.cdiv(PROGRAMS_PER_SM * _sm_count(device), rows)
+    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms(device, INTERPRETER_SMS), rows)
     splits = max(1, min(wanted, tiles // MIN_SPLIT_TILES))
     # a power of two: the trip count is a compile-time constant, so few variants get compiled
     per_split = triton.next_power_of_2(triton.cdiv(tiles, splits))

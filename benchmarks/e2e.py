@@ -75,9 +75,7 @@ def _is_mtp(attn, model) -> bool:
 
 
 def kv_bytes(engine, batch: int, context: int) -> float:
-    layers = engine.model.config.num_hidden_layers
-    spec = engine.model.cache_specs()[0]
-    return batch * context * spec.bytes_per_token() * layers
+    return batch * context * sum(g.bytes_per_token() for g in engine.cache_groups)
 
 
 def decode_point(llm, batch: int, context: int, steps: int) -> dict | None:
@@ -85,8 +83,8 @@ def decode_point(llm, batch: int, context: int, steps: int) -> dict | None:
     from deepinfer_core.sampling.params import SamplingParams
 
     engine = llm.engine
-    blocks = math.ceil((context + steps + 4) / engine.block_manager.block_size)
-    if batch * blocks > engine.block_manager.num_free or context + steps + 4 > engine.max_model_len or batch > engine.max_num_seqs:
+    blocks = math.ceil((context + steps + 4) / engine.kv.block_size)
+    if batch * blocks > engine.kv.num_free or context + steps + 4 > engine.max_model_len or batch > engine.max_num_seqs:
         return None
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     prompt = [random.randrange(engine.model_config.vocab_size) for _ in range(context)]
@@ -95,7 +93,7 @@ def decode_point(llm, batch: int, context: int, steps: int) -> dict | None:
     sched = engine.scheduler
     while sched.waiting:  # the context is "already prefilled": its latents are the cache's random values
         seq = sched.waiting.popleft()
-        engine.block_manager.allocate(seq, context)
+        engine.kv.allocate(seq, context)
         seq.num_computed_tokens = context - 1
         seq.status = Status.RUNNING
         sched.running.append(seq)
@@ -115,7 +113,7 @@ def prefill_point(llm, batch: int, length: int) -> dict | None:
     from deepinfer_core.sampling.params import SamplingParams
 
     engine = llm.engine
-    if length + 2 > engine.max_model_len or batch * math.ceil((length + 2) / engine.block_manager.block_size) > engine.block_manager.num_free:
+    if length + 2 > engine.max_model_len or batch * math.ceil((length + 2) / engine.kv.block_size) > engine.kv.num_free:
         return None
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=1)
@@ -202,16 +200,16 @@ def run(name: str, out_dir: Path, hf: bool, quick: bool, ceilings: dict | None =
     )
     engine = llm.engine
     startup = time.perf_counter() - t0
-    for cache in engine.kv_cache.tensors:
+    for cache in engine.kv_cache.tensors.values():
         cache.normal_()
     params = sum(p.numel() for n, p in engine.model.named_parameters() if not n.startswith("mtp."))
     report = {
         "model": name, "config": MODELS[name], "ceilings": ceilings, "parameters": params, "startup_s": startup,
-        "kv_blocks": engine.block_manager.num_blocks, "block_size": engine.block_manager.block_size,
+        "kv_blocks": engine.kv.num_blocks, "block_size": engine.kv.block_size,
         "ops": engine.ops.implementations, "decode": [], "prefill": [], "skipped": [],
     }
     bw = ceilings["copy_bytes_per_s"]
-    print(f"[{name}] {params / 1e9:.2f}B parameters, start-up {startup:.1f}s, {engine.block_manager.num_blocks} KV blocks", flush=True)
+    print(f"[{name}] {params / 1e9:.2f}B parameters, start-up {startup:.1f}s, {engine.kv.num_blocks} KV blocks", flush=True)
     for context in contexts:
         for batch in batches:
             point = decode_point(llm, batch, context, steps=8 if quick else 16)

@@ -31,7 +31,7 @@ def profile(name: str, points: list[tuple[int, int]], steps: int = 8) -> dict:
         max_num_seqs=max(b for b, _ in points), max_num_batched_tokens=16384,
         max_model_len=max(c for _, c in points) + 64, progress=False,
     )
-    for cache in llm.engine.kv_cache.tensors:
+    for cache in llm.engine.kv_cache.tensors.values():
         cache.normal_()
     out = {}
     for batch, context in points:

@@ -51,7 +51,7 @@ def tune_mla_decode(device="cuda") -> list[dict]:
                 continue  # shared memory: 64 x 576 tiles with 64 heads do not fit every chip
             old = _set(m, cfg)
             try:
-                ms = _time(lambda: m.mla_decode_attention(q, qpe, cache, tables, lens, 0.1))
+                ms = _time(lambda: m.mla_decode_attention(q, qpe, cache, tables, lens, torch.arange(batch + 1, dtype=torch.int32, device=device), 0.1))
                 row = {"heads": heads, "batch": batch, "seq": seq, **cfg, "us": ms * 1e3, "kv_gb_per_s": nbytes / ms / 1e6}
             except Exception as e:  # a config that does not compile or launch here
                 row = {"heads": heads, "batch": batch, "seq": seq, **cfg, "error": f"{type(e).__name__}: {e}"[:200]}

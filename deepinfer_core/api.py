@@ -36,6 +36,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None
     outputs: list[CompletionOutput]
     finished: bool
+    num_cached_tokens: int | None = None  # prompt tokens taken from the prefix cache (first sample's, at admission)
 
 
 class GenerationError(RuntimeError):
@@ -90,7 +91,10 @@ class LLM:
     embedded default. accelerator: backend name (cpu, nvidia, ascend, ...); None reads
     DEEPINFER_ACCELERATOR, else picks automatically. load_format "dummy" fills the weights with
     random values instead of reading them (benchmarks: only config.json is needed). enforce_eager
-    turns off CUDA-graph capture of decode steps.
+    turns off graph capture of decode steps (otherwise graphs are captured while the engine
+    starts). enable_prefix_caching reuses the KV blocks of prompt prefixes computed before.
+    speculative_config, as vLLM spells it: ``{"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_max": n}`` (prompt-lookup drafts, verified exactly).
     """
 
     def __init__(
@@ -102,11 +106,13 @@ class LLM:
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,
         gpu_memory_utilization: float = 0.9,
         seed: int = 0,
         load_format: str = "safetensors",
         enforce_eager: bool = False,
+        enable_prefix_caching: bool = True,
+        speculative_config: dict | None = None,
         progress: bool = True,
     ):
         env = settings()
@@ -122,6 +128,8 @@ class LLM:
             seed=seed,
             load_format=load_format,
             enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching,
+            speculative_config=speculative_config,
         )
         if dtype == "auto" and env.dtype:
             dtype = env.dtype
@@ -225,4 +233,5 @@ def _to_output(req: Request) -> RequestOutput:
         prompt_logprobs=first.prompt_logprobs,
         outputs=outputs,
         finished=req.finished,
+        num_cached_tokens=first.num_cached_tokens,
     )

@@ -81,14 +81,17 @@ def _generate(args: argparse.Namespace) -> int:
         flags = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p", "seed": "--seed"}
         print(f"error: {validation_problems(e, flags)}", file=sys.stderr)
         return 1
+    spec = {"method": "ngram", "num_speculative_tokens": args.ngram, "prompt_lookup_max": 3, "prompt_lookup_min": 1} if args.ngram else None
     try:
-        llm = LLM(model=args.model, accelerator=args.accelerator)
+        llm = LLM(model=args.model, accelerator=args.accelerator, enable_prefix_caching=not args.no_prefix_caching,
+                  speculative_config=spec)
         outputs = llm.generate(args.prompt, params)
     except (BackendError, GenerationError, ValueError) as e:  # ValueError: bad config, checkpoint, request or parameter
         print(f"error: {_one_line(str(e))}", file=sys.stderr)
         return 1
     for out in outputs:
         print(f"=== {out.prompt!r}\n{out.outputs[0].text}")
+    print(llm.engine.summary(), file=sys.stderr)
     return 0
 
 
@@ -179,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--accelerator", help="backend to use (default: DEEPINFER_ACCELERATOR, else automatic)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="recompute every prompt (no reuse of cached prefixes)")
+    g.add_argument("--ngram", type=int, default=0, metavar="K", help="speculative decoding: K prompt-lookup draft tokens per step")
     g.set_defaults(func=_generate)
     from deepinfer_core.conformance.ops_suite import DEFAULT_EXAMPLES, DEFAULT_EXPLORE_MAX_ELEMENTS
 

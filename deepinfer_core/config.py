@@ -32,6 +32,9 @@ class Settings(BaseSettings):
     accelerator: str | None = Field(None, description="Backend name: cpu, nvidia, ascend or any installed backend; auto when unset.")
     dtype: str | None = Field(None, description="Compute dtype override: auto, float32, bfloat16, float16.")
     log_level: str = Field("INFO", description="Python logging level for the deepinfer logger.")
+    async_scheduling: bool | None = Field(
+        None, description="Overlapped scheduling (launch step N+1 while step N runs): 0 off, 1 on; unset: on where the platform supports it."
+    )
 
 
 def settings() -> Settings:
@@ -229,7 +232,7 @@ class EngineConfig(BaseModel):
     block_size: int = Field(16, gt=0)
     num_kv_blocks: int | None = Field(None, gt=0)
     max_num_seqs: int = Field(64, gt=0)
-    max_num_batched_tokens: int = Field(2048, gt=0)
+    max_num_batched_tokens: int | None = Field(None, gt=0)  # None: the backend's SchedulerLimits, else 2048
     max_model_len: int | None = Field(None, gt=0)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     seed: int = 0
@@ -238,3 +241,38 @@ class EngineConfig(BaseModel):
     load_format: Literal["safetensors", "dummy"] = "safetensors"
     # Run every step eagerly even where the platform can capture decode steps as graphs.
     enforce_eager: bool = False
+    # Reuse the KV blocks of prompt prefixes computed before (and across the n samples of a request).
+    enable_prefix_caching: bool = True
+    speculative_config: SpeculativeConfig | None = None
+
+
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding, spelled as vLLM does. ``method`` "ngram": prompt lookup, drafts are
+    the tokens that followed the latest earlier occurrence of the sequence's last n tokens, n from
+    prompt_lookup_max down to prompt_lookup_min (as vLLM: both 5 when neither is given, and a
+    missing one equal to the other)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    method: Literal["ngram"]
+    num_speculative_tokens: int = Field(gt=0, le=16)
+    prompt_lookup_max: int = Field(gt=0)
+    prompt_lookup_min: int = Field(gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lookup_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            lo, hi = data.get("prompt_lookup_min"), data.get("prompt_lookup_max")
+            data = {**data, "prompt_lookup_min": lo if lo is not None else (hi if hi is not None else 5),
+                    "prompt_lookup_max": hi if hi is not None else (lo if lo is not None else 5)}
+        return data
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min {self.prompt_lookup_min} exceeds prompt_lookup_max {self.prompt_lookup_max}")
+        return self
+
+
+EngineConfig.model_rebuild()

@@ -71,6 +71,8 @@ PLATFORM_RULES = {
     "fp8_weights": (lambda v: isinstance(v, bool), "a bool"),
     "graph_capture": (lambda v: isinstance(v, bool), "a bool"),
     "batch_invariant": (lambda v: isinstance(v, bool), "a bool"),
+    "graphs": (lambda v: v is None or callable(v), "None or a callable returning a GraphBackend"),
+    "async_scheduling": (lambda v: isinstance(v, bool), "a bool"),
     "extra": (lambda v: isinstance(v, dict), "a dict"),
 }
 LIMITS_RULES = {
@@ -106,6 +108,9 @@ def platform_problems(platform: Any, backend_name: str) -> list[str]:
     problems = _field_problems(platform, PLATFORM_RULES)
     if platform.backend != backend_name:
         problems.append(f"Platform.backend is {platform.backend!r}, expected the backend's own name {backend_name!r}")
+    if not problems and platform.graph_capture and platform.graphs is None:
+        problems.append("Platform.graph_capture is True but Platform.graphs is None: give the GraphBackend factory "
+                        "that captures and replays graphs, or set graph_capture=False")
     return problems
 
 

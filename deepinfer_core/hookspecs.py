@@ -35,9 +35,18 @@ if TYPE_CHECKING:
     from deepinfer_core.platform import Platform
 
 PROJECT = "deepinfer"
-# Bumped on any incompatible change to a hook's signature or meaning. A backend declares the
-# range it supports in BackendInfo; the core refuses a backend whose range excludes this.
-SPEC_VERSION = 1
+# Bumped on any incompatible change to a hook's signature or meaning, or to an op's contract
+# (an op callable is called by the model: its signature is part of the hook ``deepinfer_ops``).
+# A backend declares the range it supports in BackendInfo; the core refuses a backend whose
+# range excludes this.
+#   1: the first contract.
+#   2: ``mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc,
+#      scale)`` takes ``query_start_loc`` and several query rows per sequence, causal within a
+#      sequence (speculative decoding verifies 1 + k tokens per sequence in one decode step);
+#      version 1's took one row per sequence and no ``query_start_loc``. ``sample_tokens`` takes
+#      the keyword-only ``host_params`` (CPU copies of its parameters: no device read). Platform
+#      gains ``graphs`` (the graph capture/replay object) and ``async_scheduling``.
+SPEC_VERSION = 2
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -51,7 +60,9 @@ class BackendInfo:
         entry-point name.
     priority: automatic selection picks the available backend with the highest priority;
         between equal priorities the reference backend wins, then the name that sorts first.
-    min_spec_version / max_spec_version: the hookspec versions this backend implements.
+    min_spec_version / max_spec_version: the hookspec versions this backend implements. The
+        defaults (1..1) describe a backend written before versions were bumped; one written for
+        this core declares ``SPEC_VERSION`` (2) explicitly.
     aliases: other names that select it (the reference backend answers to ``cpu``). A name or
         alias that two backends claim makes both broken; ``reference``, ``cpu`` and ``auto``
         are reserved (the core's reference backend, automatic selection).
@@ -90,7 +101,9 @@ class SchedulerLimits:
     """Limits a backend imposes on or suggests to the scheduler.
 
     Any field left ``None`` keeps the engine's default.
-    max_num_batched_tokens: the most tokens one step may carry (prefill chunk budget).
+    max_num_batched_tokens: the most tokens one step may carry (prefill chunk budget): the
+        budget when the user chose none, a cap on the user's choice otherwise. Choose it from
+        measurement (prefill tokens/s against the budget on the platform).
     max_num_seqs: the most sequences one step may carry.
     graph_batch_sizes: decode batch sizes the runner captures as graphs (sorted ascending);
         decode batches are padded up to the next size, larger ones run eagerly.
@@ -103,7 +116,14 @@ class SchedulerLimits:
 
 @dataclass
 class StepStats:
-    """What one engine step did; passed to ``deepinfer_step_observer``."""
+    """What one engine step did; passed to ``deepinfer_step_observer`` once its tokens reached
+    the host (in overlapped mode one step after it was launched).
+
+    num_decode_tokens counts every token of the decode rows (drafts included); num_cached_tokens:
+    prompt tokens that sequences admitted in this step took from the prefix cache;
+    num_draft_tokens / num_accepted_tokens: drafts verified / accepted (speculative decoding);
+    seconds: from the step's launch to its tokens being processed.
+    """
 
     step: int
     num_prefill_tokens: int
@@ -113,6 +133,9 @@ class StepStats:
     num_preempted: int
     free_kv_blocks: int
     seconds: float
+    num_cached_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -14,7 +14,7 @@
 * MTP: when config.json announces ``num_nextn_predict_layers`` but the checkpoint has no key at
   all under those layers (``save_pretrained`` drops them), the loader calls
   ``model.drop_mtp_layers()`` and logs a warning, so ``model.num_mtp_layers`` and
-  ``model.cache_specs()`` are final only after loading. Partially present MTP layers are an error.
+  ``model.cache_groups(with_mtp=True)`` are final only after loading. Partially present MTP layers are an error.
 * block FP8 (``float8_e4m3fn`` + float32 ``weight_scale_inv``): dequantised to the parameter's
   dtype (W8A16) unless the model keeps FP8 weights (``keep_fp8=True``), then copied as is.
 * tensors are read one at a time through ``safe_open`` (memory-mapped) and copied into their

@@ -3,8 +3,41 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
 
 import torch
+
+
+class GraphBackend(Protocol):
+    """A platform's graph capture and replay (CUDA graphs on NVIDIA, NPU graphs on Ascend).
+
+    ``capture(fn)`` warms ``fn`` up, records it once and returns (graph, outputs): the outputs
+    are static tensors that every ``replay(graph)`` overwrites. All graphs of one GraphBackend may
+    share one memory pool (they never run concurrently).
+    """
+
+    def capture(self, fn: Callable[[], Any]) -> tuple[Any, Any]: ...
+
+    def replay(self, graph: Any) -> None: ...
+
+
+class HostCopy:
+    """Tensors being copied to the host; ``wait()`` returns the host copies once they landed."""
+
+    def __init__(self, tensors: list[torch.Tensor], device: torch.device):
+        if device.type == "cpu":
+            self.tensors, self.event = tensors, None
+            return
+        self.tensors = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for host, t in zip(self.tensors, tensors):
+            host.copy_(t, non_blocking=True)
+        self.event = torch.Event(device=device)
+        self.event.record()
+
+    def wait(self) -> list[torch.Tensor]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.tensors
 
 
 @dataclass
@@ -17,7 +50,11 @@ class Platform:
     supported_dtypes: compute dtypes the backend's ops accept.
     fp8_weights: keep block-FP8 weights quantised (the op table has fast FP8 ops); when False the
         loader dequantises FP8 checkpoints to the compute dtype (W8A16).
-    graph_capture: decode steps can be captured as graphs.
+    graph_capture: decode steps can be captured as graphs (every decode-path op is free of host
+        synchronisation); ``graphs`` must then be set.
+    graphs: a factory of the platform's GraphBackend (None: no graphs).
+    async_scheduling: the engine may launch step N+1 before step N's tokens reach the host
+        (overlapped scheduling); the device runs launched work in order.
     batch_invariant: ops give the same per-row result whatever the batch they run in.
     """
 
@@ -28,6 +65,8 @@ class Platform:
     fp8_weights: bool = False
     graph_capture: bool = False
     batch_invariant: bool = False
+    graphs: Callable[[], GraphBackend] | None = None
+    async_scheduling: bool = False
     extra: dict = field(default_factory=dict)
 
     @property
@@ -53,3 +92,32 @@ class Platform:
         dev = self.torch_device
         if dev.type != "cpu":
             getattr(torch, dev.type).synchronize(dev)
+
+    def activate(self) -> None:
+        """Make this platform's device the current one (kernel launches and graph captures use it)."""
+        dev = self.torch_device
+        if dev.type != "cpu" and dev.index is not None:
+            torch.accelerator.set_device_index(dev.index)
+
+    def copy_to_host(self, tensors: list[torch.Tensor]) -> HostCopy:
+        """Start copying ``tensors`` to the host without waiting for the device."""
+        return HostCopy(tensors, self.torch_device)
+
+    def peak_memory(self, run: Callable[[], Any]) -> int:
+        """Bytes of device memory ``run()`` allocated at its peak beyond what was allocated before."""
+        dev = self.torch_device
+        if dev.type == "cpu":
+            run()
+            return 0
+        self.synchronize()
+        torch.accelerator.reset_peak_memory_stats(dev)
+        before = torch.accelerator.memory_allocated(dev)
+        run()
+        self.synchronize()
+        return torch.accelerator.max_memory_allocated(dev) - before
+
+    def empty_cache(self) -> None:
+        """Hand the allocator's cached free blocks back (before measuring free memory)."""
+        if self.torch_device.type != "cpu":
+            self.synchronize()
+            torch.accelerator.empty_cache()

@@ -247,12 +247,12 @@ def test_paged_ops_declare_the_block_boundaries():
         assert any(n == 1 for n, _ in cases) and any(bs == 1 for _, bs in cases), op
 
 
-def _skips_a_full_last_block(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale):
+def _skips_a_full_last_block(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, scale):
     """The reference, except that a sequence whose length is a multiple of the block size loses
     its last, full block (an off-by-one in the count of blocks to visit)."""
     block_size = kv_cache.shape[1]
     short = torch.where(seq_lens % block_size == 0, seq_lens - block_size, seq_lens)
-    return REFERENCE_OPS["mla_decode_attention"](q_latent, q_pe, kv_cache, block_tables, short, scale)
+    return REFERENCE_OPS["mla_decode_attention"](q_latent, q_pe, kv_cache, block_tables, short, query_start_loc, scale)
 
 
 def test_decode_that_skips_a_full_last_block_fails_on_the_declared_shapes():
@@ -263,11 +263,107 @@ def test_decode_that_skips_a_full_last_block_fails_on_the_declared_shapes():
 
 
 def test_decode_that_drops_the_last_token_fails():
-    def drop_last(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale):
-        return REFERENCE_OPS["mla_decode_attention"](q_latent, q_pe, kv_cache, block_tables, (seq_lens - 1).clamp(min=1), scale)
+    def drop_last(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, scale):
+        short = (seq_lens - 1).clamp(min=1)
+        return REFERENCE_OPS["mla_decode_attention"](q_latent, q_pe, kv_cache, block_tables, short, query_start_loc, scale)
 
     report = check("mla_decode_attention", drop_last, examples=0)
     assert report.result == "FAIL" and "seq_lens" in report.failing_shape
+
+
+def _rows(query_start_loc: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(row, its sequence b, its index i within the sequence) of every query row."""
+    starts = query_start_loc.tolist()
+    return [(row, b, row - starts[b]) for b in range(len(starts) - 1) for row in range(starts[b], starts[b + 1])]
+
+
+def _per_row(q_latent, q_pe, kv_cache, block_tables, query_start_loc, scale, length):
+    """The reference run once per query row, each as a sequence of one row with ``length(row, b, i)`` entries."""
+    out = torch.empty_like(q_latent)
+    one_row = torch.tensor([0, 1], dtype=torch.int32)
+    for row, b, i in _rows(query_start_loc):
+        n = torch.tensor([length(row, b, i)], dtype=torch.int32)
+        out[row] = REFERENCE_OPS["mla_decode_attention"](q_latent[row : row + 1], q_pe[row : row + 1], kv_cache,
+                                                          block_tables[b : b + 1], n, one_row, scale)[0]
+    return out
+
+
+@pytest.mark.parametrize("bug", ["not_causal", "mirrored", "global_row_index", "newest_row_only"])
+def test_decode_that_gets_the_query_rows_wrong_fails_on_the_declared_shapes(bug):
+    """Bugs invisible with one query row per sequence: every row attending to the whole sequence,
+    the causal mask mirrored (row i sees seq_len - i entries), row i counted from the start of the
+    batch instead of its sequence, the newest row's result given to all of a sequence's rows. Each
+    must fail on a declared shape with several query rows (and pass the one-row shapes)."""
+
+    def wrong(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, scale):
+        lens, starts = seq_lens.tolist(), query_start_loc.tolist()
+
+        def length(row, b, i):
+            q, n = starts[b + 1] - starts[b], lens[b]
+            return {"not_causal": n, "mirrored": n - i, "global_row_index": min(n, n - q + 1 + row),
+                    "newest_row_only": n}[bug]
+
+        out = _per_row(q_latent, q_pe, kv_cache, block_tables, query_start_loc, scale, length)
+        if bug == "newest_row_only":
+            for row, b, i in _rows(query_start_loc):
+                out[row] = out[starts[b + 1] - 1]
+        return out
+
+    report = check("mla_decode_attention", wrong, examples=0)
+    assert report.result == "FAIL", report.detail()
+    assert any(q > 1 for q in report.failing_shape.get("query_lens", [])), report.failing_shape
+    for dims in shapes("mla_decode_attention"):
+        if all(q == 1 for q in dims.get("query_lens", [1])) and dims["heads"] < 128:
+            assert replay_case(ReplayCase("mla_decode_attention", "float32", dims, 0), wrong, "cpu").result == "PASS", dims
+
+
+@pytest.mark.parametrize("which", ["mixed", "q_len_is_seq_len"])
+def test_decode_rows_are_the_op_once_per_row_with_a_truncated_seq_len(which):
+    """The kit's multi-row cases as the contract defines them: row i of a sequence of q rows and
+    seq_len n is the op on that row alone with n - q + 1 + i entries (bit for bit)."""
+    declared = [s for s in shapes("mla_decode_attention") if "query_lens" in s]
+    dims = declared[0] if which == "mixed" else next(s for s in declared if any(q == n for q, n in zip(s["query_lens"], s["seq_lens"])))
+    case = make_case("mla_decode_attention", dims, F32, "cpu", seed=2)
+    q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, scale = case.args
+    lens, starts = seq_lens.tolist(), query_start_loc.tolist()
+    assert starts == [0, *torch.tensor(dims["query_lens"]).cumsum(0).tolist()] and q_latent.shape[0] == starts[-1]
+    got = REFERENCE_OPS["mla_decode_attention"](*case.args)
+    want = _per_row(q_latent, q_pe, kv_cache, block_tables, query_start_loc, scale,
+                    lambda row, b, i: lens[b] - (starts[b + 1] - starts[b]) + 1 + i)
+    assert torch.equal(got, want)
+
+
+def test_decode_cases_with_query_rows_vary_and_replay():
+    """query_lens is optional in the spec: cases with and without it replay; the hypothesis
+    variation keeps 0 <= query_lens <= seq_lens and explores several rows per sequence."""
+    from hypothesis import given, settings
+
+    from deepinfer_core.conformance.inputs import shape_strategy
+
+    declared = shapes("mla_decode_attention")
+    assert any("query_lens" in s for s in declared) and any("query_lens" not in s for s in declared)
+    for dims in (declared[0], next(s for s in declared if "query_lens" in s)):
+        case = ReplayCase.parse(ReplayCase("mla_decode_attention", "float32", dims, 1).text())
+        assert replay_case(case, REFERENCE_OPS["mla_decode_attention"], "cpu").result == "PASS"
+    with pytest.raises(ValueError, match=r"\(optionally query_lens\); unknown: query_len"):
+        ReplayCase.parse(json.dumps({"op": "mla_decode_attention", "dtype": "float32", "seed": 0,
+                                     "dims": {**declared[0], "query_len": [1]}}))
+    with pytest.raises(ValueError, match="missing: seq_lens"):
+        ReplayCase.parse(json.dumps({"op": "mla_decode_attention", "dtype": "float32", "seed": 0,
+                                     "dims": {k: v for k, v in declared[0].items() if k != "seq_lens"}}))
+    with pytest.raises(ValueError, match="one query_lens entry >= 0 per sequence"):
+        make_case("mla_decode_attention", {**declared[0], "query_lens": [1, 1]}, F32, "cpu")
+    most_rows = []
+
+    @settings(max_examples=60, deadline=None, database=None, derandomize=True)
+    @given(dims=shape_strategy("mla_decode_attention", declared))
+    def draw(dims):
+        q = dims.get("query_lens", [1] * len(dims["seq_lens"]))
+        assert len(q) == len(dims["seq_lens"]) and all(0 <= a <= n for a, n in zip(q, dims["seq_lens"])), dims
+        most_rows.append(max(q, default=0))
+
+    draw()
+    assert max(most_rows) > 1
 
 
 def test_cache_write_that_ignores_padding_fails():

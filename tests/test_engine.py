@@ -123,7 +123,7 @@ def test_preemption_loses_nothing_and_changes_no_greedy_output(v3):
     assert tight.engine.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
     assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
-    assert tight.engine.block_manager.num_free == 12
+    assert tight.engine.kv.num_free == 12
 
 
 def test_stop_conditions(v3):
@@ -307,7 +307,7 @@ def test_engine_failure_keeps_finished_results(v3, monkeypatch):
     assert first.finished and len(first.outputs[0].token_ids) == 1 and first.outputs[0].finish_reason == "length"
     assert second.outputs[0].finish_reason == "abort" and 0 < len(second.outputs[0].token_ids) < 30
     monkeypatch.setattr(model, "forward", real_forward)
-    assert llm.engine.block_manager.num_free == llm.engine.block_manager.num_blocks
+    assert llm.engine.kv.num_free == llm.engine.kv.num_blocks
     assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == 3
 
 

@@ -5,6 +5,8 @@ Runs on the embedded default model (it has a tokenizer) in float32 on the refere
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import json
 import shutil
 import threading
@@ -40,8 +42,9 @@ def tokens(outputs) -> list[list[int]]:
 def assert_clean(llm: LLM) -> None:
     engine = llm.engine
     assert not engine.requests and not engine.has_unfinished()
-    assert engine.block_manager.num_free == engine.block_manager.num_blocks
-    assert sorted(engine.block_manager.free_blocks) == list(range(engine.block_manager.num_blocks))
+    assert engine.kv.num_free == engine.kv.num_blocks
+    for pool in engine.kv.pools.values():
+        assert sorted(pool.free) == list(range(engine.kv.num_blocks)) and not any(pool.refs)
 
 
 @pytest.fixture(scope="module")
@@ -105,19 +108,18 @@ def test_ctrl_c_while_queueing_leaves_nothing_behind(llm, expected, monkeypatch)
 
 def test_ctrl_c_inside_block_bookkeeping_is_repaired(llm, expected, monkeypatch):
     """An interrupt between taking a block off the free list and recording it would leak the block."""
-    manager = llm.engine.block_manager
-    real_pop = manager.free_blocks.pop
+    (pool,) = llm.engine.kv.pools.values()
     calls = {"n": 0}
 
-    class LeakyList(list):
-        def pop(self, *args):
-            value = real_pop(*args)
+    class LeakyQueue(OrderedDict):
+        def popitem(self, *args, **kwargs):
+            value = super().popitem(*args, **kwargs)
             calls["n"] += 1
             if calls["n"] == 2:
                 raise KeyboardInterrupt  # the popped block is in no block table
             return value
 
-    manager.free_blocks = LeakyList(manager.free_blocks)
+    pool.free = LeakyQueue(pool.free)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     assert_clean(llm)
@@ -133,7 +135,7 @@ def test_a_step_cut_short_between_its_tokens_resumes_exactly(llm, monkeypatch):
     ids = [engine.add_request(p, g) for p, g in zip(PROMPTS, greedy)]
     for _ in range(3):
         engine.step()
-    interrupt_on_call(monkeypatch, engine, "_append", 2)  # the second of the step's three tokens
+    interrupt_on_call(monkeypatch, engine.output, "process", 2)  # the second of the step's three sequences
     with pytest.raises(KeyboardInterrupt):
         engine.step()
     monkeypatch.undo()

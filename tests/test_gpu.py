@@ -84,3 +84,32 @@ def test_fp8_checkpoint_kept_fp8_matches_cpu_dequantised(tmp_path):
         for pos in range(1, len(ids)):
             ref, got = a.prompt_logprobs[pos][ids[pos]], b.prompt_logprobs[pos][ids[pos]]
             assert abs(ref - got) <= 0.02 + 0.01 * abs(ref), (pos, ref, got)
+
+
+def _tokens(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def test_engine_core_on_gpu_emits_what_plain_synchronous_decoding_does(checkpoint, monkeypatch):
+    """On the GPU the engine overlaps steps (sampled ids stay on the device), captures graphs at
+    start-up, shares cached prefixes and verifies n-gram drafts through (batch, 1 + k) graphs: each
+    gives what synchronous, uncached, non-speculative decoding gives (greedy, seeded sampling)."""
+    shared = list(range(40, 80))
+    prompts = [shared + p for p in PROMPTS]
+    cases = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+             SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True, n=2)]
+    monkeypatch.setenv("DEEPINFER_ASYNC_SCHEDULING", "0")
+    plain = LLM(model=str(checkpoint), accelerator="nvidia", dtype="float32", enable_prefix_caching=False, progress=False)
+    monkeypatch.delenv("DEEPINFER_ASYNC_SCHEDULING")
+    core = LLM(model=str(checkpoint), accelerator="nvidia", dtype="float32", progress=False)
+    spec = LLM(model=str(checkpoint), accelerator="nvidia", dtype="float32", progress=False,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1})
+    assert core.engine.async_scheduling and not plain.engine.async_scheduling
+    assert core.engine.runner.graphs.graphs and (1, 4) in spec.engine.runner.graphs.graphs
+    for params in cases:
+        expected = _tokens(plain.generate(prompts, params, use_tqdm=False))
+        assert _tokens(core.generate(prompts, params, use_tqdm=False)) == expected
+        again = core.generate(prompts, params, use_tqdm=False)
+        assert _tokens(again) == expected and all(o.num_cached_tokens >= 32 for o in again)
+        assert _tokens(spec.generate(prompts, params, use_tqdm=False)) == expected
+    assert spec.engine.num_draft_tokens > 0

@@ -12,7 +12,8 @@ import torch
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.loader import load_model
 from deepinfer_core.models import get_model_class
-from deepinfer_core.models.batch import BatchMeta
+from deepinfer_core.models.batch import BatchMeta, GroupMeta
+from deepinfer_core.models.deepseek_v3 import CACHE_GROUP
 from deepinfer_core.ops import OpTable
 from tests.hf_checkpoints import CONFIGS, add_mtp_weights, causal_mask, hf_mtp_layer, write_checkpoint
 
@@ -30,12 +31,14 @@ class Seq:
         return self.blocks[pos // self.block_size] * self.block_size + pos % self.block_size
 
 
-def make_batch(steps: list[tuple[Seq, int, int]]) -> tuple[torch.Tensor, torch.Tensor, BatchMeta]:
+def make_batch(steps: list[tuple[Seq, int, int]], num_decodes: int | None = None) -> tuple[torch.Tensor, torch.Tensor, BatchMeta]:
     """steps: (seq, start, n) = compute tokens [start, start + n) of seq with [0, start) cached.
 
-    Trailing single-token steps with a cached prefix are decodes; everything before is prefill."""
-    num_prefills = len(steps) - _num_decodes(steps)
-    prefills, decodes = steps[:num_prefills], steps[num_prefills:]
+    The last ``num_decodes`` steps are decode rows (1 + k tokens over the paged cache); by
+    default the trailing single-token steps with a cached prefix; everything before is prefill."""
+    if num_decodes is None:
+        num_decodes = _num_decodes(steps)
+    prefills, decodes = steps[: len(steps) - num_decodes], steps[len(steps) - num_decodes :]
     ids, pos, slots = [], [], []
     cu_q, cu_k, ctx = [0], [0], []
     for seq, start, n in prefills:
@@ -46,21 +49,26 @@ def make_batch(steps: list[tuple[Seq, int, int]]) -> tuple[torch.Tensor, torch.T
         cu_k.append(cu_k[-1] + start + n)
         ctx += [seq.slot(p) for p in range(start + n)]
     max_blocks = max([len(s.blocks) for s, _, _ in decodes] + [1])
-    tables, lens = [], []
-    for seq, start, _ in decodes:
-        ids.append(seq.tokens[start])
-        pos.append(start)
-        slots.append(seq.slot(start))
+    tables, lens, qstart = [], [], [0]
+    for seq, start, n in decodes:
+        ids += seq.tokens[start : start + n]
+        pos += list(range(start, start + n))
+        slots += [seq.slot(p) for p in range(start, start + n)]
         tables.append(seq.blocks + [0] * (max_blocks - len(seq.blocks)))
-        lens.append(start + 1)
+        lens.append(start + n)
+        qstart.append(qstart[-1] + n)
+    cache = GroupMeta(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_tables=torch.tensor(tables, dtype=torch.int32).view(len(decodes), max_blocks),
+        context_slots=torch.tensor(ctx, dtype=torch.int64),
+    )
     batch = BatchMeta(
         num_prefill_tokens=cu_q[-1],
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
         prefill_cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32),
         prefill_cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32),
-        prefill_context_slots=torch.tensor(ctx, dtype=torch.int64),
-        decode_block_tables=torch.tensor(tables, dtype=torch.int32).view(len(decodes), max_blocks),
         decode_seq_lens=torch.tensor(lens, dtype=torch.int32),
+        decode_query_start_loc=torch.tensor(qstart, dtype=torch.int32),
+        groups={CACHE_GROUP: cache},
     )
     return torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64), batch
 
@@ -75,8 +83,9 @@ def _num_decodes(steps):
     return n
 
 
-def new_caches(model) -> list[torch.Tensor]:
-    return [torch.zeros(NUM_BLOCKS, 4, spec.entry_dim, dtype=spec.dtype) for spec in model.cache_specs()]
+def new_caches(model) -> dict[str, torch.Tensor]:
+    (group,) = model.cache_groups(with_mtp=True)
+    return {layer: torch.zeros(NUM_BLOCKS, 4, group.entry_dim, dtype=group.dtype) for layer in group.layers}
 
 
 def new_seq(tokens: list[int], pool: list[int], block_size: int = 4) -> Seq:
@@ -154,6 +163,27 @@ def test_decode_matches_full_forward(pair):
     torch.testing.assert_close(torch.cat(rows), full, atol=ATOL, rtol=0)
 
 
+def test_multi_token_decode_rows_match_full_forward(pair):
+    """Decode rows of 1 + k tokens (speculative verification), causal within the row, in one batch
+    with single-token rows and a prefill: every row's logits are the full forward's."""
+    _, _, hf, ours = pair
+    a_tokens, b_tokens, c_tokens = (prompt(hf.config.vocab_size, n, seed=s) for n, s in ((16, 21), (11, 22), (9, 23)))
+    pool = block_pool(24)
+    a, b, c = new_seq(a_tokens, pool), new_seq(b_tokens, pool), new_seq(c_tokens, pool)
+    caches = new_caches(ours)
+    ids, pos, batch = make_batch([(a, 0, 10), (b, 0, 7)])
+    ours(ids, pos, batch, caches)
+    # c prefills whole; a verifies a row of 4 (10..13), b a row of 1 (7), then a row of 3 (8..10)
+    ids, pos, batch = make_batch([(c, 0, 9), (a, 10, 4), (b, 7, 1)], num_decodes=2)
+    assert batch.num_prefill_tokens == 9 and batch.num_decodes == 2
+    got = ours.compute_logits(ours(ids, pos, batch, caches))
+    ids, pos, batch = make_batch([(b, 8, 3), (a, 14, 2)], num_decodes=2)
+    got2 = ours.compute_logits(ours(ids, pos, batch, caches))
+    fa, fb, fc = full_logits(ours, a_tokens), full_logits(ours, b_tokens), full_logits(ours, c_tokens)
+    torch.testing.assert_close(got, torch.cat([fc, fa[10:14], fb[7:8]]), atol=ATOL, rtol=0)
+    torch.testing.assert_close(got2, torch.cat([fb[8:11], fa[14:16]]), atol=ATOL, rtol=0)
+
+
 def test_chunked_prefill_matches_full_forward(pair):
     _, _, hf, ours = pair
     tokens = prompt(hf.config.vocab_size, 16, seed=4)
@@ -215,8 +245,9 @@ def mtp_pair(tmp_path_factory):
 def test_mtp_matches_transformers_mtp_layer(mtp_pair):
     hf, hf_mtp, ours = mtp_pair
     assert ours.num_mtp_layers == 1
-    specs = ours.cache_specs()
-    assert len(specs) == hf.config.num_hidden_layers + 1 and specs[-1].layer == "mtp.layers.0.self_attn"
+    (group,) = ours.cache_groups(with_mtp=True)
+    assert len(group.layers) == hf.config.num_hidden_layers + 1 and group.layers[-1] == "mtp.layers.0.self_attn"
+    assert "mtp.layers.0.self_attn" not in ours.cache_groups()[0].layers  # a cache only when something runs it
     tokens = prompt(hf.config.vocab_size, 14, seed=11)
     t = len(tokens) - 1
     with torch.no_grad():
@@ -256,9 +287,9 @@ def test_checkpoint_without_mtp_drops_mtp_layers(pair):
     if CONFIGS[name][0] == "v3":
         assert hf.config.num_nextn_predict_layers >= 1  # announced by the config, absent from the file
     assert ours.num_mtp_layers == 0
-    assert len(ours.cache_specs()) == hf.config.num_hidden_layers
+    assert len(ours.cache_groups(with_mtp=True)[0].layers) == hf.config.num_hidden_layers
     with pytest.raises(ValueError, match="MTP"):
-        ours.forward_mtp(0, torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), torch.zeros(1, 64), None, [])
+        ours.forward_mtp(0, torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), torch.zeros(1, 64), None, {})
 
 
 def test_derived_tensors_are_not_in_state_dict(pair):
@@ -282,7 +313,7 @@ def test_bfloat16_prefill_and_decode(tmp_path, name, keep_fp8):
         golden = hf(torch.tensor([tokens])).logits[0].float()
     seq = new_seq(tokens, block_pool(14))
     caches = new_caches(ours)
-    assert caches[0].dtype == torch.bfloat16
+    assert next(iter(caches.values())).dtype == torch.bfloat16
     ids, pos, batch = make_batch([(seq, 0, 6)])
     rows = [ours.compute_logits(ours(ids, pos, batch, caches))]
     for p in range(6, len(tokens)):

@@ -18,23 +18,40 @@ def randn(*shape, scale=1.0):
     return torch.randn(*shape, generator=GEN) * scale
 
 
-def test_absorbed_decode_equals_expanded_attention():
-    h, d_c, d_r, d_n, d_v, bs = 4, 32, 8, 16, 12, 4
-    w_kvb = randn(h * (d_n + d_v), d_c, scale=d_c**-0.5)
-    lens = [1, 7, 13]
-    num_blocks = 16
-    cache = randn(num_blocks, bs, d_c + d_r)
+def _paged(lens: list[int], bs: int, d: int, width: int | None = None):
+    """A random cache of [latent | k_pe] rows and block tables giving each sequence its own blocks."""
+    width = width or max(1, max((-(-n // bs) for n in lens), default=1))
+    num_blocks = len(lens) * width + 3
+    cache = randn(num_blocks, bs, d)
     perm = torch.randperm(num_blocks, generator=GEN).tolist()
-    tables = torch.zeros(len(lens), 4, dtype=torch.int32)
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
     for b, n in enumerate(lens):
         for i in range(-(-n // bs)):
             tables[b, i] = perm.pop()
-    q_nope, q_pe = randn(len(lens), h, d_n), randn(len(lens), h, d_r)
+    return cache, tables
+
+
+def _starts(query_lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(query_lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [4, 1, 3]], ids=["one_row", "rows_1_plus_k"])
+def test_absorbed_decode_equals_expanded_attention(query_lens):
+    """Decode in the absorbed form (q_nope through W_UK, the output through W_UV) equals prefill
+    attention in the expanded form over the same cache: each sequence's query rows are its newest
+    tokens, causal, as a prefill chunk over a cached prefix is."""
+    h, d_c, d_r, d_n, d_v, bs = 4, 32, 8, 16, 12, 4
+    w_kvb = randn(h * (d_n + d_v), d_c, scale=d_c**-0.5)
+    lens = [4, 7, 13]
+    cache, tables = _paged(lens, bs, d_c + d_r)
+    rows = sum(query_lens)
+    q_nope, q_pe = randn(rows, h, d_n), randn(rows, h, d_r)
     w = w_kvb.view(h, d_n + d_v, d_c)
     w_uk, w_uv = w[:, :d_n], w[:, d_n:]
     scale = 0.3
     q_latent = torch.einsum("bhn,hnc->bhc", q_nope, w_uk)
-    got = attention.mla_decode_attention(q_latent, q_pe, cache, tables, torch.tensor(lens, dtype=torch.int32), scale)
+    starts = _starts(query_lens)
+    got = attention.mla_decode_attention(q_latent, q_pe, cache, tables, torch.tensor(lens, dtype=torch.int32), starts, scale)
     got = torch.einsum("bhc,hvc->bhv", got, w_uv)
 
     for b, n in enumerate(lens):
@@ -42,10 +59,65 @@ def test_absorbed_decode_equals_expanded_attention():
         ctx = attention.gather_latent_cache(cache, slots)
         kv = F.linear(ctx[:, :d_c], w_kvb).view(n, h, d_n + d_v)
         k = torch.cat([kv[..., :d_n], ctx[:, None, d_c:].expand(n, h, d_r)], dim=-1)
-        q = torch.cat([q_nope[b : b + 1], q_pe[b : b + 1]], dim=-1)
-        cu_q, cu_k = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32)
+        first, last = starts[b].item(), starts[b + 1].item()
+        q = torch.cat([q_nope[first:last], q_pe[first:last]], dim=-1)
+        cu_q, cu_k = torch.tensor([0, last - first], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32)
         expanded = attention.mla_prefill_attention(q, k, kv[..., d_n:], cu_q, cu_k, scale)
-        torch.testing.assert_close(got[b : b + 1], expanded, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[first:last], expanded, atol=1e-5, rtol=1e-5)
+
+
+def _decode_case(lens, query_lens, h=3, d_c=16, d_r=8, bs=4, dtype=torch.float32):
+    cache, tables = _paged(lens, bs, d_c + d_r, width=max(1, max((-(-n // bs) for n in lens), default=1)) + 1)
+    rows = sum(query_lens)
+    q_latent = randn(rows, h, d_c).to(dtype)
+    q_pe = randn(rows, h, d_r + 2)[..., :d_r].to(dtype)  # a strided view, as the model passes it
+    return q_latent, q_pe, cache.to(dtype), tables, torch.tensor(lens, dtype=torch.int32), _starts(query_lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens,query_lens", [([7, 1, 13], [4, 1, 3]), ([3, 5], [3, 5]), ([9, 2, 6], [2, 0, 3]), ([8], [8])],
+                         ids=["mixed", "q_len_is_seq_len", "a_sequence_without_rows", "one_sequence_all_rows"])
+def test_decode_rows_are_the_op_once_per_row_with_a_truncated_seq_len(lens, query_lens, dtype):
+    """Row i of a sequence with q rows and n cached entries is exactly (bit for bit) the op on that
+    row alone, as one-row decode over the first n - q + 1 + i entries."""
+    q_latent, q_pe, cache, tables, seq_lens, starts = _decode_case(lens, query_lens, dtype=dtype)
+    got = attention.mla_decode_attention(q_latent, q_pe, cache, tables, seq_lens, starts, 0.25)
+    assert got.shape == q_latent.shape and got.dtype == dtype
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    for b, (n, q) in enumerate(zip(lens, query_lens)):
+        for i in range(q):
+            row = int(starts[b]) + i
+            alone = attention.mla_decode_attention(q_latent[row : row + 1], q_pe[row : row + 1], cache, tables[b : b + 1],
+                                                   torch.tensor([n - q + 1 + i], dtype=torch.int32), one, 0.25)
+            assert torch.equal(got[row], alone[0]), (b, i)
+
+
+def test_decode_with_one_row_per_sequence_is_plain_decode():
+    """query_start_loc = 0, 1, .., B: each row attends to all seq_lens[b] entries of its sequence
+    (softmax over s_j = (q_latent . c_j + q_pe . k_pe_j) * scale, weights on c), written out here."""
+    lens = [1, 4, 9, 5]
+    q_latent, q_pe, cache, tables, seq_lens, starts = _decode_case(lens, [1] * len(lens), bs=2)
+    assert starts.tolist() == [0, 1, 2, 3, 4]
+    got = attention.mla_decode_attention(q_latent, q_pe, cache, tables, seq_lens, starts, 0.4)
+    d_c = q_latent.shape[-1]
+    for b, n in enumerate(lens):
+        entries = torch.stack([cache[tables[b, p // 2], p % 2] for p in range(n)])
+        scores = torch.einsum("hd,nd->hn", torch.cat([q_latent[b], q_pe[b]], -1), entries) * 0.4
+        torch.testing.assert_close(got[b], scores.softmax(-1) @ entries[:, :d_c], atol=1e-6, rtol=1e-6)
+
+
+def test_decode_rows_with_nothing_to_attend_to_are_zeros():
+    """seq_lens 0 (graph padding) and rows whose count seq_len - q + 1 + i is <= 0 give zeros; an
+    empty batch gives an empty output."""
+    lens, query_lens = [0, 2, 5, 0], [1, 4, 2, 3]  # the second: rows see -1, 0, 1, 2 entries
+    q_latent, q_pe, cache, tables, seq_lens, starts = _decode_case(lens, query_lens)
+    got = attention.mla_decode_attention(q_latent, q_pe, cache, tables, seq_lens, starts, 0.3)
+    zero_rows = [0, 1, 2, 7, 8, 9]
+    assert all(torch.count_nonzero(got[r]) == 0 for r in zero_rows)
+    assert all(torch.count_nonzero(got[r]) > 0 for r in range(got.shape[0]) if r not in zero_rows)
+    empty = attention.mla_decode_attention(q_latent[:0], q_pe[:0], cache, tables[:0], seq_lens[:0],
+                                           torch.zeros(1, dtype=torch.int32), 0.3)
+    assert empty.shape == (0, *q_latent.shape[1:])
 
 
 def test_prefill_attention_with_cached_prefix_matches_dense():

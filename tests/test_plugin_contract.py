@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from deepinfer_core import hook_checks
-from deepinfer_core.hookspecs import BackendInfo, ProbeResult, SchedulerLimits, StepStats, hookimpl
+from deepinfer_core.hookspecs import SPEC_VERSION, BackendInfo, ProbeResult, SchedulerLimits, StepStats, hookimpl
 from deepinfer_core.ops import REFERENCE_OPS
 from deepinfer_core.platform import Platform
 from deepinfer_core.plugins import BackendError, PluginManager
@@ -109,7 +109,8 @@ def test_cli_lists_every_claimant_and_cpu_selects_the_reference(clash_site):
 def _backend(name: str, **hooks) -> SimpleNamespace:
     """An in-process backend module whose hooks are the given functions."""
     module = SimpleNamespace(
-        deepinfer_backend=hookimpl(lambda: BackendInfo(name=name, priority=-10)),
+        deepinfer_backend=hookimpl(lambda: BackendInfo(name=name, priority=-10, min_spec_version=SPEC_VERSION,
+                                                       max_spec_version=SPEC_VERSION)),
         deepinfer_probe=hookimpl(lambda: ProbeResult(True)),
         deepinfer_platform=hookimpl(lambda: Platform(name="fake-inline", backend=name)),
     )
@@ -138,12 +139,17 @@ def _load(module: SimpleNamespace, name: str):
         ({"deepinfer_ops": lambda platform, model_config: {"moe_route": lambda x, gate_weight, correction_bias, **kw: None,
                                                            "linear": lambda x, weight: None}},
          ["op 'linear' takes (x, weight)", "too many positional arguments"]),
+        ({"deepinfer_ops": lambda platform, model_config: {  # hookspec version 1's decode: no query_start_loc
+            "mla_decode_attention": lambda q_latent, q_pe, kv_cache, block_tables, seq_lens, scale: q_latent}},
+         ["op 'mla_decode_attention' takes (q_latent, q_pe, kv_cache, block_tables, seq_lens, scale) but its contract is "
+          "mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, scale): "
+          "too many positional arguments"]),
         ({"deepinfer_scheduler_limits": lambda platform, model_config: {"max_num_seqs": 4}}, ["returned a dict"]),
         ({"deepinfer_scheduler_limits": lambda platform, model_config: SchedulerLimits(graph_batch_sizes=(8, 1))},
          ["graph_batch_sizes is (8, 1)", "ascending"]),
     ],
     ids=["platform-dict", "platform-device", "platform-backend", "platform-dtypes", "ops-list", "op-missing-arg",
-         "op-extra-positional", "limits-dict", "limits-order"],
+         "op-extra-positional", "op-spec-v1-decode", "limits-dict", "limits-order"],
 )
 def test_a_hook_returning_the_wrong_thing_is_named_at_start_up(hooks, needles):
     with pytest.raises(BackendError) as err:
@@ -161,6 +167,7 @@ def test_op_signatures_that_keep_the_contract_are_accepted():
         "fp8_block_linear": lambda *args: None,  # so is taking anything positionally
         "moe_route": lambda x, gate_weight, correction_bias, **kwargs: None,
         "moe_experts": lambda x, w13, w2, weights, ids, w1_scale=None, w2_scale=None, block=None: x,
+        "mla_decode_attention": lambda q, q_pe, cache, tables, lens, starts, scale, *extra: q,  # own names, extras
         "sample_tokens": max,  # a builtin without an inspectable signature: not checked
     }
     _, ops, _, _ = _load(_backend("inline", deepinfer_ops=lambda platform, model_config: loose), "inline")
@@ -181,6 +188,15 @@ def test_op_signatures_that_keep_the_contract_are_accepted():
 def test_a_bad_backend_info_is_a_broken_plugin(info, needle):
     backend = PluginManager().add("x", _backend("x", deepinfer_backend=lambda: info))
     assert not backend.available and needle in backend.error, backend.error
+
+
+def test_a_backend_that_declares_no_spec_version_is_refused():
+    """BackendInfo's default range (1..1) is the first contract's, which this core no longer speaks
+    (version 2 changed mla_decode_attention's signature): such a backend is broken, not loaded."""
+    assert SPEC_VERSION == 2 and (BackendInfo("x", 1).min_spec_version, BackendInfo("x", 1).max_spec_version) == (1, 1)
+    backend = PluginManager().add("x", _backend("x", deepinfer_backend=lambda: BackendInfo(name="x", priority=1)))
+    assert not backend.available
+    assert "supports hookspec versions 1..1, but this deepinfer core speaks version 2" in backend.error, backend.error
 
 
 def test_a_bad_probe_result_is_a_broken_plugin():

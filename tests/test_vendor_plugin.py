@@ -222,44 +222,58 @@ def test_latent_cache_write_and_gather(vendor, dtype, tokens, padding):
     assert torch.equal(cache, ref_cache)
 
 
-def _decode_inputs(seq_lens: list[int], dtype: torch.dtype, heads: int = 4, d_c: int = 32, d_r: int = 8, block_size: int = 4):
-    """Non-contiguous block tables over a pool with spare blocks; unused table entries are -1."""
-    max_blocks = max(-(-n // block_size) for n in seq_lens) if seq_lens else 1
+def _decode_inputs(seq_lens: list[int], dtype: torch.dtype, query_lens: list[int] | None = None, heads: int = 4,
+                   d_c: int = 32, d_r: int = 8, block_size: int = 4):
+    """Non-contiguous block tables over a pool with spare blocks; unused table entries are -1.
+    ``query_lens``: query rows per sequence (default one each)."""
+    query_lens = [1] * len(seq_lens) if query_lens is None else query_lens
+    max_blocks = max((-(-n // block_size) for n in seq_lens), default=1) or 1
     num_blocks = len(seq_lens) * max_blocks + 3
     pool = torch.randperm(num_blocks, generator=GEN).tolist()
     tables = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int32)
     for b, n in enumerate(seq_lens):
         for i in range(-(-n // block_size)):
             tables[b, i] = pool.pop()
-    batch = len(seq_lens)
+    rows = sum(query_lens)
     return (
-        _randn(batch, heads, d_c, dtype=dtype),
-        _randn(batch, heads, d_r, dtype=dtype),
+        _randn(rows, heads, d_c, dtype=dtype),
+        _randn(rows, heads, d_r + 3, dtype=dtype)[..., :d_r],  # strided, as the model passes it
         _randn(num_blocks, block_size, d_c + d_r, dtype=dtype),
         tables,
         torch.tensor(seq_lens, dtype=torch.int32),
+        torch.tensor([0, *torch.tensor(query_lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32),
         (d_c + d_r) ** -0.5,
     )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("seq_lens", [[], [1], [1, 7, 13], [33, 5]])
-def test_mla_decode_attention(vendor, dtype, seq_lens):
-    args = _decode_inputs(seq_lens, dtype)
+@pytest.mark.parametrize("seq_lens, query_lens", [
+    ([], None), ([1], None), ([1, 7, 13], None), ([33, 5], None),
+    ([7, 1, 13], [4, 1, 3]),   # several query rows per sequence (speculative decoding's 1 + k)
+    ([3, 9, 4], [3, 0, 4]),    # q_len == seq_len, a sequence without rows
+    ([0, 2, 6], [1, 3, 2]),    # rows with nothing to attend to (zeros)
+])  # fmt: skip
+def test_mla_decode_attention(vendor, dtype, seq_lens, query_lens):
+    args = _decode_inputs(seq_lens, dtype, query_lens)
     _close(vendor.mla_decode_attention(*args), REFERENCE_OPS["mla_decode_attention"](*args), "mla_decode_attention", dtype)
 
 
-def test_the_broken_variant_differs_only_in_its_broken_op(vendor):
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [4, 1, 3]])
+def test_the_broken_variant_differs_only_in_its_broken_op(vendor, query_lens):
     from deepinfer_vendor_example import broken
 
     ops = broken.deepinfer_ops(platform=None, model_config=None)
     assert set(ops) == VENDOR_OPS
     assert all(ops[op] is getattr(vendor, op) for op in VENDOR_OPS - {BROKEN_OP})
-    args = _decode_inputs([1, 7, 13], torch.float32)
+    args = _decode_inputs([7, 1, 13], torch.float32, query_lens)
+    q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, scale = args
     out, ref = ops[BROKEN_OP](*args), REFERENCE_OPS[BROKEN_OP](*args)
     assert torch.isfinite(out).all()  # plausible numbers, wrong ones
     with pytest.raises(AssertionError):
         _close(out, ref, BROKEN_OP, torch.float32)
+    # the bug, exactly: every query row attends to one entry fewer than the contract says
+    short = REFERENCE_OPS[BROKEN_OP](q_latent, q_pe, kv_cache, block_tables, seq_lens - 1, query_start_loc, scale)
+    _close(out, short, BROKEN_OP, torch.float32)
 
 
 def test_a_model_runs_on_it(vendor, monkeypatch):

@@ -8,7 +8,7 @@ device-agnostic, so other backends may fall back to them on their own device.
 
 from __future__ import annotations
 
-from deepinfer_core.hookspecs import BackendInfo, ProbeResult, hookimpl
+from deepinfer_core.hookspecs import SPEC_VERSION, BackendInfo, ProbeResult, hookimpl
 
 NAME = "reference"
 
@@ -18,6 +18,8 @@ def deepinfer_backend() -> BackendInfo:
     return BackendInfo(
         name=NAME,
         priority=0,
+        min_spec_version=SPEC_VERSION,  # the core's own backend speaks exactly the core's version
+        max_spec_version=SPEC_VERSION,
         aliases=("cpu",),
         description="pure PyTorch reference ops (ground truth; CPU or any torch device)",
     )

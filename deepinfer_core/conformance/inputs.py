@@ -217,16 +217,24 @@ def _mla_prefill_attention(d: dict, dtype, r: _Draw):
 def _mla_decode_attention(d: dict, dtype, r: _Draw):
     lens, h, d_c, d_r, bs = d["seq_lens"], d["heads"], d["kv_lora_rank"], d["rope_dim"], d["block_size"]
     batch = len(lens)
+    # query rows per sequence: 1 (plain decode) unless the shape says otherwise (speculative
+    # decoding's 1 + k); each sequence's rows are its newest entries, already in the cache (a
+    # row with more rows after it than entries before it, e.g. seq_len 0, attends to nothing)
+    query_lens = d.get("query_lens", [1] * batch)
+    if len(query_lens) != batch or any(q < 0 for q in query_lens):
+        raise ValueError(f"mla_decode_attention: need one query_lens entry >= 0 per sequence, got {query_lens} for seq_lens {lens}")
+    rows = sum(query_lens)
     max_blocks = max(1, -(-max(lens, default=1) // bs)) + 1
     num_blocks = 2 * batch * max_blocks + 3
     kv_cache = r.randn(num_blocks, bs, d_c + d_r, dtype=dtype)
     # every other column of a random permutation of the pool: a non-contiguous block table
     pool = r.perm(num_blocks)[: 2 * batch * max_blocks].to(torch.int32)
     block_tables = pool.view(batch, 2 * max_blocks).to(r.device)[:, ::2]
-    q_latent = r.randn(batch, h, d_c, dtype=dtype)
-    q_pe = r.randn(batch, h, d_r + 3, dtype=dtype)[..., :d_r]  # strided, as the rope output is
+    q_latent = r.randn(rows, h, d_c, dtype=dtype)
+    q_pe = r.randn(rows, h, d_r + 3, dtype=dtype)[..., :d_r]  # strided, as the rope output is
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=r.device)
-    return (q_latent, q_pe, kv_cache, block_tables, seq_lens, attention_scale(d["scale"], d_c)), {}
+    query_start_loc = _cu_seqlens(query_lens, r.device)
+    return (q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, attention_scale(d["scale"], d_c)), {}
 
 
 def sampling_params(rows: int, greedy_rows: int, device, restrictions=SAMPLING_RESTRICTIONS) -> tuple[torch.Tensor, ...]:
@@ -306,9 +314,20 @@ def shape_strategy(op: str, declared: list[dict]):
                 for q, k in zip(dims["seq_lens_q"], dims["seq_lens_k"])
             ]
             return st.tuples(*pairs).map(lambda ps: {**dims, "seq_lens_q": [p[0] for p in ps], "seq_lens_k": [p[1] for p in ps]})
-        if op == "mla_decode_attention":
-            lens = st.tuples(*[st.integers(1, n) for n in dims["seq_lens"]])
-            return lens.map(lambda ls: {**dims, "seq_lens": list(ls)})
+        if op == "mla_decode_attention":  # query rows 1..declared (0 stays 0), then seq_lens >= query rows
+            declared_q = dims.get("query_lens", [1] * len(dims["seq_lens"]))
+            pairs = [
+                st.integers(min(1, q), q).flatmap(lambda qq, n=n: st.tuples(st.just(qq), st.integers(max(qq, 1), max(qq, n, 1))))
+                for q, n in zip(declared_q, dims["seq_lens"])
+            ]
+
+            def redrawn(ps):
+                out = {**dims, "seq_lens": [p[1] for p in ps]}
+                if "query_lens" in dims:
+                    out["query_lens"] = [p[0] for p in ps]
+                return out
+
+            return st.tuples(*pairs).map(redrawn)
         counts = {dim: st.integers(min(lowest[dim], dims[dim]), dims[dim]) for dim in COUNT_DIMS.get(op, ()) if dim in dims}
         if op == "sample_tokens":  # greedy rows cannot exceed rows
             return st.fixed_dictionaries(counts).map(lambda c: {**dims, **c, "greedy_rows": min(c["greedy_rows"], c["rows"])})

@@ -40,7 +40,7 @@ class ReplayCase:
     input values; it is not ``--seed``, which seeds hypothesis' search for cases."""
 
     op: str
-    dtype: str  # a name of spec.DTYPE_NAMES
+    dtype: str  # a name of deepinfer_core.dtypes.DTYPES
     dims: dict
     seed: int
     statistical: bool = False
@@ -91,11 +91,16 @@ def _check_names(what: str, required, allowed, given: dict) -> None:
 
 
 def _check_dims(op: str, dims) -> None:
-    """``dims`` names exactly the dimensions of ``op``'s declared shapes (values are the builder's to judge)."""
+    """``dims`` names the dimensions of ``op``'s declared shapes: those every shape names, and
+    only ones some shape names (an optional dimension such as mla_decode_attention's
+    ``query_lens`` has a default). Values are the builder's to judge."""
     if not isinstance(dims, dict):
         raise ValueError(f"dims must be a JSON object of {op}'s dimensions, got {type(dims).__name__}")
-    names = sorted(shapes(op)[0])  # every declared shape of an op names the same dimensions
-    _check_names(f"the dims of {op} are {', '.join(names)}", names, names, dims)
+    declared = [set(s) for s in shapes(op)]
+    required, allowed = sorted(set.intersection(*declared)), sorted(set.union(*declared))
+    optional = [n for n in allowed if n not in required]
+    what = f"the dims of {op} are {', '.join(required)}" + (f" (optionally {', '.join(optional)})" if optional else "")
+    _check_names(what, required, allowed, dims)
 
 
 @dataclass

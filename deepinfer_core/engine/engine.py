@@ -1,4 +1,12 @@
-"""The engine: requests in, one scheduler/runner/sampler step at a time, finished outputs out."""
+"""The engine: requests in, one scheduler/runner/sampler step at a time, finished outputs out.
+
+A step: ``Scheduler.schedule()`` -> ``ModelRunner.run()`` -> ``sampler.launch()`` (tokens stay on
+the device) -> ``resolve`` (the host copy) -> ``Scheduler.update()`` (append / roll back) ->
+``OutputProcessor.process()`` (stops, logprobs, text). In overlapped mode the next step is
+scheduled and launched before the previous one is resolved: its decode rows read their newest
+token from the device, and stop checks run one step behind (a sequence that finished computed at
+most one extra token, which is dropped).
+"""
 
 from __future__ import annotations
 
@@ -9,25 +17,39 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
-from deepinfer_core.config import ConfigError, EngineConfig, ModelConfig
+from deepinfer_core.config import ConfigError, EngineConfig, ModelConfig, settings
 from deepinfer_core.dtypes import DTYPES
-from deepinfer_core.engine.graphs import DecodeGraphs
-from deepinfer_core.engine.kv_cache import BlockManager, KVCache
-from deepinfer_core.engine.runner import ModelRunner
-from deepinfer_core.engine.scheduler import ScheduledBatch, Scheduler
+from deepinfer_core.engine.graphs import DecodeGraphs, max_blocks_per_group
+from deepinfer_core.engine.kv_cache import KVCache, KVCacheManager
+from deepinfer_core.engine.output import OutputProcessor
+from deepinfer_core.engine.runner import ModelRunner, PrevTokens, StepOutput
+from deepinfer_core.engine.scheduler import Scheduler, SchedulerOutput
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.hookspecs import StepStats
 from deepinfer_core.sampling.params import SamplingParams
-from deepinfer_core.sampling.sampler import sample, top_logprobs
+from deepinfer_core.sampling.sampler import SampledBatch, SampleRow, launch, needs_history, verify
+from deepinfer_core.sampling.spec_decode.ngram import NgramProposer
 
 log = logging.getLogger("deepinfer")
 
 CPU_KV_MEMORY_FRACTION = 0.25
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # tokens per step where neither the user nor the backend chose
 PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt / TokensPrompt
 # Samples of one request beyond max_num_seqs run in waves; this bounds the host memory a single
 # request can claim (n=10**9 would build a billion sequences before any runs).
 MAX_SAMPLES_PER_REQUEST = 4096
+
+
+@dataclass
+class InFlight:
+    """A launched step whose sampled tokens have not reached the host yet."""
+
+    output: SchedulerOutput
+    step: StepOutput
+    sampled: SampledBatch | None
+    t0: float
 
 
 class RequestError(ValueError):
@@ -72,8 +94,7 @@ class Engine:
         self.model_config = ModelConfig.from_dir(model_dir)
         self.plugins, self.backend, self.platform, self.ops, limits = load_backend(backend_name, self.model_config)
         self.device = self.platform.torch_device
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # Triton launches and graph captures use the current device
+        self.platform.activate()  # kernel launches and graph captures use the current device
         self.dtype = resolve_dtype(dtype, self.model_config, self.platform.supported_dtypes)
         keep_fp8 = bool(self.platform.fp8_weights and self.model_config.fp8_block)
         if keep_fp8 and self.model_config.n_routed_experts and self.model_config.moe_intermediate_size % self.model_config.fp8_block[0]:
@@ -90,17 +111,27 @@ class Engine:
         else:
             load_model(model_dir, self.model_config, self.model, progress=progress)
         self.tokenizer = load_tokenizer(model_dir)
-        self.eos_ids = self._eos_ids()
+        eos_ids = self._eos_ids()
 
         # A backend's limits cap what the user asked for; they never raise it.
         self.max_num_seqs = min(engine_config.max_num_seqs, (limits and limits.max_num_seqs) or engine_config.max_num_seqs)
-        self.max_num_batched_tokens = min(
-            engine_config.max_num_batched_tokens,
-            (limits and limits.max_num_batched_tokens) or engine_config.max_num_batched_tokens,
-        )
-        specs = self.model.cache_specs()
+        # The step budget: the user's, capped by the backend's; else the backend's; else the default.
+        suggested = limits and limits.max_num_batched_tokens
+        wanted = engine_config.max_num_batched_tokens
+        if wanted is None:
+            self.max_num_batched_tokens = suggested or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        else:
+            self.max_num_batched_tokens = min(wanted, suggested or wanted)
+        self.speculative = engine_config.speculative_config
+        self.proposer = None
+        if self.speculative is not None:
+            sc = self.speculative
+            self.proposer = NgramProposer(sc.num_speculative_tokens, sc.prompt_lookup_max, sc.prompt_lookup_min)
+        lookahead = self.speculative.num_speculative_tokens if self.speculative else 0
+        groups = self.model.cache_groups()
         block_size = engine_config.block_size
-        num_blocks = engine_config.num_kv_blocks or self._auto_num_blocks(specs, block_size)
+        self.cache_groups = groups
+        num_blocks = engine_config.num_kv_blocks or self._auto_num_blocks(groups, block_size, lookahead)
         capacity = num_blocks * block_size
         max_len = engine_config.max_model_len or min(self.model_config.max_position_embeddings, capacity)
         if max_len > self.model_config.max_position_embeddings:
@@ -114,41 +145,87 @@ class Engine:
                 f"{num_blocks} (block_size {block_size}); raise num_kv_blocks or lower max_model_len"
             )
         self.max_model_len = max_len
-        self.kv_cache = KVCache(specs, num_blocks, block_size, self.device)
-        self.block_manager = BlockManager(num_blocks, block_size)
-        self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens)
+        self.kv_cache = KVCache(groups, num_blocks, block_size, self.max_num_seqs, lookahead, self.device)
+        self.kv = KVCacheManager(groups, num_blocks, block_size, self.max_num_seqs, lookahead, engine_config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.max_num_batched_tokens, max_len)
+        self.output = OutputProcessor(self.tokenizer, eos_ids, max_len)
+        for g in groups:
+            unit = "token" if g.kind == "paged" else "sequence"
+            size = g.bytes_per_token() if g.kind == "paged" else KVCache.bytes_per_sequence([g], block_size, lookahead)
+            log.info("cache group %s (%s, %d layers): %.0f bytes per %s", g.name, g.kind, len(g.layers), size, unit)
         graphs = None
         sizes = tuple(b for b in ((limits and limits.graph_batch_sizes) or ()) if b <= self.max_num_seqs)
-        if self.platform.graph_capture and sizes and not engine_config.enforce_eager and self.device.type == "cuda":
-            graphs = DecodeGraphs(self.model, self.kv_cache.tensors, sizes, math.ceil(max_len / block_size), self.device)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, graphs)
+        if self.platform.graph_capture and self.platform.graphs is not None and sizes and not engine_config.enforce_eager:
+            query_lens = (1, 1 + lookahead) if lookahead else (1,)
+            widths = max_blocks_per_group(groups, max_len, block_size, max(query_lens), self.kv.rings)
+            graphs = DecodeGraphs(self.model, self.kv_cache.tensors, groups, widths, sizes, query_lens, self.device, self.platform.graphs())
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv, self.device, graphs)
+        if graphs is not None:
+            graphs.capture_all(progress)
+        env = settings().async_scheduling
+        self.async_scheduling = self.platform.async_scheduling if env is None else env
+        if self.async_scheduling and self.proposer is not None:
+            log.info("overlapped scheduling is off with speculative decoding (drafts are proposed from the host's tokens)")
+            self.async_scheduling = False
+        self.in_flight: InFlight | None = None
+        self.observer = None
+        self._reset_counters()
+        if graphs is not None:
+            self._warm_up(graphs.sizes, progress)
         self.observer = self.plugins.step_observer()
+        log.info(
+            "engine ready: backend %s (%s), dtype %s, %d KV blocks x %d tokens, max_model_len %d, decode graphs %s, "
+            "prefix caching %s, %s scheduling%s",
+            self.backend.name, self.platform.name, self.dtype, num_blocks, block_size, max_len,
+            f"for batch sizes up to {graphs.max_batch} (captured in {graphs.capture_seconds:.1f} s)" if graphs else "off",
+            "on" if engine_config.enable_prefix_caching else "off", "overlapped" if self.async_scheduling else "synchronous",
+            f", ngram speculation of {lookahead} tokens" if lookahead else "",
+        )
+
+    # ---- set-up helpers ----------------------------------------------------------------------
+    def _reset_counters(self) -> None:
         self.requests: dict[str, Request] = {}
         self.next_seq_id = 0  # sequence ids seed unseeded samples (see _seed)
         self.next_request_id = 0
         self._step = 0
         self.num_preemptions = 0  # total, for tests and metrics
-        log.info(
-            "engine ready: backend %s (%s), dtype %s, %d KV blocks x %d tokens, max_model_len %d, decode graphs %s",
-            self.backend.name, self.platform.name, self.dtype, num_blocks, block_size, max_len,
-            f"for batch sizes up to {graphs.max_batch}" if graphs else "off",
-        )
+        self.num_draft_tokens = 0  # totals of speculative decoding: drafts proposed, drafts accepted
+        self.num_accepted_tokens = 0
 
-    # ---- set-up helpers ----------------------------------------------------------------------
-    def _auto_num_blocks(self, specs, block_size: int) -> int:
+    def _warm_up(self, sizes: tuple[int, ...], progress: bool) -> None:
+        """Run a few steps at every graph batch size through the whole path (prefill chunks, mixed
+        steps, greedy and sampled rows, graph replays), so that the kernels a first ``generate``
+        would compile for those shapes are compiled now; then forget them (the engine is as new)."""
+        t0 = time.perf_counter()
+        vocab, length = self.model_config.vocab_size, min(2 * self.kv.block_size + 1, self.max_model_len - 4)
+        if length < 1:
+            return
+        greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        sampled = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3, ignore_eos=True)
+        for size in tqdm(sizes, desc="Warming up", unit="batch size", disable=not progress):
+            for i in range(size):
+                self.add_request([(7 * i + j) % vocab for j in range(length)], sampled if i % 2 else greedy)
+            while self.has_unfinished():
+                self.step()
+        self.platform.synchronize()
+        self.scheduler.reset()
+        self._reset_counters()
+        log.info("warmed up %d batch sizes in %.1f s", len(sizes), time.perf_counter() - t0)
+
+    def _auto_num_blocks(self, groups, block_size: int, lookahead: int) -> int:
         """Enough blocks for max_num_seqs sequences of the longest allowed length, capped by memory:
-        a quarter of free host memory on the CPU, gpu_memory_utilization of the device otherwise."""
-        per_block = KVCache.bytes_per_block(specs, block_size)
+        a quarter of free host memory on the CPU, gpu_memory_utilization of the device otherwise.
+        Ring and state groups take their fixed bytes per sequence first."""
+        per_block = KVCache.bytes_per_token(groups) * block_size
+        fixed = KVCache.bytes_per_sequence(groups, block_size, lookahead) * self.max_num_seqs
         max_len = self.config.max_model_len or self.model_config.max_position_embeddings
         wanted = math.ceil(self.max_num_seqs * max_len / block_size)
-        if self.device.type == "cuda":  # blocks the allocator cached while loading are free for the cache
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
+        self.platform.empty_cache()  # blocks the allocator cached while loading are free for the cache
         free, total = self.platform.memory_info()
         if self.device.type == "cpu":
-            budget = free * CPU_KV_MEMORY_FRACTION
+            budget = free * CPU_KV_MEMORY_FRACTION - fixed
         else:
-            budget = total * self.config.gpu_memory_utilization - (total - free) - self._activation_bytes(specs, block_size, max_len)
+            budget = total * self.config.gpu_memory_utilization - (total - free) - fixed - self._activation_bytes(groups, block_size, max_len)
         if budget < per_block:
             raise ConfigError(
                 f"no memory left for the KV cache ({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB after "
@@ -156,35 +233,41 @@ class Engine:
             )
         return min(int(budget // per_block), wanted)
 
-    def _activation_bytes(self, specs, block_size: int, max_len: int) -> int:
+    def _activation_bytes(self, groups, block_size: int, max_len: int) -> int:
         """Memory the steps need beside weights and cache: the measured peak of a prefill of
         max_num_batched_tokens tokens over a throw-away cache, plus what a last prompt chunk at
         max_len context adds analytically (prefill expands K and V of the whole context, one layer
         at a time), the logits of max_num_seqs rows and their sampling, and a margin for the
         decode graphs' pool."""
-        if self.device.type != "cuda":
+        if self.device.type == "cpu":
             return 0
-        from deepinfer_core.engine.sequence import Sequence
+        from deepinfer_core.engine.scheduler import ScheduledSeq
 
         tokens = min(self.max_num_batched_tokens, self.model_config.max_position_embeddings)
         blocks = -(-tokens // block_size)
-        cache = KVCache(specs, blocks, block_size, self.device)
-        manager = BlockManager(blocks, block_size)
+        cache = KVCache(groups, blocks, block_size, 1, 0, self.device)
+        kv = KVCacheManager(groups, blocks, block_size, 1, prefix_caching=False)
         seq = Sequence(-1, "profile", 0, [0] * tokens, SamplingParams(max_tokens=1), 0)
-        manager.allocate(seq, tokens)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        ModelRunner(self.model, cache, manager, self.device).run(ScheduledBatch([(seq, tokens)], []))
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        del cache
-        torch.cuda.empty_cache()
+        kv.allocate(seq, tokens)
+        batch = SchedulerOutput(prefills=[ScheduledSeq(seq, 0, tokens, samples=True)])
+        runner = ModelRunner(self.model, cache, kv, self.device)
+        peak = self.platform.peak_memory(lambda: runner.run(batch))
+        runner = cache = None  # freed before the allocator hands its blocks back
+        self.platform.empty_cache()
         c = self.model_config
         per_context_token = (c.latent_dim + c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim + c.qk_head_dim)) * self.dtype.itemsize
         long_context = max(0, max_len - tokens) * per_context_token
         logits = self.max_num_seqs * c.vocab_size * 4 * 3  # logits, sampler temporaries
         return int(peak + long_context + logits + 256 * 2**20)
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Token ids that end a sequence (unless ignore_eos): the config's and the tokenizer's."""
+        return self.output.eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids: tuple[int, ...]) -> None:
+        self.output.eos_ids = tuple(ids)
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
@@ -267,6 +350,8 @@ class Engine:
         first = self.next_seq_id
         for i in range(params.n):
             req.seqs.append(Sequence(first + i, rid, i, list(ids), params, self._seed(params, i, first + i)))
+        for seq in req.seqs[1:]:
+            seq.prefix_leader = req.seqs[0]
         self.requests[rid] = req  # known before queued: a withdraw always finds what was queued
         for seq in req.seqs:  # queued only once every sequence could be built
             self.scheduler.add(seq)
@@ -282,7 +367,7 @@ class Engine:
         return seed % 2**63
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.in_flight is not None
 
     def abort(self, request_id: str) -> Request:
         """Stop a request (unfinished samples get finish_reason "abort" and the text of the tokens
@@ -292,11 +377,12 @@ class Engine:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
-                seq.text = self.detokenize(seq)
+                seq.text = self.output.detokenize(seq)
         return req
 
     def abort_all(self) -> list[Request]:
         aborted = [self.abort(rid) for rid in list(self.requests)]
+        self.in_flight = None
         self.scheduler.reset()  # nothing is left: whatever a failed step left half-done is gone too
         return aborted
 
@@ -310,102 +396,126 @@ class Engine:
             if rid in self.requests:
                 self.abort(rid)
         if not self.requests:
+            self.in_flight = None
             self.scheduler.reset()
             self.next_seq_id, self.next_request_id = ids_before
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one batch; return the requests that finished in it (removed from the engine)."""
-        t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if batch.empty:
+        """Run one step; return the requests that finished in it (removed from the engine). In
+        overlapped mode the step launched here is resolved by the next call."""
+        prev, self.in_flight = self.in_flight, None
+        if prev is None:
+            self.scheduler.forget_pending()
+        out = self.scheduler.schedule()
+        if out.empty:
+            if prev is not None:
+                return self._resolve(prev)
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler could not schedule any work; KV cache too small for the waiting requests")
             return []
-        self.num_preemptions += batch.num_preempted
-        out = self.runner.run(batch)
-        for seq, first, logits in out.prompt_logits:
-            self._record_prompt_logprobs(seq, first, logits)
-        results = sample(self.ops, out.sample_logits, out.sample_seqs, self.eos_ids) if out.sample_seqs else []
-        # Tokens first, then the computed counts: a step cut short in between leaves sequences that
-        # know a token more than they computed (the next step recomputes it), never the reverse.
-        for seq, (token, logprob, top) in zip(out.sample_seqs, results):
-            self._append(seq, token, logprob, top)
-        self.scheduler.commit(batch)
+        finished = []
+        if prev is not None and self._needs_host_tokens(out):
+            finished, prev = self._resolve(prev), None
+            out.prefills = [s for s in out.prefills if not s.seq.is_finished]  # finished by prev's tokens
+            out.decodes = [s for s in out.decodes if not s.seq.is_finished]
+            if out.empty:
+                return finished
+        flight = self._launch(out, prev)
+        if not self.async_scheduling:
+            return finished + self._resolve(flight)
+        self.in_flight = flight
+        return finished + (self._resolve(prev) if prev is not None else [])
+
+    def _needs_host_tokens(self, out: SchedulerOutput) -> bool:
+        """Whether this step must see the previous step's tokens on the host before it launches:
+        penalties read the generated ids; prompt logprobs and verification rows are host work."""
+        return any(needs_history(s.seq.params) or s.num_drafts for s in out.scheduled) or any(
+            s.seq.wants_prompt_logprobs for s in out.prefills
+        )
+
+    def _launch(self, out: SchedulerOutput, prev: InFlight | None) -> InFlight:
+        t0 = time.perf_counter()
+        self.num_preemptions += out.num_preempted
+        prev_tokens = None
+        if prev is not None and prev.sampled is not None:
+            rows = {s.seq.seq_id: r0 for s, r0, n in prev.step.samples if n == 1}
+            prev_tokens = PrevTokens(prev.sampled.tokens, rows)
+        step = self.runner.run(out, prev_tokens)
+        for seq, first, logits in step.prompt_logits:
+            self.output.record_prompt_logprobs(seq, first, logits)
+        rows = []
+        for s, _, n in step.samples:
+            if n == 1:
+                rows.append(SampleRow(s.seq, pending=s.seq.num_pending - 1))
+            else:  # a verification row: position j follows drafts 0..j-1
+                drafts = s.seq.draft_token_ids[: s.num_drafts]
+                rows.extend(SampleRow(s.seq, drafts[:j]) for j in range(n))
+        sampled = launch(self.ops, step.sample_logits, rows, self.eos_ids, self.platform.copy_to_host) if rows else None
+        return InFlight(out, step, sampled, t0)
+
+    def _resolve(self, flight: InFlight) -> list[Request]:
+        """Bring a launched step's tokens to the host: verify drafts, update the scheduler, check
+        stops, propose the next drafts. Returns the requests that finished."""
+        results = flight.sampled.resolve() if flight.sampled is not None else []
+        accepted: dict[int, tuple[list[int], list]] = {}
+        num_drafts = num_accepted = 0
+        for s, r0, n in flight.step.samples:
+            tokens = [results[r0 + j][0] for j in range(n)]
+            if s.num_drafts:
+                tokens = verify(tokens, s.seq.draft_token_ids[: s.num_drafts])
+                num_drafts += s.num_drafts
+                num_accepted += len(tokens) - 1
+            accepted[s.seq.seq_id] = (tokens, [results[r0 + j][1:] for j in range(len(tokens))])
+
+        def process(seq: Sequence, tokens: list[int]) -> bool:
+            return self.output.process(seq, tokens, accepted[seq.seq_id][1])
+
+        self.scheduler.update(flight.output, {sid: toks for sid, (toks, _) in accepted.items()}, process)
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        if self.proposer is not None:
+            for seq in self.scheduler.running:
+                decoding = seq.num_computed_tokens == seq.num_tokens - 1
+                seq.draft_token_ids = self.proposer.propose_for(seq, self.max_model_len) if decoding else []
         finished = [r for r in self.requests.values() if r.finished]
         for req in finished:
             del self.requests[req.request_id]
         self._step += 1
         if self.observer is not None:
+            out = flight.output
             self.observer(StepStats(
                 step=self._step,
-                num_prefill_tokens=sum(n for _, n in batch.prefills),
-                num_decode_tokens=len(batch.decodes),
+                num_prefill_tokens=sum(s.num_tokens for s in out.prefills),
+                num_decode_tokens=sum(s.num_tokens for s in out.decodes),
                 num_running=len(self.scheduler.running),
                 num_waiting=len(self.scheduler.waiting),
-                num_preempted=batch.num_preempted,
-                free_kv_blocks=self.block_manager.num_free,
-                seconds=time.perf_counter() - t0,
+                num_preempted=out.num_preempted,
+                free_kv_blocks=self.kv.num_free,
+                seconds=time.perf_counter() - flight.t0,
+                num_cached_tokens=out.num_cached_tokens,
+                num_draft_tokens=num_drafts,
+                num_accepted_tokens=num_accepted,
             ))
         return finished
 
-    def _record_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
-        """Rows of ``logits`` predict prompt positions first, first+1, ...; positions already
-        recorded (a recompute after preemption, maybe chunked differently) are skipped."""
-        have = len(seq.prompt_logprobs)
-        if not first <= have < first + logits.shape[0]:
-            return
-        lps = torch.log_softmax(logits[have - first :].float(), dim=-1)
-        k = seq.params.prompt_logprobs
-        for i in range(lps.shape[0]):
-            seq.prompt_logprobs.append(top_logprobs(lps[i], k, seq.prompt_token_ids[have + i]))
+    def summary(self) -> str:
+        """One line on what the engine did since start-up: prefix-cache hits, speculative acceptance."""
+        kv = self.kv
+        parts = [f"prefix cache: {kv.num_hit_tokens} of {kv.num_queried_tokens} prompt tokens reused"
+                 + (f" ({self.prefix_hit_rate:.0%})" if self.prefix_hit_rate is not None else "") if kv.prefix_caching else "prefix cache: off"]
+        if self.proposer is not None:
+            rate = f" ({self.num_accepted_tokens / self.num_draft_tokens:.0%})" if self.num_draft_tokens else ""
+            parts.append(f"speculative: {self.num_accepted_tokens} of {self.num_draft_tokens} draft tokens accepted{rate}")
+        parts.append(f"preemptions: {self.num_preemptions}")
+        return "; ".join(parts)
 
-    def _append(self, seq: Sequence, token: int, logprob: float | None, top: dict[int, float] | None) -> None:
-        seq.output_token_ids.append(token)
-        if seq.output_logprobs is not None:
-            seq.cumulative_logprob += logprob
-            seq.output_logprobs.append(top)
-        p = seq.params
-        reason, stop = None, None
-        if not p.ignore_eos and token in self.eos_ids:
-            reason = "stop"
-        elif token in p.stop_token_ids:
-            reason, stop = "stop", token
-        elif p.stop:
-            hit = self._stop_string(seq)
-            if hit is not None:
-                reason, stop = "stop", hit
-        if reason is None and (len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
-            reason = "length"
-        if reason is not None:
-            seq.finish_reason, seq.stop_reason = reason, stop
-            if not isinstance(stop, str):  # a stop string already trimmed seq.text
-                seq.text = self.detokenize(seq)
-            self.scheduler.finish(seq)
-
-    def _stop_string(self, seq: Sequence) -> str | None:
-        """The stop string that the latest token completed, if any (text before min_tokens outputs
-        is scanned but cannot stop the sequence); trims seq.text at it."""
-        text = self.detokenize(seq)
-        start = max(0, seq.stop_scanned_chars - max(len(s) for s in seq.params.stop) + 1)
-        seq.stop_scanned_chars = len(text)
-        if len(seq.output_token_ids) < seq.params.min_tokens:
-            return None
-        earliest = None
-        for s in seq.params.stop:
-            idx = text.find(s, start)
-            if idx >= 0 and (earliest is None or idx < earliest[0]):
-                earliest = (idx, s)
-        if earliest is None:
-            return None
-        idx, s = earliest
-        seq.text = text[: idx + len(s)] if seq.params.include_stop_str_in_output else text[:idx]
-        return s
-
-    def detokenize(self, seq: Sequence) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        """Tokens found in the prefix cache / tokens of the sequences admitted, since start-up (a
+        sequence re-admitted after a preemption counts again, with the output it had)."""
+        kv = self.kv
+        return kv.num_hit_tokens / kv.num_queried_tokens if kv.prefix_caching and kv.num_queried_tokens else None
 
 
 def _describe(value) -> str:

@@ -1,39 +1,47 @@
-"""Decode steps replayed as CUDA graphs.
+"""Decode steps replayed as graphs, captured while the engine starts.
 
-A decode-only step runs the same kernels every time; only the batch size and the widest block
-table change. ``DecodeGraphs`` captures ``model.forward`` once per (batch bucket, block-table
-width bucket), lazily on first use, over static input buffers, and replays it: the step's inputs
-are copied into the buffers and the logits of the first ``n`` rows are computed from the graph's
-hidden states (outside the graph: one [max batch, vocab] output per graph would pile up). Padding
-rows repeat row 0 (token, position, context) with slot -1, so nothing is written to the cache and
-they route to row 0's experts: a padded step reads no extra expert weights.
+A decode-only step runs the same kernels every time; only the batch size and the rows' length
+change. ``DecodeGraphs`` captures ``model.forward`` once per (batch bucket, row length) through
+the platform's ``GraphBackend`` (CUDA graphs on NVIDIA; the core never touches a device API),
+over static input buffers, and replays it: the step's inputs are copied into the buffers and
+the logits of the real rows are computed from the graph's hidden states (outside the graph:
+one [max batch, vocab] output per graph would pile up).
 
-Batch buckets come from the backend's ``SchedulerLimits.graph_batch_sizes``; widths are powers
-of two and 1.5x them (in blocks), so the decode kernels see an upper bound of the context at
-most 1.5x the real one. Batches larger than the largest bucket, or with a block table wider than
-the model's longest sequence allows, run eagerly. Every op on the decode path must be free of
-host synchronisation (the backend declares that with ``Platform.graph_capture``).
+Row lengths are 1 and, with speculative decoding, 1 + k: a sequence with fewer drafts has its
+row padded at the end (padding tokens write nothing, and causality keeps them out of the real
+tokens' attention). Padding sequences repeat sequence 0 with nothing written, so they route to
+its experts: a padded step reads no extra expert weights. Block tables are captured at their
+full width (the longest sequence the model allows): the decode kernels read no further than
+each sequence's length, and split their work by it, so one width serves every context.
+
+Batch buckets come from the backend's ``SchedulerLimits.graph_batch_sizes``. Batches larger
+than the largest bucket run eagerly. Every op on the decode path must be free of host
+synchronisation (the backend declares that with ``Platform.graph_capture``).
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import math
+import time
+from typing import Callable
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
-from deepinfer_core.models.batch import BatchMeta
+from deepinfer_core.models.batch import BatchMeta, CacheGroup, GroupMeta
 
 log = logging.getLogger("deepinfer")
 
 
 class BlockTableBuffer:
-    """Host copy of the decode block tables, updated incrementally.
+    """Host copy of one group's decode block tables, updated incrementally.
 
     Building a padded [batch, width] table from Python lists every step costs milliseconds at
     long contexts; here a row is rewritten only from the first block it has not seen for the
-    sequence it holds (``key`` changes when a sequence was preempted and got new blocks).
+    sequence it holds (``key`` changes when a sequence lost blocks: preemption, rollback).
     Entries past a row's length may be stale: kernels read no further than the context length.
     """
 
@@ -53,100 +61,138 @@ class BlockTableBuffer:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_caches: list[torch.Tensor], batch_sizes: tuple[int, ...], max_blocks_per_seq: int, device: torch.device):
+    """``max_blocks``: per cache group, the widest block table a sequence can have."""
+
+    def __init__(self, model, kv_caches: dict[str, torch.Tensor], groups: list[CacheGroup], max_blocks: dict[str, int],
+                 batch_sizes: tuple[int, ...], query_lens: tuple[int, ...], device: torch.device, backend):
         self.model = model
         self.kv_caches = kv_caches
+        self.groups = groups
         self.sizes = sorted(set(batch_sizes))
-        self.max_blocks = max_blocks_per_seq
+        self.query_lens = sorted(set(query_lens))
         self.device = device
-        n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.backend = backend
+        n, q = self.sizes[-1], self.query_lens[-1]
+        self.input_ids = torch.zeros(n * q, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n * q, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.block_tables: dict[int, torch.Tensor] = {}  # width -> [n, width] int32
-        self.host_tables = BlockTableBuffer(n, max_blocks_per_seq)
+        self.slots = {g.name: torch.full((n * q,), -1, dtype=torch.int64, device=device) for g in groups}
+        self.tables = {g.name: torch.zeros(n, max_blocks[g.name], dtype=torch.int32, device=device) for g in groups}
+        self.valid_from = {g.name: torch.zeros(n, dtype=torch.int64, device=device) for g in groups if g.kind == "ring"}
+        self.query_start = {ql: torch.arange(0, (n + 1) * ql, ql, dtype=torch.int32, device=device) for ql in self.query_lens}
+        self.host_tables = {g.name: BlockTableBuffer(n, max_blocks[g.name]) for g in groups}
         self._no_prefill_i32 = torch.zeros(1, dtype=torch.int32, device=device)
-        self._no_prefill_i64 = torch.zeros(0, dtype=torch.int64, device=device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None
+        self._no_context = torch.zeros(0, dtype=torch.int64, device=device)
+        self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
+        self.capture_seconds = 0.0
 
     @property
     def max_batch(self) -> int:
         return self.sizes[-1]
 
-    def can_run(self, num_seqs: int, max_table_len: int = 0) -> bool:
-        return 0 < num_seqs <= self.max_batch and max_table_len <= self.max_blocks
-
-    def _width(self, blocks: int) -> int:
-        """The smallest bucket >= blocks among 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (at most 1.5x too wide)."""
-        width = 1
-        while width < blocks:
-            width = width * 3 // 2 if width >= 2 and width & (width - 1) == 0 else (width * 4 // 3 if width >= 3 else width + 1)
-        return min(width, self.max_blocks)
-
-    def _meta(self, size: int, width: int) -> BatchMeta:
+    def _meta(self, size: int, q_len: int) -> BatchMeta:
+        t = size * q_len
+        groups = {
+            g.name: GroupMeta(
+                slot_mapping=self.slots[g.name][:t],
+                block_tables=self.tables[g.name][:size],
+                context_slots=self._no_context,
+                valid_from=self.valid_from[g.name][:size] if g.name in self.valid_from else None,
+            )
+            for g in self.groups
+        }
         return BatchMeta(
             num_prefill_tokens=0,
-            slot_mapping=self.slot_mapping[:size],
             prefill_cu_seqlens_q=self._no_prefill_i32,
             prefill_cu_seqlens_k=self._no_prefill_i32,
-            prefill_context_slots=self._no_prefill_i64,
-            decode_block_tables=self.block_tables[width][:size],
             decode_seq_lens=self.seq_lens[:size],
+            decode_query_start_loc=self.query_start[q_len][: size + 1],
+            groups=groups,
         )
 
-    def _forward(self, size: int, width: int) -> torch.Tensor:
-        return self.model.forward(self.input_ids[:size], self.positions[:size], self._meta(size, width), self.kv_caches)
-
-    def _capture(self, size: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        if width not in self.block_tables:
-            self.block_tables[width] = torch.zeros(self.max_batch, width, dtype=torch.int32, device=self.device)
-        # Warm-up and capture inputs: no cache write, one context token (block 0).
-        self.slot_mapping[:size].fill_(-1)
-        self.seq_lens[:size].fill_(1)
-        return self._record(size, width)
-
-    def _record(self, size: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Warm up (kernels compile outside the capture), then capture; returns (graph, hidden)."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._forward(size, width)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self._forward(size, width)
-        if self.pool is None:
-            self.pool = graph.pool()
-        log.debug("captured decode graph: batch %d, block-table width %d", size, width)
-        return graph, hidden
+    def _forward(self, size: int, q_len: int) -> torch.Tensor:
+        t = size * q_len
+        return self.model.forward(self.input_ids[:t], self.positions[:t], self._meta(size, q_len), self.kv_caches)
 
     @torch.inference_mode()
-    def run(self, keys: list[object], input_ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]], seq_lens: list[int]) -> torch.Tensor:
-        """Logits [len(input_ids), V] (float32) of one decode step. ``keys`` identify each row's
-        sequence and its block allocation (see BlockTableBuffer)."""
-        n = len(input_ids)
+    def capture_all(self, progress: bool = True) -> None:
+        """Capture every (batch bucket, row length): nothing written to the cache, every row
+        attending to its first entries."""
+        t0 = time.perf_counter()
+        todo = [(size, ql) for ql in self.query_lens for size in self.sizes]
+        for size, ql in tqdm(todo, desc="Capturing decode graphs", unit="graph", disable=not progress):
+            for slots in self.slots.values():
+                slots.fill_(-1)
+            self.seq_lens.fill_(ql)
+            self.graphs[(size, ql)] = self.backend.capture(lambda size=size, ql=ql: self._forward(size, ql))
+        self.capture_seconds = time.perf_counter() - t0
+        log.info("captured %d decode graphs (batch sizes %s, row lengths %s) in %.1f s",
+                 len(todo), self.sizes, self.query_lens, self.capture_seconds)
+
+    def query_len_for(self, out) -> int | None:
+        """The row length of the graph that can run this step, or None (run it eagerly)."""
+        if out.prefills or not out.decodes or len(out.decodes) > self.max_batch:
+            return None
+        longest = max(s.num_tokens for s in out.decodes)
+        i = bisect.bisect_left(self.query_lens, longest)
+        if i == len(self.query_lens):
+            return None
+        for name, buffer in self.host_tables.items():
+            if any(len(s.seq.block_tables[name]) > buffer.table.shape[1] for s in out.decodes):
+                return None
+        return self.query_lens[i]
+
+    def replay(self, hb, q_len: int, fill_from_device: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        """Hidden states [len(seq_lens) * q_len, D] of the step ``hb`` (runner.HostBatch, decode
+        rows padded to q_len)."""
+        n = len(hb.seq_lens)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        width = self._width(max(len(t) for t in block_tables))
-        key = (size, width)
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(size, width)
-        graph, hidden = self.graphs[key]
-        table = torch.from_numpy(self.host_tables.fill(keys, block_tables)[:, :width])
-        host = torch.tensor([input_ids, positions, slots, seq_lens], dtype=torch.int64)
-        dev = host.to(self.device, non_blocking=True)
-        self.input_ids[:n].copy_(dev[0])
-        self.positions[:n].copy_(dev[1])
-        self.slot_mapping[:n].copy_(dev[2])
-        self.seq_lens[:n].copy_(dev[3])
-        tables = self.block_tables[width]
-        tables[:n].copy_(table.to(self.device, non_blocking=True))
-        if size > n:  # padding rows recompute row 0 without writing the cache: no extra expert weights read
-            self.input_ids[n:size].fill_(input_ids[0])
-            self.positions[n:size].fill_(positions[0])
-            self.slot_mapping[n:size].fill_(-1)
-            self.seq_lens[n:size].fill_(seq_lens[0])
-            tables[n:size].copy_(tables[:1].expand(size - n, -1))
-        graph.replay()
-        return self.model.compute_logits(hidden[:n])
+        t, total = n * q_len, size * q_len
+        pad = total - t
+        names = [g.name for g in self.groups]
+        # one host-to-device copy for ids, positions and every group's slots (padding included)
+        parts = [hb.ids + hb.ids[:q_len] * (size - n), hb.positions + hb.positions[:q_len] * (size - n)]
+        parts += [hb.slots[name] + [-1] * pad for name in names]
+        packed = torch.from_numpy(np.asarray(parts, dtype=np.int64))
+        small = [hb.seq_lens + [hb.seq_lens[0]] * (size - n)]
+        small += [hb.valid_from[name] + hb.valid_from[name][:1] * (size - n) for name in self.valid_from]
+        small_t = torch.from_numpy(np.asarray(small, dtype=np.int64))
+        if self.device.type != "cpu":
+            packed, small_t = packed.pin_memory(), small_t.pin_memory()
+        dev = packed.to(self.device, non_blocking=True)
+        dev_small = small_t.to(self.device, non_blocking=True)
+        self.input_ids[:total].copy_(dev[0])
+        self.positions[:total].copy_(dev[1])
+        for i, name in enumerate(names):
+            self.slots[name][:total].copy_(dev[2 + i])
+        self.seq_lens[:size].copy_(dev_small[0])
+        for i, name in enumerate(self.valid_from):
+            self.valid_from[name][:size].copy_(dev_small[1 + i])
+        keys = [(s.seq.seq_id, s.seq.table_version) for s, _, _ in hb.samples]
+        for name in names:
+            rows = hb.tables[name]
+            width = max(len(r) for r in rows)
+            host = torch.from_numpy(self.host_tables[name].fill(keys, rows)[:, :width])
+            if self.device.type != "cpu":
+                host = host.pin_memory()
+            table = self.tables[name]
+            table[:n, :width].copy_(host.to(self.device, non_blocking=True))
+            if size > n:
+                table[n:size].copy_(table[:1].expand(size - n, -1))
+        fill_from_device(self.input_ids)
+        graph, hidden = self.graphs[(size, q_len)]
+        self.backend.replay(graph)
+        return hidden[:t]
+
+
+def max_blocks_per_group(groups: list[CacheGroup], max_model_len: int, block_size: int, max_query_len: int, ring_blocks: dict[str, int]) -> dict[str, int]:
+    """The widest block table of each group a decode row can need."""
+    out = {}
+    for g in groups:
+        if g.kind == "paged":
+            out[g.name] = math.ceil((max_model_len + max_query_len) / block_size)
+        elif g.kind == "ring":
+            out[g.name] = ring_blocks[g.name]
+        else:
+            out[g.name] = 1
+    return out

@@ -1,68 +1,308 @@
-"""The paged KV cache: per-layer cache tensors and the block manager that hands out blocks.
+"""The KV cache: one tensor per layer of every cache group, and the managers that hand out blocks.
 
-A model declares its caches (``CacheSpec``); every ``paged_latent`` cache is a tensor
-[num_blocks, block_size, entry_dim] and all of them share one block table per sequence, so a
-block id addresses the same token rows in every layer.
+Every group uses one logical block size in tokens (``block_size``): block i of a sequence's
+table in every paged group covers its tokens [i * block_size, (i + 1) * block_size).
+
+* ``paged`` groups draw blocks from a ``BlockPool`` (one per group): ref-counted, and with
+  prefix caching on, every full block a sequence computed is registered under a chain hash
+  (parent hash + the block's token ids), so a later sequence with the same prefix shares the
+  block instead of recomputing it. Blocks nobody holds stay cached until the pool runs out of
+  unused ones; then the least recently freed is evicted.
+* ``ring`` groups give each running sequence a fixed ring of blocks (window + lookahead tokens).
+* ``state`` groups give each running sequence one slot.
+
+Ring and state groups cannot be shared: after a prefix hit they are rebuilt by recomputing the
+last ``replay_tokens`` tokens before the first uncached one (bounded replay).
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+import math
+from array import array
+from collections import OrderedDict
+
 import torch
 
 from deepinfer_core.engine.sequence import Sequence
-from deepinfer_core.models.batch import CacheSpec
-
-SUPPORTED_KINDS = ("paged_latent",)
+from deepinfer_core.models.batch import CacheGroup
 
 
-class KVCache:
-    def __init__(self, specs: list[CacheSpec], num_blocks: int, block_size: int, device: torch.device):
-        unsupported = sorted({s.kind for s in specs} - set(SUPPORTED_KINDS))
-        if unsupported:
-            raise ValueError(f"cache kinds {unsupported} are not supported by this engine yet (supported: {SUPPORTED_KINDS})")
-        self.specs = specs
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.tensors = [torch.zeros(num_blocks, block_size, s.entry_dim, dtype=s.dtype, device=device) for s in specs]
-
-    @staticmethod
-    def bytes_per_block(specs: list[CacheSpec], block_size: int) -> int:
-        return block_size * sum(s.bytes_per_token() for s in specs)
+# Block-table versions are unique for the life of the process (never reset with the pools): the
+# graphs' incremental host tables key their rows by them.
+_table_versions = itertools.count(1)
 
 
-class BlockManager:
-    """Free-list allocator of cache blocks; a sequence owns the blocks in its block table."""
+def block_hash(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -> bytes:
+    """The prefix-cache key of a full block: its parent's key, its token ids, and ``extra``
+    (anything else its entries depend on)."""
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(array("q", token_ids).tobytes())
+    h.update(extra)
+    return h.digest()
 
-    def __init__(self, num_blocks: int, block_size: int):
-        self.block_size = block_size
+
+class BlockPool:
+    """The blocks of one paged group: ref counts, hashes of cached blocks, LRU free queue.
+
+    ``free`` holds every block nobody references, in the order they are taken: blocks holding no
+    cached prefix first, then cached ones from the least recently freed. Taking a cached block
+    evicts its hash.
+    """
+
+    def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self.reset()
 
     def reset(self) -> None:
-        """Every block free (the sequences that held blocks must be gone)."""
-        self.free_blocks: list[int] = list(range(self.num_blocks - 1, -1, -1))
+        self.refs = [0] * self.num_blocks
+        self.hash_of: list[bytes | None] = [None] * self.num_blocks
+        self.by_hash: dict[bytes, int] = {}
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(self.num_blocks))
+        self.num_evicted = 0
 
     @property
     def num_free(self) -> int:
-        return len(self.free_blocks)
+        return len(self.free)
 
-    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """Extra blocks ``seq`` needs to hold its first ``num_tokens`` tokens."""
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+    def take(self, count: int) -> list[int]:
+        if count > len(self.free):
+            raise RuntimeError(f"out of KV blocks: need {count}, {len(self.free)} free")
+        out = []
+        for _ in range(count):
+            block, _ = self.free.popitem(last=False)
+            h = self.hash_of[block]
+            if h is not None:  # evict
+                self.hash_of[block] = None
+                if self.by_hash.get(h) == block:
+                    del self.by_hash[h]
+                self.num_evicted += 1
+            self.refs[block] = 1
+            out.append(block)
+        return out
 
-    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_tokens) <= self.num_free
+    def share(self, block: int) -> None:
+        """One more holder of a cached block (taken off the free queue if nobody held it)."""
+        if self.refs[block] == 0:
+            del self.free[block]
+        self.refs[block] += 1
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        needed = self.blocks_needed(seq, num_tokens)
-        if needed > self.num_free:
-            raise RuntimeError(f"out of KV blocks: need {needed}, {self.num_free} free")
-        for _ in range(needed):
-            seq.block_table.append(self.free_blocks.pop())
+    def release(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; last ones first, so a sequence's tail is evicted before its head."""
+        for block in reversed(blocks):
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.free[block] = None
+                if self.hash_of[block] is None:  # nothing cached in it: reuse it before any cached block
+                    self.free.move_to_end(block, last=False)
+
+    def register(self, block: int, h: bytes) -> None:
+        if self.hash_of[block] is None and h not in self.by_hash:
+            self.hash_of[block] = h
+            self.by_hash[h] = block
+
+
+class KVCache:
+    """The cache tensors, by layer name: paged groups [num_blocks, block_size // tokens_per_entry,
+    entry_dim], ring groups [ring blocks, block_size, entry_dim], state groups [slots *
+    (1 + lookahead), state_rows, entry_dim]."""
+
+    def __init__(self, groups: list[CacheGroup], num_blocks: int, block_size: int, max_num_seqs: int, lookahead: int, device: torch.device):
+        self.groups = groups
+        self.tensors: dict[str, torch.Tensor] = {}
+        for g in groups:
+            shape = self.layer_shape(g, num_blocks, block_size, max_num_seqs, lookahead)
+            for layer in g.layers:
+                self.tensors[layer] = torch.zeros(shape, dtype=g.dtype, device=device)
+
+    @staticmethod
+    def ring_blocks(group: CacheGroup, block_size: int, lookahead: int) -> int:
+        """Blocks in one sequence's ring: room for window + lookahead tokens wherever they start."""
+        return math.ceil((group.window + lookahead) / block_size) + 1
+
+    @classmethod
+    def layer_shape(cls, g: CacheGroup, num_blocks: int, block_size: int, max_num_seqs: int, lookahead: int) -> tuple[int, int, int]:
+        if g.kind == "paged":
+            return (num_blocks, block_size // g.tokens_per_entry, g.entry_dim)
+        if g.kind == "ring":
+            return (max_num_seqs * cls.ring_blocks(g, block_size, lookahead), block_size, g.entry_dim)
+        return (max_num_seqs * (1 + lookahead), g.state_rows, g.entry_dim)
+
+    @staticmethod
+    def bytes_per_token(groups: list[CacheGroup]) -> float:
+        """Bytes the paged groups need per token of context."""
+        return sum(g.bytes_per_token() for g in groups if g.kind == "paged")
+
+    @classmethod
+    def bytes_per_sequence(cls, groups: list[CacheGroup], block_size: int, lookahead: int) -> int:
+        """Bytes the ring and state groups need per running sequence, whatever its length."""
+        total = 0
+        for g in groups:
+            if g.kind != "paged":
+                rows = math.prod(cls.layer_shape(g, 0, block_size, 1, lookahead)[:2])
+                total += rows * g.entry_bytes * len(g.layers)
+        return total
+
+
+class KVCacheManager:
+    """Block tables of every group for every sequence (``Sequence.block_tables[group]``).
+
+    Paged groups hold blocks for the first n tokens of a sequence (``allocate``, ``truncate``
+    after a rollback, ``free``); with ``prefix_caching`` their full computed blocks are registered
+    (``cache``) and found again for new sequences (``find_cached``). Ring and state groups hand
+    out a sequence's ring / slot on its first allocation and take it back on ``free``.
+    """
+
+    def __init__(self, groups: list[CacheGroup], num_blocks: int, block_size: int, max_num_seqs: int,
+                 lookahead: int = 0, prefix_caching: bool = True):
+        for g in groups:
+            if g.kind == "paged" and block_size % g.tokens_per_entry:
+                raise ValueError(
+                    f"block_size {block_size} is not a multiple of cache group {g.name!r}'s {g.tokens_per_entry} "
+                    f"tokens per entry; choose a block_size that is"
+                )
+        self.groups = groups
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_num_seqs = max_num_seqs
+        self.lookahead = lookahead
+        self.prefix_caching = prefix_caching
+        self.paged = [g.name for g in groups if g.kind == "paged"]
+        self.rings = {g.name: KVCache.ring_blocks(g, block_size, lookahead) for g in groups if g.kind == "ring"}
+        self.states = [g.name for g in groups if g.kind == "state"]
+        self.replay_tokens = max((g.replay_tokens for g in groups if g.kind != "paged"), default=0)
+        self.pools = {name: BlockPool(num_blocks) for name in self.paged}
+        self.reset()
+
+    def reset(self) -> None:
+        """Every block and slot free, no prefix cached (the sequences that held them must be gone)."""
+        for pool in self.pools.values():
+            pool.reset()
+        self.ring_free = {name: list(range(self.max_num_seqs * n - 1, -1, -1)) for name, n in self.rings.items()}
+        self.state_free = {name: list(range(self.max_num_seqs - 1, -1, -1)) for name in self.states}
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def num_free(self) -> int:
+        """Free blocks of the tightest paged group (blocks holding a cached prefix count as free)."""
+        return min((p.num_free for p in self.pools.values()), default=0)
+
+    # ---- prefix caching ---------------------------------------------------------------------------
+    def _hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
+        """Chain hashes of the full blocks among the first ``num_tokens`` tokens (kept on the sequence)."""
+        hashes = seq.block_hashes
+        bs = self.block_size
+        for i in range(len(hashes), num_tokens // bs):
+            hashes.append(block_hash(hashes[-1] if hashes else None, seq.token_slice(i * bs, (i + 1) * bs)))
+        return hashes
+
+    def find_cached(self, seq: Sequence) -> tuple[int, dict[str, list[int]]]:
+        """(tokens, blocks per paged group) of the longest cached prefix ``seq`` may reuse: whole
+        blocks that every paged group holds, leaving at least its last token to compute (its logits
+        are needed). Nothing is taken yet."""
+        if not self.prefix_caching or not self.paged or seq.wants_prompt_logprobs:
+            return 0, {}
+        usable = (seq.num_tokens - 1) // self.block_size  # the sequence's hashes may cover its last token
+        hashes = self._hashes(seq, seq.num_tokens - 1)[:usable]
+        blocks: dict[str, list[int]] = {name: [] for name in self.paged}
+        for h in hashes:
+            found = [self.pools[name].by_hash.get(h) for name in self.paged]
+            if None in found:
+                break
+            for name, b in zip(self.paged, found):
+                blocks[name].append(b)
+        return len(blocks[self.paged[0]]) * self.block_size, blocks
+
+    def count_lookup(self, num_tokens: int, num_hit: int) -> None:
+        """A sequence of ``num_tokens`` tokens was admitted with ``num_hit`` of them cached (hit rate)."""
+        if self.prefix_caching:
+            self.num_queried_tokens += num_tokens
+            self.num_hit_tokens += num_hit
+
+    def cache(self, seq: Sequence, num_tokens: int) -> None:
+        """Register the full blocks among the sequence's first ``num_tokens`` (computed and accepted) tokens."""
+        if not self.prefix_caching or not self.paged:
+            return
+        # only the blocks these tokens fill: the sequence's hashes may run ahead (find_cached
+        # hashes the whole prompt before a chunk has computed it)
+        hashes = self._hashes(seq, num_tokens)
+        full = num_tokens // self.block_size
+        for name in self.paged:
+            table, pool = seq.block_tables[name], self.pools[name]
+            for i in range(seq.num_registered_blocks, min(full, len(table))):
+                pool.register(table[i], hashes[i])
+        seq.num_registered_blocks = max(seq.num_registered_blocks, min(full, len(seq.block_tables[self.paged[0]])))
+
+    # ---- allocation -------------------------------------------------------------------------------
+    def _needed(self, seq: Sequence, num_tokens: int, cached: dict[str, list[int]]) -> dict[str, int]:
+        blocks = -(-num_tokens // self.block_size)
+        out = {}
+        for name in self.paged:
+            have = len(seq.block_tables.get(name, ())) + len(cached.get(name, ()))
+            reused_free = sum(1 for b in cached.get(name, ()) if self.pools[name].refs[b] == 0)
+            out[name] = max(0, blocks - have) + reused_free
+        return out
+
+    def can_allocate(self, seq: Sequence, num_tokens: int, cached: dict[str, list[int]] | None = None) -> bool:
+        needed = self._needed(seq, num_tokens, cached or {})
+        if any(n > self.pools[name].num_free for name, n in needed.items()):
+            return False
+        fresh = not seq.block_tables
+        return not fresh or (all(len(f) >= self.rings[g] for g, f in self.ring_free.items())
+                             and all(self.state_free.values()))
+
+    def allocate(self, seq: Sequence, num_tokens: int, cached: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
+        """Make ``seq`` hold its first ``num_tokens`` tokens (taking ``cached`` prefix blocks first,
+        on its first allocation); returns the blocks added per group."""
+        if not self.can_allocate(seq, num_tokens, cached):
+            raise RuntimeError(f"out of KV blocks for sequence {seq.seq_id} ({num_tokens} tokens)")
+        added: dict[str, list[int]] = {}
+        fresh = not seq.block_tables
+        if fresh:
+            seq.table_version = next(_table_versions)
+            for name, n in self.rings.items():
+                free = self.ring_free[name]
+                added[name] = [free.pop() for _ in range(n)]
+                seq.block_tables[name] = list(added[name])
+            for name in self.states:
+                added[name] = [self.state_free[name].pop()]
+                seq.block_tables[name] = list(added[name])
+        blocks = -(-num_tokens // self.block_size)
+        for name in self.paged:
+            table = seq.block_tables.setdefault(name, [])
+            new = []
+            for b in (cached or {}).get(name, ()):
+                self.pools[name].share(b)
+                new.append(b)
+            new += self.pools[name].take(max(0, blocks - len(table) - len(new)))
+            table.extend(new)
+            if new:
+                added[name] = new
+        if cached:
+            seq.num_registered_blocks = len(next(iter(cached.values())))
+        return added
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep only the paged blocks the first ``num_tokens`` tokens need (after a rollback)."""
+        blocks = -(-num_tokens // self.block_size)
+        for name in self.paged:
+            table = seq.block_tables.get(name, [])
+            if len(table) > blocks:
+                self.pools[name].release(table[blocks:])
+                del table[blocks:]
+                seq.table_version = next(_table_versions)
+        seq.num_registered_blocks = min(seq.num_registered_blocks, blocks)
 
     def free(self, seq: Sequence) -> None:
-        self.free_blocks.extend(reversed(seq.block_table))
-        seq.block_table = []
-
-    def slot(self, seq: Sequence, position: int) -> int:
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+        for name, table in seq.block_tables.items():
+            if name in self.pools:
+                self.pools[name].release(table)
+            elif name in self.ring_free:
+                self.ring_free[name].extend(reversed(table))
+            else:
+                self.state_free[name].extend(table)
+        seq.block_tables = {}
+        seq.num_registered_blocks = 0
+        seq.table_version = next(_table_versions)

@@ -1,127 +1,233 @@
-"""Turns a scheduled batch into flat tensors, runs the model, and returns the logits needed."""
+"""Turns a SchedulerOutput into flat tensors, runs the model (or replays a decode graph), and
+returns the logits rows that are sampled.
+
+Host-side work is built in plain lists and numpy arrays and moved to the device in a few
+copies; nothing here waits for the device, so in overlapped mode this runs while the previous
+step is still executing. A decode row's newest token may still be on the device (sampled by the
+previous, unresolved step): ``PrevTokens`` says where, and the row's input id is filled in there.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from deepinfer_core.engine.graphs import DecodeGraphs
-from deepinfer_core.engine.kv_cache import BlockManager, KVCache
-from deepinfer_core.engine.scheduler import ScheduledBatch
+from deepinfer_core.engine.kv_cache import KVCache, KVCacheManager
+from deepinfer_core.engine.scheduler import ScheduledSeq, SchedulerOutput
 from deepinfer_core.engine.sequence import Sequence
-from deepinfer_core.models.batch import BatchMeta
+from deepinfer_core.models.batch import BatchMeta, CacheGroup, GroupMeta
+
+
+@dataclass
+class PrevTokens:
+    """The previous step's sampled ids, still on the device: ``tokens`` [N] and, per sequence,
+    its row in them."""
+
+    tokens: torch.Tensor
+    rows: dict[int, int]
+
+
+@dataclass
+class HostBatch:
+    """One step's inputs on the host (decode rows possibly padded to a uniform length)."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: dict[str, list[int]] = field(default_factory=dict)
+    cu_q: list[int] = field(default_factory=lambda: [0])
+    cu_k: list[int] = field(default_factory=lambda: [0])
+    context: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    num_prefill_tokens: int = 0
+    seq_lens: list[int] = field(default_factory=list)
+    query_start: list[int] = field(default_factory=lambda: [0])
+    tables: dict[str, list[list[int]]] = field(default_factory=dict)
+    valid_from: dict[str, list[int]] = field(default_factory=dict)
+    from_device: list[tuple[int, int]] = field(default_factory=list)  # (token index, row in PrevTokens)
+    logits_rows: list[int] = field(default_factory=list)
+    # (scheduled sequence, first index into logits_rows, number of rows) of every sampling sequence
+    samples: list[tuple[ScheduledSeq, int, int]] = field(default_factory=list)
+    prompt_rows: list[tuple[Sequence, int, int, int]] = field(default_factory=list)  # seq, first predicted position, row, count
 
 
 @dataclass
 class StepOutput:
-    """Logits rows (float32) for the sequences that sample this step and for prompt logprobs."""
+    """Logits rows (float32) for every sampling sequence (1 + k rows for a verification row) and
+    for prompt logprobs."""
 
-    sample_seqs: list[Sequence]
-    sample_logits: torch.Tensor  # [len(sample_seqs), V]
-    # (sequence, first position the logits predict, logits [n, V]) for prompt logprobs
-    prompt_logits: list[tuple[Sequence, int, torch.Tensor]]
+    samples: list[tuple[ScheduledSeq, int, int]]  # (scheduled sequence, first row of sample_logits, rows)
+    sample_logits: torch.Tensor
+    prompt_logits: list[tuple[Sequence, int, torch.Tensor]]  # (sequence, first predicted position, logits)
 
 
 class ModelRunner:
-    """``graphs``: when given, decode-only steps that fit its buckets replay CUDA graphs.
+    """``graphs``: when given, decode-only steps that fit its buckets replay captured graphs."""
 
-    ``run`` changes no sequence: the caches hold the new tokens' entries afterwards, but the
-    computed-token counts advance only when the engine commits the step (``Scheduler.commit``),
-    so a step that fails or is interrupted before that leaves every sequence as it was.
-    """
-
-    def __init__(self, model, kv_cache: KVCache, block_manager: BlockManager, device: torch.device, graphs: DecodeGraphs | None = None):
+    def __init__(self, model, kv_cache: KVCache, kv: KVCacheManager, device: torch.device, graphs: DecodeGraphs | None = None):
         self.model = model
         self.kv_cache = kv_cache
-        self.blocks = block_manager
+        self.kv = kv
         self.device = device
         self.graphs = graphs
+        self.groups: list[CacheGroup] = kv.groups
+        self.block_size = kv.block_size
+        self.max_position = model.config.max_position_embeddings - 1
 
     def _tensor(self, values, dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        t = torch.as_tensor(values, dtype=dtype)
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
-    def prepare(self, batch: ScheduledBatch):
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu_q, cu_k, context_slots = [0], [0], []
-        logits_rows: list[int] = []  # flat token index whose logits we need
-        sample_seqs: list[Sequence] = []
-        sample_rows: list[int] = []  # index into logits_rows of each sampling sequence
-        prompt_rows: list[tuple[Sequence, int, int, int]] = []  # seq, first predicted position, row start, count
+    # ---- addressing ---------------------------------------------------------------------------
+    def _slots(self, g: CacheGroup, seq: Sequence, positions: range) -> list[int]:
+        """Where each position's entry of group ``g`` is written (-1: not written)."""
+        bs, table = self.block_size, seq.block_tables[g.name]
+        if g.kind == "paged":
+            m, wf = g.tokens_per_entry, seq.paged_write_from
+            per = bs // m
+            return [table[p // bs] * per + (p % bs) // m if p >= wf and p % m == m - 1 else -1 for p in positions]
+        if g.kind == "ring":
+            ring, first = len(table), positions.stop - len(table) * bs  # older ones this step overwrites
+            return [table[(p // bs) % ring] * bs + p % bs if p >= first else -1 for p in positions]
+        versions = 1 + self.kv.lookahead
+        return [table[0] * versions + (p + 1) % versions for p in positions]
 
-        for seq, num_new in batch.prefills:
-            start = seq.num_computed_tokens
-            end = start + num_new
-            row0 = len(input_ids)
-            for pos in range(start, end):
-                input_ids.append(seq.token_at(pos))
-                positions.append(pos)
-                slots.append(self.blocks.slot(seq, pos))
-            context_slots.extend(self.blocks.slot(seq, pos) for pos in range(end))
-            cu_q.append(cu_q[-1] + num_new)
-            cu_k.append(cu_k[-1] + end)
+    def _context(self, g: CacheGroup, seq: Sequence, start: int, end: int) -> np.ndarray:
+        """Slots a prefill chunk [start, end) reads for group ``g`` (see GroupMeta.context_slots)."""
+        bs, table = self.block_size, np.asarray(seq.block_tables[g.name], dtype=np.int64)
+        if g.kind == "paged":
+            per = bs // g.tokens_per_entry
+            return (table[:, None] * per + np.arange(per)).ravel()[: end // g.tokens_per_entry]
+        if g.kind == "ring":
+            lo = max(self._valid_from(seq), start - g.window)
+            pos = np.arange(lo, start)
+            return table[(pos // bs) % len(table)] * bs + pos % bs
+        return table[:1] * (1 + self.kv.lookahead) + start % (1 + self.kv.lookahead)
+
+    def _valid_from(self, seq: Sequence) -> int:
+        """First position ring/state groups hold for ``seq`` (after a bounded replay)."""
+        return max(0, seq.paged_write_from - self.kv.replay_tokens) if seq.paged_write_from else 0
+
+    # ---- building a step ----------------------------------------------------------------------
+    def prepare(self, out: SchedulerOutput, prev: PrevTokens | None = None, pad_to: int = 0) -> HostBatch:
+        """Host inputs of a step; ``pad_to``: decode rows padded to that many tokens (graphs)."""
+        hb = HostBatch(slots={g.name: [] for g in self.groups}, context={g.name: [] for g in self.groups},
+                       tables={g.name: [] for g in self.groups},
+                       valid_from={g.name: [] for g in self.groups if g.kind == "ring"})
+        for s in out.prefills:
+            seq = s.seq
+            row0 = len(hb.ids)
+            hb.ids.extend(seq.token_slice(s.start, s.end))
+            hb.positions.extend(range(s.start, s.end))
+            for g in self.groups:
+                hb.slots[g.name].extend(self._slots(g, seq, range(s.start, s.end)))
+                hb.context[g.name].append(self._context(g, seq, s.start, s.end))
+            hb.cu_q.append(hb.cu_q[-1] + s.num_tokens)
+            hb.cu_k.append(hb.cu_k[-1] + s.end)
             if seq.wants_prompt_logprobs:
                 # logits at position p predict token p + 1; only prompt tokens need them here
-                count = min(end, seq.num_prompt_tokens - 1) - start
+                count = min(s.end, seq.num_prompt_tokens - 1) - s.start
                 if count > 0:
-                    prompt_rows.append((seq, start + 1, len(logits_rows), count))
-                    logits_rows.extend(range(row0, row0 + count))
-            if end == seq.num_tokens:
-                sample_seqs.append(seq)
-                sample_rows.append(len(logits_rows))
-                logits_rows.append(len(input_ids) - 1)
-        num_prefill_tokens = len(input_ids)
+                    hb.prompt_rows.append((seq, s.start + 1, len(hb.logits_rows), count))
+                    hb.logits_rows.extend(range(row0, row0 + count))
+            if s.samples:
+                hb.samples.append((s, len(hb.logits_rows), 1))
+                hb.logits_rows.append(len(hb.ids) - 1)
+        hb.num_prefill_tokens = len(hb.ids)
 
-        max_blocks = max((len(s.block_table) for s in batch.decodes), default=0)
-        block_tables, seq_lens = [], []
-        for seq in batch.decodes:
-            pos = seq.num_computed_tokens
-            input_ids.append(seq.token_at(pos))
-            positions.append(pos)
-            slots.append(self.blocks.slot(seq, pos))
-            block_tables.append(seq.block_table + [0] * (max_blocks - len(seq.block_table)))
-            seq_lens.append(pos + 1)
-            sample_seqs.append(seq)
-            sample_rows.append(len(logits_rows))
-            logits_rows.append(len(input_ids) - 1)
+        for s in out.decodes:
+            seq = s.seq
+            row0 = len(hb.ids)
+            known = seq.num_tokens
+            for p in range(s.start, s.end):
+                if p < known:
+                    hb.ids.append(seq.token_at(p))
+                elif prev is not None and seq.seq_id in prev.rows:  # sampled by the step still running
+                    hb.from_device.append((len(hb.ids), prev.rows[seq.seq_id]))
+                    hb.ids.append(0)
+                else:
+                    hb.ids.append(seq.draft_token_ids[p - known])
+            hb.positions.extend(range(s.start, s.end))
+            pad = max(0, pad_to - s.num_tokens)
+            if pad:
+                hb.ids.extend([hb.ids[-1]] * pad)
+                hb.positions.extend(min(s.end + i, self.max_position) for i in range(pad))
+            for g in self.groups:
+                slots = hb.slots[g.name]
+                slots.extend(self._slots(g, seq, range(s.start, s.end)))
+                slots.extend([-1] * pad)
+                hb.tables[g.name].append(seq.block_tables[g.name])
+                if g.kind == "ring":
+                    hb.valid_from[g.name].append(self._valid_from(seq))
+            hb.seq_lens.append(s.end + pad)
+            hb.query_start.append(hb.query_start[-1] + s.num_tokens + pad)
+            hb.samples.append((s, len(hb.logits_rows), s.num_tokens))
+            hb.logits_rows.extend(range(row0, row0 + s.num_tokens))
+        for s in out.prefills:
+            for g in self.groups:
+                if g.kind == "ring":
+                    hb.valid_from[g.name].append(self._valid_from(s.seq))
+        return hb
 
+    def _meta(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor, BatchMeta]:
+        num_decodes = len(hb.seq_lens)
+        groups = {}
+        for g in self.groups:
+            rows = hb.tables[g.name]
+            width = max((len(r) for r in rows), default=0)
+            table = np.zeros((num_decodes, width), dtype=np.int32)
+            for i, r in enumerate(rows):
+                table[i, : len(r)] = r
+            context = np.concatenate(hb.context[g.name]) if hb.context[g.name] else np.zeros(0, dtype=np.int64)
+            valid = hb.valid_from.get(g.name)
+            groups[g.name] = GroupMeta(
+                slot_mapping=self._tensor(hb.slots[g.name], torch.int64),
+                block_tables=self._tensor(table, torch.int32),
+                context_slots=self._tensor(context, torch.int64),
+                valid_from=None if valid is None else self._tensor(valid, torch.int64),
+            )
         meta = BatchMeta(
-            num_prefill_tokens=num_prefill_tokens,
-            slot_mapping=self._tensor(slots, torch.int64),
-            prefill_cu_seqlens_q=self._tensor(cu_q, torch.int32),
-            prefill_cu_seqlens_k=self._tensor(cu_k, torch.int32),
-            prefill_context_slots=self._tensor(context_slots, torch.int64),
-            decode_block_tables=self._tensor(block_tables, torch.int32).view(len(batch.decodes), max_blocks),
-            decode_seq_lens=self._tensor(seq_lens, torch.int32),
+            num_prefill_tokens=hb.num_prefill_tokens,
+            prefill_cu_seqlens_q=self._tensor(hb.cu_q, torch.int32),
+            prefill_cu_seqlens_k=self._tensor(hb.cu_k, torch.int32),
+            decode_seq_lens=self._tensor(hb.seq_lens, torch.int32),
+            decode_query_start_loc=self._tensor(hb.query_start, torch.int32),
+            groups=groups,
         )
-        ids = self._tensor(input_ids, torch.int64)
-        pos_t = self._tensor(positions, torch.int64)
-        return ids, pos_t, meta, logits_rows, sample_seqs, sample_rows, prompt_rows
+        return self._tensor(hb.ids, torch.int64), self._tensor(hb.positions, torch.int64), meta
 
+    def fill_from_device(self, ids: torch.Tensor, hb: HostBatch, prev: PrevTokens | None) -> None:
+        """Write the input ids that are still on the device (previous step's samples) into ``ids``."""
+        if hb.from_device:
+            where, rows = zip(*hb.from_device)
+            ids[self._tensor(list(where), torch.int64)] = prev.tokens[self._tensor(list(rows), torch.int64)]
+
+    # ---- running ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> StepOutput:
-        if (
-            self.graphs is not None
-            and not batch.prefills
-            and self.graphs.can_run(len(batch.decodes), max((len(s.block_table) for s in batch.decodes), default=0))
-        ):
-            return self._run_graph(batch.decodes)
-        ids, positions, meta, logits_rows, sample_seqs, sample_rows, prompt_rows = self.prepare(batch)
-        hidden = self.model.forward(ids, positions, meta, self.kv_cache.tensors)
-        rows = self._tensor(logits_rows, torch.int64)
-        logits = self.model.compute_logits(hidden.index_select(0, rows)) if logits_rows else hidden.new_empty(0, 0)
-        prompt_logits = [(seq, first, logits[r0 : r0 + n]) for seq, first, r0, n in prompt_rows]
-        return StepOutput(sample_seqs, logits[sample_rows], prompt_logits)
-
-    def _run_graph(self, decodes: list[Sequence]) -> StepOutput:
-        ids, positions, slots = [], [], []
-        for seq in decodes:
-            pos = seq.num_computed_tokens
-            ids.append(seq.token_at(pos))
-            positions.append(pos)
-            slots.append(self.blocks.slot(seq, pos))
-        keys = [(s.seq_id, s.num_preemptions) for s in decodes]  # a preempted sequence gets new blocks
-        logits = self.graphs.run(keys, ids, positions, slots, [s.block_table for s in decodes], [p + 1 for p in positions])
-        return StepOutput(list(decodes), logits, [])
+    def run(self, out: SchedulerOutput, prev: PrevTokens | None = None) -> StepOutput:
+        q_len = self.graphs.query_len_for(out) if self.graphs is not None else None
+        if q_len is not None:
+            hb = self.prepare(out, prev, pad_to=q_len)
+            hidden = self.graphs.replay(hb, q_len, lambda ids: self.fill_from_device(ids, hb, prev))
+        else:
+            hb = self.prepare(out, prev)
+            ids, positions, meta = self._meta(hb)
+            self.fill_from_device(ids, hb, prev)
+            hidden = self.model.forward(ids, positions, meta, self.kv_cache.tensors)
+        if hb.logits_rows:
+            logits = self.model.compute_logits(hidden.index_select(0, self._tensor(hb.logits_rows, torch.int64)))
+        else:
+            logits = hidden.new_empty(0, 0)
+        prompt_logits = [(seq, first, logits[r0 : r0 + n]) for seq, first, r0, n in hb.prompt_rows]
+        if hb.prompt_rows:  # sampling rows without the prompt-logprob rows
+            index = [r for _, r0, n in hb.samples for r in range(r0, r0 + n)]
+            sample_logits = logits.index_select(0, self._tensor(index, torch.int64))
+            samples, row = [], 0
+            for s, _, n in hb.samples:
+                samples.append((s, row, n))
+                row += n
+            return StepOutput(samples, sample_logits, prompt_logits)
+        return StepOutput(hb.samples, logits, [])

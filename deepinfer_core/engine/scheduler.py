@@ -1,40 +1,76 @@
-"""Continuous batching with chunked prefill and preemption by recompute.
+"""Continuous batching with chunked prefill, prefix caching, draft verification and preemption.
 
-Each step the scheduler gives every running sequence the tokens it still has to compute (one
-for a decoding sequence, a chunk of its prompt for a prefilling one) within a token budget,
-then admits waiting sequences while budget, sequence slots and KV blocks last. When a running
-sequence needs a block and none is free, the most recently admitted running sequence is
-preempted: its blocks are freed and it goes back to the front of the queue, to be prefilled
+``schedule()`` gives every running sequence the tokens it still has to compute (its newest
+token plus any draft tokens to verify for a decoding sequence, a chunk of its prompt for a
+prefilling one) within a token budget, then admits waiting sequences while budget, sequence
+slots and KV blocks last, starting each after the longest prefix the cache already holds. It
+advances the computed-token counts itself and returns a plain ``SchedulerOutput``. When a
+running sequence needs a block and none is free, the most recently admitted running sequence
+is preempted: its blocks are freed and it goes back to the front of the queue, to be prefilled
 again later from its prompt plus the tokens it already produced.
+
+``update(output, sampled)`` takes the tokens each sampling sequence accepted this step: they are
+appended, draft positions that were rejected are rolled back (computed count lowered, paged
+blocks truncated), and the full blocks now computed are registered for prefix caching.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
-from deepinfer_core.engine.kv_cache import BlockManager
+from deepinfer_core.engine.kv_cache import KVCacheManager
 from deepinfer_core.engine.sequence import Sequence, Status
 
 
 @dataclass
-class ScheduledBatch:
-    """Sequences to run this step and how many new tokens each computes, prefills first."""
+class ScheduledSeq:
+    """Positions [start, start + num_tokens) of ``seq`` are computed this step; the last
+    ``num_drafts`` of them hold its draft tokens (``seq.draft_token_ids[:num_drafts]``)."""
 
-    prefills: list[tuple[Sequence, int]]
-    decodes: list[Sequence]
-    num_preempted: int = 0
+    seq: Sequence
+    start: int
+    num_tokens: int
+    num_drafts: int = 0
+    is_decode: bool = False
+    samples: bool = False  # the step reaches the sequence's newest token: its logits are sampled
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: prefill chunks first, then decode rows (1 + k tokens each)."""
+
+    prefills: list[ScheduledSeq] = field(default_factory=list)
+    decodes: list[ScheduledSeq] = field(default_factory=list)
+    # seq_id -> cache group -> blocks it gained this step (what a remote worker's tables need)
+    new_blocks: dict[int, dict[str, list[int]]] = field(default_factory=dict)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache by sequences admitted now
 
     @property
     def empty(self) -> bool:
         return not self.prefills and not self.decodes
 
+    @property
+    def num_preempted(self) -> int:
+        return len(self.preempted)
+
+    @property
+    def scheduled(self) -> list[ScheduledSeq]:
+        return self.prefills + self.decodes
+
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
-        self.blocks = block_manager
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+        self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -44,70 +80,132 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled: list[tuple[Sequence, int]] = []
-        num_preempted = 0
         queue = list(self.running)
         while queue and budget > 0:
             seq = queue.pop(0)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.blocks.can_allocate(seq, seq.num_computed_tokens + num_new):
+            remaining = seq.num_tokens + seq.num_pending - seq.num_computed_tokens
+            if remaining <= 0:
+                continue
+            decode = remaining == 1 and seq.num_computed_tokens > 0
+            drafts = min(len(seq.draft_token_ids), self.max_model_len - seq.num_tokens - 1) if decode else 0
+            num_new = min(remaining + max(drafts, 0), budget)
+            if num_new > remaining and not self.kv.can_allocate(seq, seq.num_computed_tokens + num_new):
+                num_new = min(remaining, budget)  # drafts never cost another sequence its blocks
+            while not self.kv.can_allocate(seq, seq.num_computed_tokens + num_new):
                 victim = queue.pop() if queue else seq  # the latest admitted yields first
                 self._preempt(victim)
-                num_preempted += 1
+                out.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                self.blocks.allocate(seq, seq.num_computed_tokens + num_new)
-                scheduled.append((seq, num_new))
+                self._take(out, seq, seq.num_computed_tokens, num_new, max(0, num_new - remaining), decode)
                 budget -= num_new
 
-        if num_preempted == 0:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                seq = self.waiting[0]
-                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                if not self.blocks.can_allocate(seq, seq.num_computed_tokens + num_new):
+        if not out.preempted:
+            for seq in list(self.waiting):
+                if budget <= 0 or len(self.running) >= self.max_num_seqs:
                     break
-                self.waiting.popleft()
-                self.blocks.allocate(seq, seq.num_computed_tokens + num_new)
+                if seq.num_pending or self._held_back(seq):
+                    continue  # its newest token is still on the device / its sibling is caching their prompt
+                hit, cached = self.kv.find_cached(seq) if seq.num_computed_tokens == 0 else (0, {})
+                start = max(0, hit - self.kv.replay_tokens) if hit else seq.num_computed_tokens
+                num_new = min(seq.num_tokens - start, budget)
+                if not self.kv.can_allocate(seq, start + num_new, cached):
+                    break
+                self.waiting.remove(seq)
                 seq.status = Status.RUNNING
                 self.running.append(seq)
-                scheduled.append((seq, num_new))
+                self.kv.count_lookup(seq.num_tokens, hit)
+                if seq.num_cached_tokens is None:
+                    seq.num_cached_tokens = hit
+                out.num_cached_tokens += hit
+                seq.paged_write_from = hit
+                self._take(out, seq, start, num_new, 0, False, cached)
                 budget -= num_new
+        return out
 
-        prefills = [(s, n) for s, n in scheduled if not self._is_decode(s, n)]
-        decodes = [s for s, n in scheduled if self._is_decode(s, n)]
-        return ScheduledBatch(prefills, decodes, num_preempted)
+    def _take(self, out: SchedulerOutput, seq: Sequence, start: int, num_new: int, num_drafts: int, decode: bool,
+              cached: dict[str, list[int]] | None = None) -> None:
+        added = self.kv.allocate(seq, start + num_new, cached)
+        if added:
+            out.new_blocks[seq.seq_id] = added
+        samples = start + num_new - num_drafts >= seq.num_tokens + seq.num_pending
+        scheduled = ScheduledSeq(seq, start, num_new, num_drafts, decode, samples)
+        (out.decodes if decode else out.prefills).append(scheduled)
+        seq.num_computed_tokens = start + num_new
+        if scheduled.samples:
+            seq.num_pending += 1
 
-    @staticmethod
-    def _is_decode(seq: Sequence, num_new: int) -> bool:
-        """One new token after a computed context, and it is the sequence's last known token (a
-        one-token chunk in the middle of a prompt is a prefill: it must not sample)."""
-        return num_new == 1 and seq.num_computed_tokens == seq.num_tokens - 1 > 0
+    def _held_back(self, seq: Sequence) -> bool:
+        """With prefix caching, the other samples of a request wait until its first sample has
+        computed and registered the prompt's full blocks, then start from them: no re-prefill per
+        sample (only the prompt's last block is computed again, partial or not: its last token's
+        logits are needed)."""
+        leader = seq.prefix_leader
+        if leader is None or not self.kv.prefix_caching or not self.kv.paged or leader.is_finished or seq.wants_prompt_logprobs:
+            return False
+        return leader.num_registered_blocks < (leader.num_prompt_tokens - 1) // self.kv.block_size
 
-    def commit(self, batch: ScheduledBatch) -> None:
-        """The batch ran and was sampled: its sequences' new tokens are now in the cache."""
-        for seq, num_new in batch.prefills:
-            seq.num_computed_tokens += num_new
-        for seq in batch.decodes:
-            seq.num_computed_tokens += 1
+    def update(self, output: SchedulerOutput, sampled: dict[int, list[int]], process: Callable[[Sequence, list[int]], bool]) -> None:
+        """``sampled``: seq_id -> the tokens it accepted this step (verified drafts, then the token
+        sampled after them), for every sequence of ``output`` that sampled. ``process(seq, tokens)``
+        appends them (output processing: stops, logprobs) and says whether the sequence finished.
+        Rejected draft positions are rolled back, the full blocks now computed are registered for
+        prefix caching, finished sequences release their blocks. Sequences finished or aborted
+        since the step was scheduled are skipped."""
+        for s in output.scheduled:
+            seq = s.seq
+            tokens = sampled.get(seq.seq_id)
+            if seq.is_finished:
+                continue
+            running = seq.status is Status.RUNNING  # not preempted while the step ran (overlapped mode)
+            rejected = max(0, s.num_drafts - (len(tokens) - 1)) if tokens is not None else 0
+            if tokens is not None:
+                finished = process(seq, tokens)
+                seq.num_pending = 0 if finished else seq.num_pending - 1
+                if finished:
+                    if running:  # what it computed stays findable after its blocks are released
+                        self.kv.cache(seq, min(s.end - rejected, seq.num_tokens))
+                    self.finish(seq)
+                    continue
+            if not running:
+                continue  # preempted: it recomputes from scratch
+            if rejected:
+                seq.num_computed_tokens -= rejected
+                self.kv.truncate(seq, seq.num_computed_tokens)
+            # what this step wrote (a later step may still be running in overlapped mode)
+            self.kv.cache(seq, min(s.end - rejected, seq.num_tokens))
+
+    def forget_pending(self) -> None:
+        """No step is in flight, yet sequences wait for sampled tokens: a step was cut short
+        (an interrupt, an error) after it was scheduled. Its samples are lost; each such sequence
+        recomputes its newest token instead (same position, same seed: the same token). A step
+        that failed before its forward wrote the cache leaves counts this cannot repair: after an
+        error ``LLM.generate`` aborts everything and resets the pools (``Engine.abort_all``)."""
+        for seq in list(self.running) + list(self.waiting):
+            if seq.num_pending:
+                seq.num_pending = 0
+                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.blocks.free(seq)
+        self.kv.free(seq)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
         seq.num_preemptions += 1
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
-        """Release a finished (or aborted) sequence's blocks."""
+        """Release a finished (or aborted) sequence's blocks (cached ones stay findable)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.free(seq)
+        self.kv.free(seq)
         seq.status = Status.FINISHED
 
     def reset(self) -> None:
@@ -115,4 +213,4 @@ class Scheduler:
         interrupt that landed inside the bookkeeping may have left half-done is undone."""
         self.waiting.clear()
         self.running.clear()
-        self.blocks.reset()
+        self.kv.reset()

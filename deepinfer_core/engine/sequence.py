@@ -17,8 +17,17 @@ class Status(enum.Enum):
 @dataclass(eq=False)
 class Sequence:
     """Tokens are the prompt followed by the outputs so far; ``num_computed_tokens`` of them
-    have their latents in the KV cache. After a preemption that count drops to 0 and the whole
-    token list is prefilled again (recompute), so no output is lost.
+    have their entries in the KV cache (the scheduler advances it when it schedules them; a
+    rollback lowers it again). After a preemption that count drops to 0 and the whole token list
+    is prefilled again (recompute), so no output is lost.
+
+    block_tables: {cache group: blocks}; block_hashes: chain hashes of the full blocks of the
+    known tokens (prefix caching); num_cached_tokens: prompt tokens found in the prefix cache at
+    first admission; draft_token_ids: tokens proposed for the next step to verify;
+    num_pending: tokens sampled on the device whose ids the host has not seen yet (overlapped
+    scheduling); paged_write_from: positions below it are already in shared paged blocks (a
+    bounded replay recomputes them without writing); table_version: changes whenever a block
+    table loses blocks (preemption, rollback), for the graphs' incremental tables.
     """
 
     seq_id: int
@@ -29,7 +38,15 @@ class Sequence:
     seed: int  # the sampling stream of this sequence (see ops.sampling.sample_tokens)
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
-    block_table: list[int] = field(default_factory=list)
+    block_tables: dict[str, list[int]] = field(default_factory=dict)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int | None = None
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_pending: int = 0
+    paged_write_from: int = 0
+    table_version: int = 0
+    prefix_leader: Sequence | None = None  # the request's first sample, whose prompt blocks this one reuses
     num_computed_tokens: int = 0
     output_logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
@@ -50,6 +67,14 @@ class Sequence:
 
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
     def token_at(self, position: int) -> int:
         n = len(self.prompt_token_ids)

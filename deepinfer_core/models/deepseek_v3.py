@@ -15,12 +15,14 @@ import torch
 from torch import nn
 
 from deepinfer_core.config import ModelConfig
-from deepinfer_core.models.batch import BatchMeta, CacheSpec
+from deepinfer_core.models.batch import BatchMeta, CacheGroup
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.linear import dequantize_fp8_block
 from deepinfer_core.ops.rope import rope_cos_sin_table, yarn_mscale
 
 FP8_DTYPE = torch.float8_e4m3fn
+# Every MLA layer's latent cache: one paged group (one block table per sequence for all layers).
+CACHE_GROUP = "mla"
 # q_a_layernorm and kv_a_layernorm are built without an eps in transformers (its default).
 LATENT_NORM_EPS = 1e-6
 
@@ -247,7 +249,8 @@ class Attention(nn.Module):
         ckv = self.kv_a_proj_with_mqa(x)
         latent = ops.rms_norm(ckv[:, : self.kv_lora_rank], self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
         q_pe, k_pe = ops.rotary_embedding(q_pe, ckv[:, self.kv_lora_rank :], positions, cos_sin, self.interleaved)
-        ops.write_latent_cache(kv_cache, latent, k_pe, batch.slot_mapping)
+        cache = batch.groups[CACHE_GROUP]
+        ops.write_latent_cache(kv_cache, latent, k_pe, cache.slot_mapping)
 
         p = batch.num_prefill_tokens
         outs = []
@@ -259,7 +262,7 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
     def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: BatchMeta, kv_cache: torch.Tensor) -> torch.Tensor:
-        ctx = self.ops.gather_latent_cache(kv_cache, batch.prefill_context_slots).to(q_nope.dtype)
+        ctx = self.ops.gather_latent_cache(kv_cache, batch.groups[CACHE_GROUP].context_slots).to(q_nope.dtype)
         s = ctx.shape[0]
         kv = self.kv_b_proj(ctx[:, : self.kv_lora_rank]).view(s, self.num_heads, self.nope_dim + self.v_dim)
         k_pe = ctx[:, None, self.kv_lora_rank :].expand(s, self.num_heads, self.rope_dim)
@@ -271,9 +274,11 @@ class Attention(nn.Module):
         )
 
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: BatchMeta, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Decode rows (1 + k tokens per sequence, causal within the row) over the paged cache."""
         q_latent = torch.einsum("bhn,hnc->bhc", q_nope, self.w_uk)
         u = self.ops.mla_decode_attention(
-            q_latent, q_pe, kv_cache, batch.decode_block_tables, batch.decode_seq_lens, self.scale
+            q_latent, q_pe, kv_cache, batch.groups[CACHE_GROUP].block_tables, batch.decode_seq_lens,
+            batch.decode_query_start_loc, self.scale,
         )
         return torch.einsum("bhc,hvc->bhv", u, self.w_uv)
 
@@ -338,8 +343,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     """DeepSeek V3/V2 causal LM over a paged latent cache (see ``forward`` for the batch contract).
 
     MTP layers are built for ``config.num_nextn_predict_layers``; a loader that finds none in the
-    checkpoint calls ``drop_mtp_layers()`` (so ``num_mtp_layers`` and ``cache_specs()`` are only
-    final after loading).
+    checkpoint calls ``drop_mtp_layers()`` (so ``num_mtp_layers`` is only final after loading).
     """
 
     def __init__(self, config: ModelConfig, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False):
@@ -366,7 +370,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         return len(self.mtp.layers)
 
     def drop_mtp_layers(self) -> None:
-        """Forget the MTP layers (the checkpoint has none); cache_specs() shrinks accordingly."""
+        """Forget the MTP layers (the checkpoint has none)."""
         self.mtp.layers = nn.ModuleList()
 
     def attention_layers(self) -> list[tuple[str, Attention]]:
@@ -374,9 +378,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         names += [f"mtp.layers.{i}.self_attn" for i in range(self.num_mtp_layers)]
         return [(name, self.get_submodule(name)) for name in names]
 
-    def cache_specs(self) -> list[CacheSpec]:
-        dim = self.config.latent_dim
-        return [CacheSpec(layer=name, kind="paged_latent", entry_dim=dim, dtype=self.dtype) for name, _ in self.attention_layers()]
+    def cache_groups(self, with_mtp: bool = False) -> list[CacheGroup]:
+        """One paged group of every MLA layer's latents ([c | k_pe] per token); the MTP layers'
+        caches only when something runs them (``with_mtp``)."""
+        layers = [name for name, _ in self.attention_layers() if with_mtp or not name.startswith("mtp.")]
+        return [CacheGroup(CACHE_GROUP, "paged", tuple(layers), self.config.latent_dim, self.dtype)]
 
     @torch.no_grad()
     def post_load(self) -> None:
@@ -393,12 +399,14 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: BatchMeta, kv_caches: list[torch.Tensor]
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: BatchMeta, kv_caches: dict[str, torch.Tensor]
     ) -> torch.Tensor:
-        """input_ids, positions: [T] int64 packed as BatchMeta describes; kv_caches in cache_specs()
-        order. Returns the hidden states after the final norm, [T, D]."""
+        """input_ids, positions: [T] int64 packed as BatchMeta describes; kv_caches: the cache
+        tensor of every layer of cache_groups(), by layer name. Returns the hidden states after
+        the final norm, [T, D]."""
         hidden, residual = self.embed(input_ids), None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for i, layer in enumerate(self.model.layers):
+            kv_cache = kv_caches[f"model.layers.{i}.self_attn"]
             hidden, residual = layer(hidden, residual, positions, batch, kv_cache, self.cos_sin)
         norm = self.model.norm
         return self.ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)[0]
@@ -416,11 +424,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         positions: torch.Tensor,
         prev_hidden: torch.Tensor,
         batch: BatchMeta,
-        kv_caches: list[torch.Tensor],
+        kv_caches: dict[str, torch.Tensor],
     ) -> torch.Tensor:
         """MTP module ``depth``: input_ids are the tokens shifted by one (position p carries t_{p+1}),
         prev_hidden the previous stage's hidden (depth 0: forward()'s output). Uses
-        kv_caches[num_hidden_layers + depth]; returns the hidden after shared_head.norm, [T, D]."""
+        kv_caches["mtp.layers.{depth}.self_attn"] (cache_groups(with_mtp=True)); returns the hidden
+        after shared_head.norm, [T, D]."""
         if not 0 <= depth < self.num_mtp_layers:
             raise ValueError(f"MTP depth {depth} requested but the model has {self.num_mtp_layers} MTP layers loaded")
         layer: MTPLayer = self.mtp.layers[depth]
@@ -428,7 +437,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         e = ops.rms_norm(self.embed(input_ids), layer.enorm.weight, layer.enorm.eps)
         h = ops.rms_norm(prev_hidden, layer.hnorm.weight, layer.hnorm.eps)
         z = layer.eh_proj(torch.cat([e, h], dim=-1))
-        kv_cache = kv_caches[len(self.model.layers) + depth]
+        kv_cache = kv_caches[f"mtp.layers.{depth}.self_attn"]
         hidden, residual = layer(z, None, positions, batch, kv_cache, self.cos_sin)
         norm = layer.shared_head["norm"]
         return ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)[0]

@@ -64,25 +64,40 @@ def mla_decode_attention(
     kv_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Absorbed-form MLA decode for one new token per sequence over the paged latent cache.
+    """Absorbed-form MLA decode over the paged latent cache: each sequence's newest query tokens
+    (one in plain decode, 1 + k when speculative decoding verifies k drafted tokens), causal.
 
-    q_latent: [B, H, d_c] (q_nope already multiplied by W_UK); q_pe: [B, H, d_r] rotated;
-    kv_cache: [num_blocks, block_size, d_c + d_r]; block_tables: [B, max_blocks] int32;
-    seq_lens: [B] int32, the number of cached tokens each query attends to (its own included).
-    s_j = (q_latent . c_j + q_pe . k_pe_j) * scale; returns sum_j softmax(s)_j c_j as
-    [B, H, d_c] in q_latent's dtype (the caller applies W_UV). Softmax in float32.
+    q_latent: [T, H, d_c] (q_nope already multiplied by W_UK); q_pe: [T, H, d_r] rotated (either
+    may be a strided view); kv_cache: [num_blocks, block_size, d_c + d_r]; block_tables:
+    [B, max_blocks] int32; seq_lens: [B] int32; query_start_loc: [B + 1] int32, starting at 0,
+    non-decreasing, query_start_loc[B] == T.
+    Sequence b owns the query rows query_start_loc[b] .. query_start_loc[b + 1] - 1: its newest
+    q_len_b = query_start_loc[b + 1] - query_start_loc[b] tokens (0 is allowed), whose entries are
+    already in the cache; seq_lens[b] counts all its cached entries, those rows' included. Row i
+    (0-based within sequence b) attends to the first n_i = seq_lens[b] - q_len_b + 1 + i entries
+    (itself and everything before it). s_j = (q_latent . c_j + q_pe . k_pe_j) * scale; a row
+    returns sum_j softmax(s)_j c_j over j < n_i (the caller applies W_UV), zeros when n_i <= 0
+    (graph padding: seq_lens 0). Softmax in float32. Returns [T, H, d_c] in q_latent's dtype.
+    With one row per sequence (query_start_loc = 0, 1, .., B) this is plain decode: row b attends
+    to seq_lens[b] entries.
     """
     d_c = q_latent.shape[-1]
     block_size = kv_cache.shape[1]
     out = q_latent.new_empty(q_latent.shape)
-    lens = seq_lens.tolist()
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     for b, n in enumerate(lens):
-        pos = torch.arange(n, device=kv_cache.device)
+        first, last = starts[b], starts[b + 1]
+        if first == last:
+            continue
+        pos = torch.arange(max(n, 0), device=kv_cache.device)
         blocks = block_tables[b, pos // block_size].long()
         entries = kv_cache[blocks, pos % block_size].float()
-        c, k_pe = entries[:, :d_c], entries[:, d_c:]
-        scores = (q_latent[b].float() @ c.T + q_pe[b].float() @ k_pe.T) * scale
-        out[b] = (scores.softmax(dim=-1) @ c).to(q_latent.dtype)
+        for row in range(first, last):
+            allowed = max(0, n - (last - first) + 1 + (row - first))
+            c, k_pe = entries[:allowed, :d_c], entries[:allowed, d_c:]
+            scores = (q_latent[row].float() @ c.T + q_pe[row].float() @ k_pe.T) * scale
+            out[row] = (scores.softmax(dim=-1) @ c).to(q_latent.dtype)
     return out

@@ -20,8 +20,15 @@ def sample_tokens(
     min_p: torch.Tensor,
     seeds: torch.Tensor,
     steps: torch.Tensor,
+    *,
+    host_params: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """One token per row of ``logits`` [N, V] (float32, penalties already applied). Returns [N] int64.
+
+    host_params: None, or CPU copies of (temperature, top_k, top_p, min_p): a backend decides
+    from them on the host whatever it would otherwise read back from the device (which kind of
+    restriction any row uses), so sampling never waits for the device. Results must not depend
+    on whether it is given.
 
     temperature [N] float32: 0 means greedy (argmax of logits; ties go to the lowest id). Other
     rows sample from softmax(logits / temperature) restricted to the top_k [N] int64 (0: off)
@@ -34,7 +41,7 @@ def sample_tokens(
     """
     greedy = temperature <= 0
     tokens = logits.argmax(dim=-1)
-    if bool(greedy.all()):
+    if bool((host_params[0] <= 0).all() if host_params is not None else greedy.all()):
         return tokens
     rows = (~greedy).nonzero().flatten()
     scaled = logits[rows] / temperature[rows, None]

@@ -4,6 +4,15 @@ Penalties and min_tokens are applied here, batched; the draw itself is the ``sam
 op of the backend's op table. Logprobs are those of the model's distribution (log_softmax of
 the raw logits, before penalties, temperature and truncation), as vLLM reports them.
 
+A row is a ``SampleRow``: a sequence plus what the host does not hold in its token list yet
+(draft tokens before a verification row's position; tokens still on the device in overlapped
+mode). ``launch`` leaves the sampled ids on the device (the next step may read them there) and
+starts their copy to the host; ``SampledBatch.resolve`` waits for that copy only.
+
+Randomness is keyed by (sequence seed, output position): the token a row samples is the token
+plain decoding would sample at that position from the same logits, which is what makes
+speculative verification exact (``verify``).
+
 Any valid SamplingParams is safe here: a temperature below ``GREEDY_TEMPERATURE`` samples
 greedily (dividing by it would overflow), temperatures and repetition penalties are clamped
 into ``FLOAT32_SAFE``, top_k is capped at the vocabulary, and logits divided by a repetition
@@ -13,6 +22,8 @@ whose raw logits are not finite (NaN or inf: the model or a kernel is broken) ra
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,6 +57,35 @@ def top_logprobs(logprobs_row: torch.Tensor, k: int, token: int | None = None) -
     return out
 
 
+@dataclass(eq=False)
+class SampleRow:
+    """One row of logits to sample for ``seq``: ``drafts`` are tokens the row's position comes
+    after that the sequence holds only as drafts; ``pending`` outputs before it are on the device."""
+
+    seq: Sequence
+    drafts: list[int] = field(default_factory=list)
+    pending: int = 0
+
+    @property
+    def params(self):
+        return self.seq.params
+
+    @property
+    def num_outputs(self) -> int:
+        """Output tokens before this row's: its sampling step (seed position) and min_tokens count."""
+        return len(self.seq.output_token_ids) + self.pending + len(self.drafts)
+
+    def output_token_ids(self) -> list[int]:
+        return self.seq.output_token_ids + self.drafts
+
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids() + self.drafts
+
+
+def _rows(seqs) -> list[SampleRow]:
+    return [s if isinstance(s, SampleRow) else SampleRow(s) for s in seqs]
+
+
 def _token_mask(rows: list[list[int]], vocab: int, device: torch.device, counts: bool) -> torch.Tensor:
     """[len(rows), vocab]: how often (counts) or whether each token occurs in each row's list."""
     width = max((len(r) for r in rows), default=0)
@@ -56,9 +96,15 @@ def _token_mask(rows: list[list[int]], vocab: int, device: torch.device, counts:
     return out if counts else out > 0
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> torch.Tensor:
+def needs_history(params) -> bool:
+    """Whether sampling for these params reads the token ids generated so far (penalties)."""
+    return params.repetition_penalty != 1.0 or bool(params.presence_penalty or params.frequency_penalty)
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence | SampleRow], eos_ids: tuple[int, ...]) -> torch.Tensor:
     """A processed copy of ``logits`` [N, V]: repetition / presence / frequency penalties (vLLM's
     definitions) and, before min_tokens outputs, EOS and stop tokens made impossible."""
+    seqs = _rows(seqs)
     logits = logits.float().clone()
     vocab, device = logits.shape[-1], logits.device
     rep = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
@@ -69,49 +115,115 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[i
         # dividing by a tiny penalty is the one way a penalty can overflow: capped right here
         scaled = torch.where(rows > 0, (rows / penalty).clamp(max=MAX_LOGIT), rows * penalty)
         logits[rep] = torch.where(seen, scaled, rows)
-    freq = [i for i, s in enumerate(seqs) if (s.params.presence_penalty or s.params.frequency_penalty) and s.output_token_ids]
+    freq = [i for i, s in enumerate(seqs) if (s.params.presence_penalty or s.params.frequency_penalty) and s.num_outputs]
     if freq:
-        counts = _token_mask([seqs[i].output_token_ids for i in freq], vocab, device, counts=True)
+        counts = _token_mask([seqs[i].output_token_ids() for i in freq], vocab, device, counts=True)
         fp = torch.tensor([seqs[i].params.frequency_penalty for i in freq], device=device)[:, None]
         pp = torch.tensor([seqs[i].params.presence_penalty for i in freq], device=device)[:, None]
         logits[freq] -= fp * counts + pp * (counts > 0).float()
+    rows, cols = [], []
     for i, s in enumerate(seqs):
-        if len(s.output_token_ids) < s.params.min_tokens:
+        if s.num_outputs < s.params.min_tokens:
             banned = list(s.params.stop_token_ids) + ([] if s.params.ignore_eos else list(eos_ids))
-            if banned:
-                logits[i, torch.tensor(banned, device=device)] = NEG_INF
+            rows += [i] * len(banned)
+            cols += banned
+    if rows:
+        logits[_on_device(rows, device), _on_device(cols, device)] = NEG_INF
     return logits
 
 
-def sample(ops, logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...] = ()) -> list[tuple[int, float | None, dict[int, float] | None]]:
-    """For each row of ``logits`` [N, V] and its sequence: (token, logprob, top logprobs), the last
-    two None unless the sequence asked for logprobs."""
+def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of ``values`` on ``device``, copied without waiting for the device's queue."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class SampledBatch:
+    """Tokens sampled on the device, their copy to the host under way."""
+
+    rows: list[SampleRow]
+    tokens: torch.Tensor  # [N] int64, on the device
+    host: object  # Platform.copy_to_host handle: tokens, finite flags, logprob data
+    wanted: list[int]  # rows that asked for logprobs
+
+    def resolve(self) -> list[tuple[int, float | None, dict[int, float] | None]]:
+        """(token, logprob, top logprobs) per row, the last two None unless its sequence asked for them."""
+        copied = self.host.wait()
+        tokens, finite = copied[0].tolist()
+        rows = self.rows
+        broken = [i for i, ok in enumerate(finite) if not ok]
+        if broken:
+            names = ", ".join(f"{rows[i].seq.request_id} (sample {rows[i].seq.index}, {rows[i].num_outputs} tokens generated)" for i in broken)
+            raise NonFiniteLogitsError(
+                f"the model produced NaN or inf logits for request(s) {names}: no token can be chosen. The weights are "
+                f"finite (checked at load), so an activation overflowed or a kernel is wrong; a float32 run "
+                f"(LLM(dtype='float32')) or the reference backend (accelerator='cpu') tells which"
+            )
+        results: list[tuple[int, float | None, dict[int, float] | None]] = [(t, None, None) for t in tokens]
+        if self.wanted:
+            chosen, values, ids = copied[1].tolist(), copied[2].tolist(), copied[3].tolist()
+            for row, i in enumerate(self.wanted):
+                k = rows[i].params.logprobs
+                top = dict(zip(ids[row][:k], values[row][:k]))
+                top.setdefault(tokens[i], chosen[row])
+                results[i] = (tokens[i], chosen[row], top)
+        return results
+
+
+class _HostNow:
+    """copy_to_host for callers without a platform: the tensors, moved now."""
+
+    def __init__(self, tensors):
+        self.tensors = [t.cpu() for t in tensors]
+
+    def wait(self):
+        return self.tensors
+
+
+def launch(ops, logits: torch.Tensor, rows: list[Sequence | SampleRow], eos_ids: tuple[int, ...] = (), copy_to_host=_HostNow) -> SampledBatch:
+    """Sample one token per row of ``logits`` [N, V] (float32) on its device; the copy of the
+    tokens (and of the logprobs rows asked for) to the host is started with ``copy_to_host``."""
+    rows = _rows(rows)
     device, vocab = logits.device, logits.shape[-1]
-    processed = apply_penalties(logits, seqs, eos_ids)
-    params = [s.params for s in seqs]
+    processed = apply_penalties(logits, rows, eos_ids)
+    params = [r.params for r in rows]
     temperatures = [_float32_safe(p.temperature) if p.temperature >= GREEDY_TEMPERATURE else 0.0 for p in params]
     # two host-to-device copies per step, whatever the batch size
-    floats = torch.tensor([temperatures, [p.top_p for p in params], [p.min_p for p in params]], dtype=torch.float32).to(device)
+    floats = torch.tensor([temperatures, [p.top_p for p in params], [p.min_p for p in params]], dtype=torch.float32)
     ints = torch.tensor(
-        [[min(max(p.top_k, 0), vocab) for p in params], [s.seed for s in seqs], [len(s.output_token_ids) for s in seqs]],
+        [[min(max(p.top_k, 0), vocab) for p in params], [r.seq.seed for r in rows], [r.num_outputs for r in rows]],
         dtype=torch.int64,
-    ).to(device)
-    tokens = ops.sample_tokens(processed, floats[0], ints[0], floats[1], floats[2], ints[1], ints[2])
-    # one device-to-host copy: the tokens and, per row, whether its logits were finite
-    tokens, finite = torch.stack([tokens, torch.isfinite(logits).all(dim=-1).to(tokens.dtype)]).tolist()
-    broken = [i for i, ok in enumerate(finite) if not ok]
-    if broken:
-        rows = ", ".join(f"{seqs[i].request_id} (sample {seqs[i].index}, {len(seqs[i].output_token_ids)} tokens generated)" for i in broken)
-        raise NonFiniteLogitsError(
-            f"the model produced NaN or inf logits for request(s) {rows}: no token can be chosen. The weights are "
-            f"finite (checked at load), so an activation overflowed or a kernel is wrong; a float32 run "
-            f"(LLM(dtype='float32')) or the reference backend (accelerator='cpu') tells which"
-        )
+    )
+    host_params = (floats[0], ints[0], floats[1], floats[2])
+    if device.type != "cpu":
+        floats, ints = floats.pin_memory(), ints.pin_memory()
+    floats, ints = floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
+    tokens = ops.sample_tokens(processed, floats[0], ints[0], floats[1], floats[2], ints[1], ints[2], host_params=host_params)
+    # the tokens and, per row, whether its logits were finite: one copy
+    out = [torch.stack([tokens, torch.isfinite(logits).all(dim=-1).to(tokens.dtype)])]
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-    results: list[tuple[int, float | None, dict[int, float] | None]] = [(t, None, None) for t in tokens]
     if wanted:
-        logprobs = torch.log_softmax(logits[wanted].float(), dim=-1)
-        for row, i in enumerate(wanted):
-            top = top_logprobs(logprobs[row], params[i].logprobs, tokens[i])
-            results[i] = (tokens[i], top[tokens[i]], top)
-    return results
+        index = _on_device(wanted, device)
+        logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+        k = min(max(params[i].logprobs for i in wanted), vocab)
+        values, ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+        out += [logprobs.gather(1, tokens.index_select(0, index)[:, None])[:, 0], values, ids]
+    return SampledBatch(rows, tokens, copy_to_host(out), wanted)
+
+
+def sample(ops, logits: torch.Tensor, seqs: list[Sequence | SampleRow], eos_ids: tuple[int, ...] = ()) -> list[tuple[int, float | None, dict[int, float] | None]]:
+    """For each row of ``logits`` [N, V] and its sequence: (token, logprob, top logprobs), the last
+    two None unless the sequence asked for logprobs."""
+    return launch(ops, logits, seqs, eos_ids).resolve()
+
+
+def verify(sampled: list[int], drafts: list[int]) -> list[int]:
+    """The tokens a sequence accepts from a verification row: ``sampled`` holds the token sampled
+    at each of its 1 + len(drafts) positions (each as plain decoding would sample it there, given
+    the drafts before it). Drafts are accepted while they equal what was sampled; then the sampled
+    token at the first mismatch (or after the last draft) is added."""
+    for i, d in enumerate(drafts):
+        if sampled[i] != d:
+            return drafts[:i] + [sampled[i]]
+    return drafts + [sampled[len(drafts)]]

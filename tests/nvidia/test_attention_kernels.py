@@ -32,11 +32,14 @@ def _cases(op: str, dim: str, value: int) -> list:
 # mla_decode_attention
 
 
-def _decode_inputs(seq_lens, heads, d_c, d_r, block_size, dtype, device, seed=0):
+def _decode_inputs(seq_lens, heads, d_c, d_r, block_size, dtype, device, seed=0, query_lens=None):
     """The conformance kit's inputs (the spec's generator): N(0, 1) cache and queries, block tables
-    taken from a random permutation of the block pool as a non-contiguous view, q_pe strided."""
+    taken from a random permutation of the block pool as a non-contiguous view, q_pe strided;
+    ``query_lens`` query rows per sequence (default one each), as query_start_loc."""
     dims = dict(seq_lens=list(seq_lens), heads=heads, kv_lora_rank=d_c, rope_dim=d_r, block_size=block_size, scale="default")
-    args = make_case("mla_decode_attention", dims, dtype, device, seed).args[:5]  # the scale is the test's
+    if query_lens is not None:
+        dims["query_lens"] = list(query_lens)
+    args = make_case("mla_decode_attention", dims, dtype, device, seed).args[:6]  # the scale is the test's
     assert not args[3].is_contiguous()
     return args
 
@@ -56,20 +59,21 @@ def split_mode(request, monkeypatch):
     return request.param
 
 
-def _check_decode(seq_lens, heads, d_c, d_r, block_size, scale, dtype, device, seed=0):
-    args = _decode_inputs(seq_lens, heads, d_c, d_r, block_size, dtype, device, seed)
+def _check_decode(seq_lens, heads, d_c, d_r, block_size, scale, dtype, device, seed=0, query_lens=None):
+    args = _decode_inputs(seq_lens, heads, d_c, d_r, block_size, dtype, device, seed, query_lens)
     with poisoned_outputs(torch.device(device)):
         out = mla_decode.mla_decode_attention(*args, scale)
     ref = ref_ops.mla_decode_attention(*args, scale)
     assert out.shape == ref.shape and out.dtype == dtype and out.device == args[0].device
-    assert_close(out, ref, "mla_decode_attention", dtype, f" seq_lens={seq_lens} H={heads}")
+    assert_close(out, ref, "mla_decode_attention", dtype, f" seq_lens={seq_lens} query_lens={query_lens} H={heads}")
+    return out, ref
 
 
 @pytest.mark.parametrize("case", _cases("mla_decode_attention", "kv_lora_rank", 512))
 def test_decode_spec_shapes(case, split_mode, dtype, device):
     d_c, d_r = case["kv_lora_rank"], case["rope_dim"]
     _check_decode(case["seq_lens"], case["heads"], d_c, d_r, case["block_size"],
-                  attention_scale(case["scale"], d_c + d_r), dtype, device)
+                  attention_scale(case["scale"], d_c + d_r), dtype, device, query_lens=case.get("query_lens"))
 
 
 @pytest.mark.parametrize(
@@ -85,29 +89,78 @@ def test_decode_awkward(seq_lens, heads, block_size, split_mode, dtype, device):
     _check_decode(seq_lens, heads, 32, 8, block_size, 40**-0.5, dtype, device, seed=1)
 
 
+@pytest.mark.parametrize(
+    "seq_lens,query_lens,heads,block_size",
+    [
+        ([7, 1, 13], [4, 1, 3], 3, 4),      # mixed q_lens: rows see 4..7, 1, 11..13 entries
+        ([5, 3, 34], [5, 3, 2], 4, 4),      # q_len == seq_len: a sequence's first row sees one entry
+        ([70, 40, 2], [4, 0, 2], 20, 8),    # two head blocks, a sequence without rows, rows over tiles
+        ([33, 17], [8, 2], 2, 1),           # block_size 1, a row per token of a long tail
+        ([64, 65], [3, 3], 4, 16),          # rows ending just before / on / after a page boundary
+    ],
+)
+def test_decode_query_rows(seq_lens, query_lens, heads, block_size, split_mode, dtype, device):
+    """Several query rows per sequence (speculative decoding's 1 + k), causal within the sequence."""
+    _check_decode(seq_lens, heads, 32, 8, block_size, 40**-0.5, dtype, device, seed=5, query_lens=query_lens)
+
+
+def test_decode_query_rows_are_the_op_on_each_row_alone(split_mode, dtype, device):
+    """Row i of a sequence with q rows and n entries equals the kernel on that row alone as plain
+    decode over n - q + 1 + i entries (within the spec's tolerance: split counts may differ)."""
+    lens, query_lens = [9, 30], [3, 4]
+    q_latent, q_pe, kv_cache, block_tables, seq_lens, starts = _decode_inputs(lens, 4, 32, 8, 4, dtype, device, 6, query_lens)
+    out = mla_decode.mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, seq_lens, starts, 0.2)
+    one = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    for b, (n, q) in enumerate(zip(lens, query_lens)):
+        for i in range(q):
+            row = int(starts[b]) + i
+            alone = mla_decode.mla_decode_attention(q_latent[row : row + 1], q_pe[row : row + 1], kv_cache, block_tables[b : b + 1],
+                                                    torch.tensor([n - q + 1 + i], dtype=torch.int32, device=device), one, 0.2)
+            assert_close(out[row : row + 1], alone, "mla_decode_attention", dtype, f" sequence {b} row {i}")
+
+
+def test_decode_many_sequences_in_several_lookups(monkeypatch, dtype, device):
+    """More sequences than one query_start_loc block (MAX_BLOCK_B) holds: a row's sequence is
+    found over several blocks of the lookup."""
+    monkeypatch.setattr(mla_decode, "MAX_BLOCK_B", 2)
+    _check_decode([3, 6, 1, 9, 4], 2, 32, 8, 4, 0.3, dtype, device, seed=7, query_lens=[2, 1, 1, 3, 4])
+
+
 def test_decode_odd_dims(split_mode, dtype, device):
     """Latent and rope widths that are not powers of two (masked padding)."""
     _check_decode([5, 23], 4, 24, 6, 4, 0.2, dtype, device, seed=2)
+    _check_decode([5, 23], 4, 24, 6, 4, 0.2, dtype, device, seed=2, query_lens=[2, 3])
 
 
 def test_decode_padding_sequence_gives_zeros(split_mode, dtype, device):
-    """seq_len 0 (a padded row of a captured batch) attends to nothing: zeros, like the reference."""
+    """seq_len 0 (a padded row of a captured batch) attends to nothing: zeros, like the reference;
+    so do rows whose causal count seq_len - q_len + 1 + i is <= 0."""
     args = _decode_inputs([0, 6], 4, 32, 8, 4, dtype, device)
     with poisoned_outputs(torch.device(device)):
         out = mla_decode.mla_decode_attention(*args, 0.15)
     assert_close(out, ref_ops.mla_decode_attention(*args, 0.15), "mla_decode_attention", dtype)
     assert torch.count_nonzero(out[0]) == 0
+    q_latent, q_pe, kv_cache, block_tables, _, _ = _decode_inputs([2, 6, 1], 4, 32, 8, 4, dtype, device, query_lens=[2, 3, 1])
+    seq_lens = torch.tensor([0, 1, 6], dtype=torch.int32, device=device)  # rows see -1, 0 | -1, 0, 1 | 6 entries
+    starts = torch.tensor([0, 2, 5, 6], dtype=torch.int32, device=device)
+    with poisoned_outputs(torch.device(device)):
+        out = mla_decode.mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, seq_lens, starts, 0.15)
+    assert_close(out, ref_ops.mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, seq_lens, starts, 0.15),
+                 "mla_decode_attention", dtype)
+    assert torch.count_nonzero(out[:4]) == 0 and all(torch.count_nonzero(out[r]) > 0 for r in (4, 5))
 
 
 def test_decode_empty_batch(device):
     args = _decode_inputs([1], 4, 32, 8, 4, torch.float32, device)
-    q_latent, q_pe, kv_cache, block_tables, lens = args
-    out = mla_decode.mla_decode_attention(q_latent[:0], q_pe[:0], kv_cache, block_tables[:0], lens[:0], 0.1)
+    q_latent, q_pe, kv_cache, block_tables, lens, starts = args
+    out = mla_decode.mla_decode_attention(q_latent[:0], q_pe[:0], kv_cache, block_tables[:0], lens[:0], starts[:1], 0.1)
     assert out.shape == (0, 4, 32)
+    out = mla_decode.mla_decode_attention(q_latent[:0], q_pe[:0], kv_cache, block_tables, lens, torch.zeros_like(starts), 0.1)
+    assert out.shape == (0, 4, 32)  # a sequence without query rows: nothing to compute
 
 
 def test_decode_split_count_from_shapes_only(monkeypatch):
-    """The number of splits depends on the shapes (batch, heads, block table width), not on values."""
+    """The number of splits depends on the shapes (query rows, heads, block table width), not on values."""
     cpu = torch.device("cpu")
     monkeypatch.setattr(mla_decode, "INTERPRETER_SMS", 132)
     assert mla_decode._num_splits(128, 2, 4096, cpu) == 1          # large batch: one wave already
@@ -122,19 +175,23 @@ def test_decode_split_count_from_shapes_only(monkeypatch):
 @pytest.mark.gpu
 def test_decode_long_context(dtype, device):
     _check_decode([4096, 4000, 1, 2049], 128, 512, 64, 64, ATTENTION_SCALES["v3_yarn"], dtype, device, seed=3)
+    _check_decode([4096, 4000, 2049], 16, 512, 64, 64, ATTENTION_SCALES["v2lite_yarn"], dtype, device, seed=3,
+                  query_lens=[4, 2, 4])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads,block_size", [(128, 64), (16, 16)])
-def test_decode_cuda_graph(heads, block_size, dtype, device):
-    """Captured once, replayed: same bits as eager, and new seq_lens / block tables are honoured."""
-    q_latent, q_pe, kv_cache, block_tables, lens = _decode_inputs(
-        [700, 1, 64, 333], heads, 512, 64, block_size, dtype, device, seed=4
+@pytest.mark.parametrize("query_lens", [None, [4, 1, 2, 3]], ids=["one_row", "query_rows"])
+def test_decode_cuda_graph(heads, block_size, query_lens, dtype, device):
+    """Captured once, replayed: same bits as eager, and new seq_lens / query_start_loc / block
+    tables are honoured."""
+    q_latent, q_pe, kv_cache, block_tables, lens, starts = _decode_inputs(
+        [700, 1, 64, 333], heads, 512, 64, block_size, dtype, device, seed=4, query_lens=query_lens
     )
     scale = ATTENTION_SCALES["v3_yarn"]
 
     def call():
-        return mla_decode.mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, lens, scale)
+        return mla_decode.mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, lens, starts, scale)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -149,12 +206,14 @@ def test_decode_cuda_graph(heads, block_size, dtype, device):
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
 
-    lens.copy_(torch.tensor([5, 720, 1, 100], dtype=torch.int32, device=device))
+    lens.copy_(torch.tensor([5, 720, 3, 100], dtype=torch.int32, device=device))
+    if query_lens is not None:  # the same number of rows, spread differently over the sequences
+        starts.copy_(torch.tensor([0, 2, 7, 10, 10], dtype=torch.int32, device=device))
     block_tables.copy_(block_tables.flip(0))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, call())
-    assert_close(captured, ref_ops.mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, lens, scale),
+    assert_close(captured, ref_ops.mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, lens, starts, scale),
                  "mla_decode_attention", dtype)
 
 

@@ -84,6 +84,8 @@ def test_spec_shapes_greedy_exact_and_sampled_in_support(shape, device, dtype):
     assert_in_support(out, logits, *args[:4])
     # logits in the model dtype itself: the same tokens (the kernel upcasts exactly)
     assert torch.equal(sample_tokens(model_logits, *args), out)
+    # the host's copies of the parameters choose the same way as the device read would
+    assert torch.equal(sample_tokens(logits, *args, host_params=tuple(a.cpu() for a in args[:4])), out)
 
 
 @pytest.mark.parametrize("block,programs_per_sm", [(None, None), (16, 64), (16, 1)], ids=["default", "split-per-tile", "one-split"])

@@ -47,7 +47,7 @@ def make_platform(backend_name: str):
         supported_dtypes=(torch.float32, torch.bfloat16, torch.float16),
         fp8_weights=False,  # no FP8 kernels: the loader dequantises block-FP8 checkpoints (W8A16)
         graph_capture=False,
-        batch_invariant=False,  # mla_decode_attention pads to the batch's longest sequence
+        batch_invariant=False,  # mla_decode_attention pads to the batch's longest query row
     )
 
 
@@ -62,8 +62,8 @@ def deepinfer_backend() -> BackendInfo:
     return BackendInfo(
         name=NAME,
         priority=5,  # above the reference (0) once enabled, far below the GPU/NPU backends (100)
-        min_spec_version=1,
-        max_spec_version=1,
+        min_spec_version=2,  # the hookspec versions this release implements (deepinfer_core.hookspecs.SPEC_VERSION)
+        max_spec_version=2,
         description="example vendor backend (CPU): 7 ops of its own, the rest from the reference; opt-in",
     )
 

@@ -105,9 +105,10 @@ def mla_decode_attention(
     kv_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    return padded_decode_attention(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale)
+    return padded_decode_attention(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, scale)
 
 
 def padded_decode_attention(
@@ -115,29 +116,36 @@ def padded_decode_attention(
     q_pe: torch.Tensor,
     kv_cache: torch.Tensor,
     block_tables: torch.Tensor,
-    lengths: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Absorbed MLA decode for the whole batch at once: every sequence's cached entries are
-    gathered into one [B, max_len, d_c + d_r] tensor, scores are one dot product of [q_latent |
-    q_pe] with whole [c | k_pe] entries, and positions at or past a sequence's length are masked.
-    (The reference loops over sequences.) Rows of length 0 give zeros, as the reference does."""
-    batch, _, d_c = q_latent.shape
-    if batch == 0:
+    """Absorbed MLA decode for every query row at once. Each row's sequence and causal length
+    come from tensor ops (no loop): the row's sequence by searchsorted over query_start_loc, its
+    length seq_len - q_len + 1 + i = seq_len - query_start_loc[b + 1] + 1 + row. Every row's
+    entries are gathered into one [T, max_len, d_c + d_r] tensor, scores are one dot product of
+    [q_latent | q_pe] with whole [c | k_pe] entries, and positions at or past a row's length are
+    masked. (The reference loops over sequences and rows.) Rows of length <= 0 give zeros, as the
+    reference does."""
+    rows, _, d_c = q_latent.shape
+    if rows == 0:
         return q_latent.new_empty(q_latent.shape)
     block_size = kv_cache.shape[1]
-    lengths = lengths.long()
+    starts = query_start_loc.long()
+    row = torch.arange(rows, device=q_latent.device)
+    seq = torch.searchsorted(starts[1:], row, right=True)  # [T]: the sequence whose rows include it
+    lengths = seq_lens.long()[seq] - starts[seq + 1] + 1 + row  # [T]: entries the row attends to
     max_len = int(lengths.max().clamp(min=0))
     pos = torch.arange(max_len, device=kv_cache.device)
-    valid = pos[None, :] < lengths[:, None]  # [B, max_len]
-    blocks = block_tables.long().gather(1, (pos // block_size).expand(batch, max_len))
+    valid = pos[None, :] < lengths[:, None]  # [T, max_len]
+    blocks = block_tables.long()[seq].gather(1, (pos // block_size).expand(rows, max_len))
     blocks = torch.where(valid, blocks, 0)  # table entries past a sequence's end may be stale
-    entries = kv_cache[blocks, pos % block_size].float()  # [B, max_len, d_c + d_r]
-    q = torch.cat([q_latent, q_pe], dim=-1).float()  # [B, H, d_c + d_r]
-    scores = torch.einsum("bhd,bld->bhl", q, entries) * scale
+    entries = kv_cache[blocks, pos % block_size].float()  # [T, max_len, d_c + d_r]
+    q = torch.cat([q_latent, q_pe], dim=-1).float()  # [T, H, d_c + d_r]
+    scores = torch.einsum("thd,tld->thl", q, entries) * scale
     masked = ~valid[:, None, :]
     probs = scores.masked_fill(masked, float("-inf")).softmax(dim=-1).masked_fill(masked, 0.0)
-    return torch.einsum("bhl,blc->bhc", probs, entries[..., :d_c]).to(q_latent.dtype)
+    return torch.einsum("thl,tlc->thc", probs, entries[..., :d_c]).to(q_latent.dtype)
 
 
 rms_norm.impl = "torch (vendor example): row dot product for the sum of squares, weight in float32, one rounding"
@@ -146,7 +154,7 @@ silu_and_mul.impl = "torch (vendor example): gate * sigmoid(gate) * up in float3
 moe_route.impl = "torch (vendor example): stable descending sorts rank groups, then experts (no topk)"
 write_latent_cache.impl = "torch (vendor example): index_put by (block, row), latent and k_pe written separately"
 gather_latent_cache.impl = "torch (vendor example): index_select on the flattened cache"
-mla_decode_attention.impl = "torch (vendor example): whole batch padded to the longest sequence, masked, one einsum"
+mla_decode_attention.impl = "torch (vendor example): every query row at once, padded to the longest row, masked, one einsum"
 
 OPS = {
     "rms_norm": rms_norm,

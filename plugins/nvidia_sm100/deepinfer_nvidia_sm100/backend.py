@@ -35,6 +35,10 @@ SUPPORTED = "sm_90 and sm_100"
 # Kernel modules under deepinfer_nvidia_sm100.kernels, each exporting OPS = {op name: callable}.
 KERNEL_MODULES = ("elementwise", "fp8_linear", "cache", "mla_decode", "mla_prefill", "moe", "sampling")
 # Decode batch sizes captured as CUDA graphs (capped by the engine's max_num_seqs).
+# The step budget (prefill chunk) by measurement: H200, V2-Lite shape (27 layers, bf16), 128 prompts
+# of 1024 tokens through LLM.generate prefill at 27.6k tokens/s with 2048, 81.2k with 8192 and
+# 86.5k with 16384 (benchmarks/generate.py, benchmarks/results/h200-2026-12-01/generate/).
+MAX_NUM_BATCHED_TOKENS = 16384
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 CPU_FIX = "run on a machine with an NVIDIA GPU or choose DEEPINFER_ACCELERATOR=cpu"
 TORCH_CUDA_FIX = "install a CUDA build of torch (pip install torch --index-url https://download.pytorch.org/whl/cu130)"
@@ -54,6 +58,8 @@ def deepinfer_backend() -> BackendInfo:
     return BackendInfo(
         name=NAME,
         priority=100,
+        min_spec_version=2,
+        max_spec_version=2,  # 2: mla_decode_attention takes query_start_loc (several query rows per sequence)
         description="NVIDIA Hopper sm_90 / Blackwell sm_100 GPUs (CUDA): Triton kernels, FP8 GEMMs, CUDA graphs",
     )
 
@@ -128,6 +134,7 @@ def deepinfer_platform():
     import torch
 
     from deepinfer_core.platform import Platform
+    from deepinfer_nvidia_sm100.graphs import CudaGraphs
 
     index = local_rank()
     capability = tuple(torch.cuda.get_device_capability(index))
@@ -140,6 +147,8 @@ def deepinfer_platform():
         supported_dtypes=(torch.bfloat16, torch.float16, torch.float32),
         fp8_weights=True,  # block-FP8 checkpoints stay FP8 (fp8_block_linear and the FP8 expert GEMMs)
         graph_capture=True,  # every decode-path op below is free of host synchronisation
+        graphs=CudaGraphs,
+        async_scheduling=True,  # one stream: launched work runs in order
         batch_invariant=False,
         extra={"capability": capability, "device_name": torch.cuda.get_device_name(index)},
     )
@@ -174,4 +183,4 @@ def deepinfer_ops(platform, model_config):
 def deepinfer_scheduler_limits(platform, model_config):
     from deepinfer_core.hookspecs import SchedulerLimits
 
-    return SchedulerLimits(graph_batch_sizes=GRAPH_BATCH_SIZES)
+    return SchedulerLimits(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, graph_batch_sizes=GRAPH_BATCH_SIZES)

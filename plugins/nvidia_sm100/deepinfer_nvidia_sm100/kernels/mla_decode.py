@@ -1,21 +1,50 @@
 """Absorbed-form MLA decode over the paged latent cache (flash-decoding), in Triton.
 
-One new token per sequence attends to its ``seq_len`` cached entries ``[c_j | k_pe_j]``: this is
+Each query row attends to a prefix of its sequence's cached entries ``[c_j | k_pe_j]``: this is
 multi-query attention with a (d_c + d_r)-wide key and a d_c-wide value, both read from the same
-cache row. The cache read dominates (576 values per token, shared by all H heads), so:
+cache row. A sequence has one query row in plain decode and 1 + k when speculative decoding
+verifies k drafted tokens; its rows are its newest tokens, causal: row i of a sequence with
+q_len rows and seq_len entries attends to the first seq_len - q_len + 1 + i of them (contract:
+``deepinfer_core.ops.attention.mla_decode_attention``). The cache read dominates (576 values
+per token, shared by all H heads), so:
 
-* grid = (head blocks, splits, batch), head blocks on the fastest-varying axis: the programs that
-  read the same (sequence, split) slice of the cache are scheduled together and share it in L2,
-  so HBM sees each cache row about once;
+* every query row is its own "batch" entry: grid = (head blocks, splits, query rows T), head
+  blocks on the fastest-varying axis, so the programs that read the same (sequence, split) slice
+  of the cache are scheduled together and share it in L2, and HBM sees each cache row about
+  once; a sequence's rows are adjacent on the slow axis and cut their sequence at the same split
+  boundaries (see below), so they share those slices in L2 too;
+* a program finds its row's sequence itself, on the device: b = the number of
+  query_start_loc[1:] entries <= row (one vector compare over query_start_loc, BLOCK_B entries
+  at a time), then its length n = seq_lens[b] - query_start_loc[b + 1] + 1 + row (clamped at 0),
+  and reads block_tables[b] in place: no host synchronisation, no [T, W] table copy, no extra
+  launch;
 * a program holds BLOCK_H heads (the M of both tensor-core dots) and walks BLOCK_N tokens at a
   time through the block table: one cache tile feeds both ``q @ [c | k_pe]^T`` and ``p @ c``;
-* the number of splits comes from shapes only (batch, heads, block-table width, SM count), so
-  the grid is CUDA-graph safe; the kernel cuts each sequence's actual ``seq_len`` into that many
-  equal slices (rounded to BLOCK_N, at least MIN_SPLIT_TOKENS), so short sequences use only
-  their first splits. Each split writes a normalised float32 partial output and its
-  log-sum-exp (base 2); a split past the sequence's end writes lse = -inf and no output; a second
-  kernel combines the splits. With one split the first kernel writes the output directly and
-  the combine is skipped.
+* the number of splits comes from shapes only (query rows T, heads, block-table width, SM
+  count), so the grid is CUDA-graph safe; the kernel cuts each sequence's actual ``seq_len``
+  into that many equal slices (rounded to BLOCK_N, at least MIN_SPLIT_TOKENS) and each row
+  covers the slices up to its own length, so short sequences and a sequence's earlier rows use
+  only their first splits. Each split writes a normalised float32 partial output and its
+  log-sum-exp (base 2); a split past the row's end writes lse = -inf and no output; a second
+  kernel combines the splits (the valid ones are a prefix: those with a finite lse). With one
+  split the first kernel writes the output directly and the combine is skipped.
+
+With one query row per sequence (T == B, query_start_loc = 0, 1, .., B) this computes exactly
+what the kernel of one new token per sequence did: same splits, same tiles, same bits (checked
+on an H200 in bf16 and float32); the row -> sequence lookup, one more dependent load before
+the first cache tile, cost 1-2% there (H200, bf16, graph replays, 2026-12-01: V2-Lite heads
+B=32..256 +1.1..2.0%, V3 heads -1.9..+0.9%).
+
+Not done yet: with several rows per sequence, each row's programs reload the cache tiles that
+its sequence's other rows load (from L2, mostly): 4 rows per sequence took 3.2x the time of one
+at V2-Lite heads (B=128, L=4096; 1.8x at B=32, L=1024) and 3.8x at V3 heads (B=32, L=4096,
+where 4x the work is compute-bound anyway). A program could instead hold heads x rows of one
+sequence as the M of its dots (BLOCK_H heads for each of its q_len rows; 16 V2-Lite heads x 4
+rows = M 64, a fuller tensor-core tile than 16 heads alone), load each cache tile once for all
+of them and mask per row only the last q_len - 1 positions (the causal diagonal). The grid
+would then be (head blocks, splits, sequences x row groups), sized from shapes only with a
+fixed row-group size (or the bound T - B + 1 on q_len), a row group's programs finding their
+sequence as programs find it now.
 """
 
 from __future__ import annotations
@@ -53,6 +82,8 @@ MAX_SPLITS = 64
 # Number of SMs assumed under the interpreter (no GPU there); small so tests exercise splitting.
 INTERPRETER_SMS = 4
 COMBINE_NUM_WARPS = 4
+# query_start_loc entries a program compares at a time to find its row's sequence
+MAX_BLOCK_B = 256
 
 
 def _tile_config(num_heads: int, cache_dtype: torch.dtype) -> tuple[int, int, int]:
@@ -90,10 +121,23 @@ def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constex
 
 
 @triton.jit
+def _sequence_of_row(qsl_ptr, num_seqs, row, BLOCK_B: tl.constexpr):
+    """The sequence b whose query rows query_start_loc[b] .. query_start_loc[b + 1] - 1 include
+    ``row``: the number of query_start_loc[1:] entries <= row (query_start_loc is
+    non-decreasing and query_start_loc[num_seqs] == T > row, so at most num_seqs - 1)."""
+    count = tl.zeros([BLOCK_B], tl.int32)
+    for b0 in range(0, num_seqs, BLOCK_B):
+        idx = b0 + 1 + tl.arange(0, BLOCK_B)
+        ends = tl.load(qsl_ptr + idx, mask=idx <= num_seqs, other=row + 1)
+        count += (ends <= row).to(tl.int32)
+    return tl.sum(count, axis=0)
+
+
+@triton.jit
 def _mla_decode_split_kernel(
-    q_ptr, qpe_ptr, cache_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
+    q_ptr, qpe_ptr, cache_ptr, bt_ptr, lens_ptr, qsl_ptr, out_ptr, part_ptr, lse_ptr,
     scale_log2,
-    num_heads, num_splits,
+    num_heads, num_splits, num_seqs,
     s_qb, s_qh, s_qd,
     s_pb, s_ph, s_pd,
     s_cn, s_cs, s_cd,
@@ -103,16 +147,11 @@ def _mla_decode_split_kernel(
     s_lb, s_ls,
     D_C: tl.constexpr, D_R: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr,
-    SPLIT: tl.constexpr, MIN_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, MIN_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     split = tl.program_id(1)
-    b = tl.program_id(2)
-
-    seq_len = tl.load(lens_ptr + b)
-    split_len = _split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    b = tl.program_id(2)  # the query row (the "batch" entry of the q / out / partial tensors)
 
     heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = heads < num_heads
@@ -121,16 +160,26 @@ def _mla_decode_split_kernel(
     dc_mask = dc < D_C
     dr_mask = dr < D_R
 
+    # the row's queries first: their loads need no lookup and overlap with it
     cache_ty = cache_ptr.dtype.element_ty
     q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + dc[None, :] * s_qd,
                 mask=h_mask[:, None] & dc_mask[None, :], other=0.0).to(cache_ty)
     q_pe = tl.load(qpe_ptr + b * s_pb + heads[:, None] * s_ph + dr[None, :] * s_pd,
                    mask=h_mask[:, None] & dr_mask[None, :], other=0.0).to(cache_ty)
 
+    seq = _sequence_of_row(qsl_ptr, num_seqs, b, BLOCK_B)
+    seq_len = tl.load(lens_ptr + seq)
+    # causal: row i of the sequence's q_len rows sees seq_len - q_len + 1 + i entries
+    row_len = tl.maximum(seq_len - tl.load(qsl_ptr + seq + 1) + 1 + b, 0)
+    # split boundaries from the sequence's length, so all its rows cut it at the same places
+    split_len = _split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
+    start = split * split_len
+    end = tl.minimum(start + split_len, row_len)
+
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DC], tl.float32)
-    bt_row = bt_ptr + b.to(tl.int64) * s_btb
+    bt_row = bt_ptr + seq.to(tl.int64) * s_btb
     for n0 in range(start, end, BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
         t_mask = toks < end
@@ -153,7 +202,7 @@ def _mla_decode_split_kernel(
     has_tokens = l_i > 0.0
     o = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
     if not SPLIT:
-        # A sequence with no token (graph padding) gets zeros, as the reference does.
+        # A row with no token (graph padding) gets zeros, as the reference does.
         tl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + dc[None, :] * s_od,
                  o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & dc_mask[None, :])
     else:
@@ -165,23 +214,21 @@ def _mla_decode_split_kernel(
 
 @triton.jit
 def _mla_decode_combine_kernel(
-    part_ptr, lse_ptr, lens_ptr, out_ptr,
+    part_ptr, lse_ptr, out_ptr,
     num_heads, num_splits,
     s_pab, s_pas, s_pah,
     s_lb, s_ls,
     s_ob, s_oh, s_od,
     D_C: tl.constexpr, BLOCK_DC: tl.constexpr, SPLITS_P2: tl.constexpr,
-    BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    b = pid // num_heads
+    b = pid // num_heads  # the query row
     h = pid % num_heads
-    seq_len = tl.load(lens_ptr + b)
-    split_len = _split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
-    n_valid = tl.cdiv(seq_len, split_len)
 
+    # Every split wrote its lse; those with tokens (finite lse) are a prefix of the splits.
     splits = tl.arange(0, SPLITS_P2)
-    lse = tl.load(lse_ptr + b * s_lb + splits * s_ls + h, mask=splits < n_valid, other=float("-inf"))
+    lse = tl.load(lse_ptr + b * s_lb + splits * s_ls + h, mask=splits < num_splits, other=float("-inf"))
+    n_valid = tl.sum((lse > float("-inf")).to(tl.int32), axis=0)
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(tl.math.exp2(lse - m), axis=0)
@@ -203,95 +250,108 @@ def mla_decode_attention(
     kv_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Absorbed-form MLA decode (contract: deepinfer_core.ops.attention.mla_decode_attention)."""
-    batch, num_heads, d_c = q_latent.shape
+    """Absorbed-form MLA decode (contract: deepinfer_core.ops.attention.mla_decode_attention).
+
+    Graph-capture safe: the grid and the tuning depend on shapes only (T query rows, B
+    sequences, the block-table width W), and each program maps its row to its sequence on the
+    device."""
+    rows, num_heads, d_c = q_latent.shape
+    num_seqs = seq_lens.shape[0]
     d_r = q_pe.shape[-1]
     block_size = kv_cache.shape[1]
     out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
-    if batch == 0 or num_heads == 0:
+    if rows == 0 or num_heads == 0:
         return out
     assert kv_cache.shape[-1] == d_c + d_r, "cache rows must be [latent | k_pe]"
+    assert query_start_loc.shape[0] == num_seqs + 1 and num_seqs > 0, "query_start_loc must be [B + 1]"
 
     block_h, block_n, num_warps = _tile_config(num_heads, kv_cache.dtype)
     head_blocks = triton.cdiv(num_heads, block_h)
-    num_splits = _num_splits(batch, head_blocks, block_tables.shape[1] * block_size, q_latent.device, block_h)
-    min_split = triton.cdiv(_min_split_tokens(batch), block_n) * block_n
+    # every query row is a "batch" entry of the grid: the tuning counts rows
+    num_splits = _num_splits(rows, head_blocks, block_tables.shape[1] * block_size, q_latent.device, block_h)
+    min_split = triton.cdiv(_min_split_tokens(rows), block_n) * block_n
     block_dc = max(16, triton.next_power_of_2(d_c))
     block_dr = max(16, triton.next_power_of_2(d_r))
+    block_b = min(MAX_BLOCK_B, triton.next_power_of_2(num_seqs))
     precision = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
 
     if num_splits > 1:
-        partial = torch.empty((batch, num_splits, num_heads, d_c), dtype=torch.float32, device=q_latent.device)
-        lse = torch.empty((batch, num_splits, num_heads), dtype=torch.float32, device=q_latent.device)
+        partial = torch.empty((rows, num_splits, num_heads, d_c), dtype=torch.float32, device=q_latent.device)
+        lse = torch.empty((rows, num_splits, num_heads), dtype=torch.float32, device=q_latent.device)
     else:
         partial = lse = out  # unused by the kernel when SPLIT is False
-    _mla_decode_split_kernel[(head_blocks, num_splits, batch)](
-        q_latent, q_pe, kv_cache, block_tables, seq_lens, out, partial, lse,
+    _mla_decode_split_kernel[(head_blocks, num_splits, rows)](
+        q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, out, partial, lse,
         scale * LOG2E,
-        num_heads, num_splits,
+        num_heads, num_splits, num_seqs,
         *q_latent.stride(), *q_pe.stride(), *kv_cache.stride(), *block_tables.stride(), *out.stride(),
         *(partial.stride()[:3] if num_splits > 1 else (0, 0, 0)),
         *(lse.stride()[:2] if num_splits > 1 else (0, 0)),
         D_C=d_c, D_R=d_r, BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DC=block_dc, BLOCK_DR=block_dr,
-        SPLIT=num_splits > 1, MIN_SPLIT=min_split, DOT_PRECISION=precision,
+        SPLIT=num_splits > 1, MIN_SPLIT=min_split, DOT_PRECISION=precision, BLOCK_B=block_b,
         num_warps=num_warps, num_stages=NUM_STAGES,
     )
     if num_splits > 1:
-        _mla_decode_combine_kernel[(batch * num_heads,)](
-            partial, lse, seq_lens, out,
+        _mla_decode_combine_kernel[(rows * num_heads,)](
+            partial, lse, out,
             num_heads, num_splits,
             *partial.stride()[:3], *lse.stride()[:2], *out.stride(),
             D_C=d_c, BLOCK_DC=block_dc, SPLITS_P2=triton.next_power_of_2(num_splits),
-            BLOCK_N=block_n, MIN_SPLIT=min_split,
             num_warps=COMBINE_NUM_WARPS,
         )
     return out
 
 
-mla_decode_attention.impl = "triton: paged flash-decoding, head blocks x KV splits x batch, log-sum-exp combine"
+mla_decode_attention.impl = ("triton: paged flash-decoding, head blocks x KV splits x query rows (1 + k per sequence, "
+                             "causal), log-sum-exp combine")
 
 
 def bench(device: str = "cuda") -> list[dict]:
-    """Time mla_decode_attention at DeepSeek-V3 (H=128) and V2-Lite (H=16) decode shapes.
+    """Time mla_decode_attention at DeepSeek-V3 (H=128) and V2-Lite (H=16) decode shapes: one
+    query row per sequence (plain decode) and, at a few shapes, 4 (speculative decoding
+    verifying 3 drafted tokens).
 
     bytes = cache rows actually referenced (sum of seq_lens x 576 x element size) + q + out;
-    flops = 2 x H x (d_c + d_r + d_c) per (sequence, token) pair.
+    flops = 2 x H x (d_c + d_r + d_c) per (query row, token) pair.
     """
+    results = []
+    for model, heads, scale in (("V3", 128, 0.135234), ("V2-Lite", 16, 0.114721)):
+        for batch in (1, 8, 32, 64, 128):
+            for seq in (1024, 4096, 16384):
+                for q_len in (1, 4) if seq == 4096 and batch in (8, 32) else (1,):
+                    if batch * seq * 576 * 2 <= 8 * 2**30:
+                        results.append(_bench_one(model, heads, scale, batch, seq, q_len, device))
+    return results
+
+
+def _bench_one(model: str, heads: int, scale: float, batch: int, seq: int, q_len: int, device: str) -> dict:
     from triton.testing import do_bench
 
     dtype = torch.bfloat16
     d_c, d_r, block_size = 512, 64, 64
     elem = torch.finfo(dtype).bits // 8
-    results = []
-    for model, heads, scale in (("V3", 128, 0.135234), ("V2-Lite", 16, 0.114721)):
-        for batch in (1, 8, 32, 64, 128):
-            for seq in (1024, 4096, 16384):
-                cache_bytes = batch * seq * (d_c + d_r) * elem
-                if cache_bytes > 8 * 2**30:
-                    continue
-                blocks_per_seq = triton.cdiv(seq, block_size)
-                num_blocks = batch * blocks_per_seq
-                kv_cache = torch.randn(num_blocks, block_size, d_c + d_r, device=device, dtype=dtype)
-                block_tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(batch, blocks_per_seq)
-                seq_lens = torch.full((batch,), seq, dtype=torch.int32, device=device)
-                q_latent = torch.randn(batch, heads, d_c, device=device, dtype=dtype)
-                q_pe = torch.randn(batch, heads, d_r, device=device, dtype=dtype)
-                ms = do_bench(
-                    lambda: mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale),
-                    return_mode="median",
-                )
-                io = (q_latent.numel() + q_pe.numel() + q_latent.numel()) * elem + block_tables.numel() * 4
-                results.append({
-                    "name": f"mla_decode_attention {model}",
-                    "shape": {"batch": batch, "seq": seq, "heads": heads, "d_c": d_c, "d_r": d_r, "block_size": block_size},
-                    "ms": ms,
-                    "bytes": cache_bytes + io,
-                    "flops": 2 * batch * seq * heads * (2 * d_c + d_r),
-                })
-                del kv_cache, block_tables, q_latent, q_pe
-    return results
+    rows = batch * q_len
+    blocks_per_seq = triton.cdiv(seq, block_size)
+    num_blocks = batch * blocks_per_seq
+    kv_cache = torch.randn(num_blocks, block_size, d_c + d_r, device=device, dtype=dtype)
+    block_tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(batch, blocks_per_seq)
+    seq_lens = torch.full((batch,), seq, dtype=torch.int32, device=device)
+    query_start_loc = torch.arange(0, rows + 1, q_len, dtype=torch.int32, device=device)
+    q_latent = torch.randn(rows, heads, d_c, device=device, dtype=dtype)
+    q_pe = torch.randn(rows, heads, d_r, device=device, dtype=dtype)
+    ms = do_bench(lambda: mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, scale),
+                  return_mode="median")
+    io = (q_latent.numel() + q_pe.numel() + q_latent.numel()) * elem + (block_tables.numel() + 2 * batch + 1) * 4
+    return {
+        "name": f"mla_decode_attention {model}" + (f" q_len {q_len}" if q_len > 1 else ""),
+        "shape": {"batch": batch, "seq": seq, "q_len": q_len, "heads": heads, "d_c": d_c, "d_r": d_r, "block_size": block_size},
+        "ms": ms,
+        "bytes": batch * seq * (d_c + d_r) * elem + io,
+        "flops": 2 * rows * seq * heads * (2 * d_c + d_r),
+    }
 
 
 OPS = {"mla_decode_attention": mla_decode_attention}

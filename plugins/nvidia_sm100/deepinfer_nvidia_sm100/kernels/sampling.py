@@ -232,21 +232,33 @@ def _race(logits, temperature, threshold, seeds, steps, out):
     return out
 
 
-def _thresholds(logits, temperature, top_k, top_p, min_p, host_read: bool):
-    """Per-row raw-logit threshold [N] float32 of the top-k / top-p / min-p support, or None when
-    no sampled row restricts. ``host_read`` allows the one host read that picks the cheapest way."""
-    rows, vocab = logits.shape
+def _restrictions(temperature, top_k, top_p, min_p, vocab: int):
+    """(sampled, has_k, has_p, ranked, minp) row masks, on the tensors' device."""
     sampled = temperature > 0
     has_k = (top_k > 0) & (top_k < vocab)
     has_p = top_p < 1
     ranked = sampled & (has_k | has_p)  # rows whose support needs the tokens' ranking
-    minp = sampled & (min_p > 0)
+    return sampled, has_k, has_p, ranked, sampled & (min_p > 0)
+
+
+def _summary(temperature, top_k, top_p, min_p, vocab: int) -> list[int]:
+    """[any ranked row, any min-p row, any top-p row without a small top-k, largest top-k]: what
+    picks the cheapest threshold computation. A host read when the tensors are on the device."""
+    _, has_k, has_p, ranked, minp = _restrictions(temperature, top_k, top_p, min_p, vocab)
+    unbounded = ranked & has_p & ~(has_k & (top_k <= TOPK_CAP))
+    flags = torch.stack([ranked.any(), minp.any(), unbounded.any()]).long()
+    return torch.cat([flags, torch.where(ranked & has_k, top_k, 0).amax(dim=0, keepdim=True)]).tolist()
+
+
+def _thresholds(logits, temperature, top_k, top_p, min_p, host_read: bool, host_params=None):
+    """Per-row raw-logit threshold [N] float32 of the top-k / top-p / min-p support, or None when
+    no sampled row restricts. ``host_params`` (CPU copies of temperature, top_k, top_p, min_p), or
+    else ``host_read`` (one device-to-host read), pick the cheapest way."""
+    rows, vocab = logits.shape
+    sampled, has_k, has_p, ranked, minp = _restrictions(temperature, top_k, top_p, min_p, vocab)
     width = vocab
-    if host_read:
-        unbounded = ranked & has_p & ~(has_k & (top_k <= TOPK_CAP))
-        flags = torch.stack([ranked.any(), minp.any(), unbounded.any()]).long()
-        summary = torch.cat([flags, torch.where(ranked & has_k, top_k, 0).amax(dim=0, keepdim=True)])
-        any_ranked, any_minp, any_unbounded, max_k = summary.tolist()
+    if host_params is not None or host_read:
+        any_ranked, any_minp, any_unbounded, max_k = _summary(*(host_params or (temperature, top_k, top_p, min_p)), vocab)
         if not (any_ranked or any_minp):
             return None
         width = 0 if not any_ranked else vocab if any_unbounded else max_k
@@ -281,8 +293,11 @@ def sample_tokens(
     min_p: torch.Tensor,
     seeds: torch.Tensor,
     steps: torch.Tensor,
+    *,
+    host_params: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
-    """See deepinfer_core.ops.sampling.sample_tokens (same contract)."""
+    """See deepinfer_core.ops.sampling.sample_tokens (same contract). With ``host_params`` the
+    choice of threshold computation is made on the host: no device-to-host read."""
     rows = logits.shape[0]
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
@@ -290,7 +305,7 @@ def sample_tokens(
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     capturing = logits.is_cuda and torch.cuda.is_current_stream_capturing()
-    threshold = _thresholds(logits, temperature, top_k, top_p, min_p, host_read=not capturing)
+    threshold = _thresholds(logits, temperature, top_k, top_p, min_p, host_read=not capturing, host_params=host_params)
     return _race(logits, temperature.contiguous(), threshold, seeds.contiguous(), steps.contiguous(), out)
 
 

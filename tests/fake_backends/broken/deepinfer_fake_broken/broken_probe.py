@@ -8,7 +8,13 @@ STEPS: list = []
 
 @hookimpl
 def deepinfer_backend():
-    return BackendInfo(name="fakebroken_probe", priority=2000, description="test fake: probe raises")
+    return BackendInfo(
+        name="fakebroken_probe",
+        priority=2000,
+        min_spec_version=2,
+        max_spec_version=2,
+        description="test fake: probe raises",
+    )
 
 
 @hookimpl

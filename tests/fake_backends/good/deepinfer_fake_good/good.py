@@ -31,7 +31,13 @@ def silu_and_mul(x):
 
 @hookimpl
 def deepinfer_backend():
-    return BackendInfo(name=NAME, priority=50, description="test fake: two ops of its own, the rest from the reference")
+    return BackendInfo(
+        name=NAME,
+        priority=50,
+        min_spec_version=2,
+        max_spec_version=2,
+        description="test fake: two ops of its own, the rest from the reference",
+    )
 
 
 @hookimpl

@@ -8,7 +8,13 @@ FIX = "plug in a fake accelerator, or choose DEEPINFER_ACCELERATOR=cpu"
 
 @hookimpl
 def deepinfer_backend():
-    return BackendInfo(name="fakeunavail", priority=1000, description="test fake: never available")
+    return BackendInfo(
+        name="fakeunavail",
+        priority=1000,
+        min_spec_version=2,
+        max_spec_version=2,
+        description="test fake: never available",
+    )
 
 
 @hookimpl

@@ -1,0 +1,93 @@
+"""Output processing: what the sampled tokens mean for each sequence.
+
+``Scheduler.update`` hands each sequence's accepted tokens to ``OutputProcessor.process``, which
+appends them in order: records their logprobs, detokenises when a stop string needs it, and
+finishes the sequence at EOS, a stop token, a stop string, ``max_tokens`` or ``max_model_len``.
+Tokens after the one that finished it (accepted drafts beyond a stop) are dropped: they were
+never the sequence's output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_core.engine.sequence import Sequence
+from deepinfer_core.sampling.sampler import top_logprobs
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_ids: tuple[int, ...], max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.max_model_len = max_model_len
+
+    def process(self, seq: Sequence, tokens: list[int], logprobs: list[tuple[float, dict[int, float]]] | None) -> bool:
+        """Append ``tokens`` to ``seq`` (``logprobs``: (logprob, top logprobs) of each, when the
+        sequence asked for them) until one finishes it. Returns True when it finished."""
+        for i, token in enumerate(tokens):
+            seq.output_token_ids.append(token)
+            if seq.output_logprobs is not None:
+                logprob, top = logprobs[i]
+                seq.cumulative_logprob += logprob
+                seq.output_logprobs.append(top)
+            if self._check_stop(seq, token, len(seq.output_token_ids)):
+                return True
+        return False
+
+    def _check_stop(self, seq: Sequence, token: int, num_outputs: int) -> bool:
+        """Whether output number ``num_outputs`` (``token``) ends the sequence; sets its finish reason."""
+        p = seq.params
+        reason, stop = None, None
+        if not p.ignore_eos and token in self.eos_ids:
+            reason = "stop"
+        elif token in p.stop_token_ids:
+            reason, stop = "stop", token
+        elif p.stop:
+            hit = self._stop_string(seq, num_outputs)
+            if hit is not None:
+                reason, stop = "stop", hit
+        if reason is None and (num_outputs >= p.max_tokens or seq.num_prompt_tokens + num_outputs >= self.max_model_len):
+            reason = "length"
+        if reason is None:
+            return False
+        seq.finish_reason, seq.stop_reason = reason, stop
+        if not isinstance(stop, str):  # a stop string already trimmed seq.text
+            seq.text = self.detokenize(seq, num_outputs)
+        return True
+
+    def _stop_string(self, seq: Sequence, num_outputs: int) -> str | None:
+        """The stop string that output ``num_outputs`` completed, if any (text before min_tokens
+        outputs is scanned but cannot stop the sequence); trims seq.text at it."""
+        text = self.detokenize(seq, num_outputs)
+        start = max(0, seq.stop_scanned_chars - max(len(s) for s in seq.params.stop) + 1)
+        seq.stop_scanned_chars = len(text)
+        if num_outputs < seq.params.min_tokens:
+            return None
+        earliest = None
+        for s in seq.params.stop:
+            idx = text.find(s, start)
+            if idx >= 0 and (earliest is None or idx < earliest[0]):
+                earliest = (idx, s)
+        if earliest is None:
+            return None
+        idx, s = earliest
+        seq.text = text[: idx + len(s)] if seq.params.include_stop_str_in_output else text[:idx]
+        return s
+
+    def detokenize(self, seq: Sequence, num_outputs: int | None = None) -> str:
+        if self.tokenizer is None:
+            return ""
+        ids = seq.output_token_ids if num_outputs is None else seq.output_token_ids[:num_outputs]
+        return self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
+
+    @staticmethod
+    def record_prompt_logprobs(seq: Sequence, first: int, logits: torch.Tensor) -> None:
+        """Rows of ``logits`` predict prompt positions first, first+1, ...; positions already
+        recorded (a recompute after preemption, maybe chunked differently) are skipped."""
+        have = len(seq.prompt_logprobs)
+        if not first <= have < first + logits.shape[0]:
+            return
+        lps = torch.log_softmax(logits[have - first :].float(), dim=-1)
+        k = seq.params.prompt_logprobs
+        for i in range(lps.shape[0]):
+            seq.prompt_logprobs.append(top_logprobs(lps[i], k, seq.prompt_token_ids[have + i]))

@@ -1,0 +1,45 @@
+"""Prompt-lookup (n-gram) drafts: no model, just the sequence's own tokens.
+
+For a sequence ending in tokens ``x[-n:]``, find the latest earlier occurrence of those n
+tokens and propose the k tokens that followed it, trying n = lookup_max down to lookup_min.
+Repetitive text (code, quotes of the prompt, lists) is where this pays off.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+from deepinfer_core.engine.sequence import Sequence
+
+
+class NgramProposer:
+    def __init__(self, num_tokens: int, lookup_max: int, lookup_min: int = 1):
+        self.k = num_tokens
+        self.lookup_max = lookup_max
+        self.lookup_min = lookup_min
+
+    def propose(self, tokens: list[int], limit: int) -> list[int]:
+        """Up to min(k, limit) draft tokens to follow ``tokens`` (possibly none)."""
+        k = min(self.k, limit)
+        if k <= 0:
+            return []
+        data = array("i", tokens).tobytes()
+        width = 4  # bytes per token id
+        for n in range(min(self.lookup_max, len(tokens) - 1), self.lookup_min - 1, -1):
+            pattern = data[-n * width :]
+            end = len(data) - width  # the match must end before the last token
+            while True:
+                at = data.rfind(pattern, 0, end)
+                if at < 0:
+                    break
+                if at % width == 0:  # aligned on a token, not inside two of them
+                    first = at // width + n
+                    return tokens[first : first + k]
+                end = at + len(pattern) - 1
+        return []
+
+    def propose_for(self, seq: Sequence, max_model_len: int) -> list[int]:
+        """Drafts for ``seq``, never beyond its max_tokens (the token sampled after the drafts
+        counts too) or the model length."""
+        room = min(seq.params.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens) - 1
+        return self.propose(seq.token_ids(), room)

@@ -1,0 +1,79 @@
+"""benchmarks/generate.py in its --quick mode on the CPU: the JSON it writes has every part, with
+positive times and the ratios computed. Speeds are not asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import generate
+
+CPU_QUICK = ["--quick", "--accelerator", "cpu", "--dtype", "float32"]
+
+
+def test_quick_defaults_and_overrides(tmp_path):
+    args = generate.parse_args([*CPU_QUICK, "--out", str(tmp_path), "--batches", "2,3", "--context", "40"])
+    assert (args.model, args.layers, args.batches, args.context, args.max_tokens) == ("tiny", 2, [2, 3], 40, 8)
+    assert args.max_model_len >= args.context + args.max_tokens and args.max_model_len % 64 == 0
+    full = generate.parse_args(["--model", "v2-lite", "--layers", "27"])
+    assert (full.batches, full.context, full.max_tokens, full.budgets) == ([1, 8, 32, 64, 128], 1024, 64, [2048, 4096, 8192, 16384])
+    with pytest.raises(SystemExit):
+        generate.parse_args([*CPU_QUICK, "--max-tokens", "1"])
+
+
+def test_write_model_sets_the_layers(tmp_path):
+    config = json.loads((generate.write_model("v2-lite", 3, tmp_path) / "config.json").read_text())
+    assert config["num_hidden_layers"] == 3 and config["hidden_size"] == 2048
+    assert json.loads((generate.write_model("v2-lite", None, tmp_path) / "config.json").read_text())["num_hidden_layers"] == 27
+
+
+def test_covered_counts_overlap_once():
+    assert generate.covered([(0, 2), (1, 3), (5, 6)], 0, 10) == 4
+    assert generate.covered([(0, 2), (1, 3), (5, 6)], 1.5, 5.5) == 2
+    assert generate.covered([], 0, 1) == 0
+
+
+def test_quick_run_writes_every_part(tmp_path):
+    args = generate.parse_args([*CPU_QUICK, "--out", str(tmp_path)])
+    generate.run(args)
+    report = json.loads((tmp_path / "generate_tiny.json").read_text())
+    assert {"meta", "args", "config", "decode", "gpu_busy", "prefill", "prefill_best_budget", "prefix_caching"} <= set(report)
+    assert report["meta"]["torch"] and report["meta"]["started"] <= report["meta"]["finished"]
+    assert report["config"]["num_hidden_layers"] == 2
+    assert [p["batch"] for p in report["decode"]] == [1, 4]
+    for p in report["decode"]:
+        assert "error" not in p, p["error"]
+        assert min(p["startup_s"], p["first_s"], p["prefill_s"], p["repeat_s"]) > 0
+        assert p["output_tokens"] == p["batch"] * p["max_tokens"]
+        assert p["first_over_repeat"] == pytest.approx(p["first_s"] / p["repeat_s"])
+        assert p["decode_step_s"] == pytest.approx((p["repeat_s"] - p["prefill_s"]) / (p["max_tokens"] - 1))
+        assert p["engine"]["device"] == "cpu"
+    assert report["decode"][0]["first_in_process"] and not report["decode"][1]["first_in_process"]
+    assert "skipped" in report["gpu_busy"]  # CPU: no profile
+    assert [p["budget"] for p in report["prefill"]] == [64, 256]
+    assert all(p["tokens_per_s"] > 0 and p["engine_budget"] == p["budget"] for p in report["prefill"])
+    assert report["prefill_best_budget"] in (64, 256)
+    pc = report["prefix_caching"]
+    assert "error" not in pc, pc.get("error")
+    assert pc["off"]["wall_s"] > 0 and pc["off"]["prompt_tokens"] == 4 * (48 + 16)
+    if pc["on"] == "unsupported":
+        assert "speedup" not in pc
+    else:
+        assert pc["speedup"] > 0 and isinstance(pc["identical_tokens"], bool)
+        assert pc["on"]["hit_rate"] is None or 0 <= pc["on"]["hit_rate"] <= 1
+
+
+@pytest.mark.slow
+def test_profile_bookkeeping_on_cpu(tmp_path):
+    """The profiler part runs only on CUDA; on the CPU its step marks and windows still work."""
+    args = generate.parse_args([*CPU_QUICK, "--out", str(tmp_path)])
+    args.model_dir = generate.write_model(args.model, args.layers, tmp_path)
+    llm, startup = generate.build(args, max_num_seqs=args.profile_batch)
+    assert startup > 0
+    assert "skipped" in generate.busy_profile(llm, args)
+    busy = generate.busy_profile(llm, args, cpu=True)
+    assert busy["steps"]["decode"] >= args.profile_tokens - 1 and busy["steps"]["prefill"] >= 1
+    assert 0 < busy["decode_wall_s"] < busy["call_wall_s"] and 0 < busy["decode_wall_unprofiled_s"] < busy["call_wall_unprofiled_s"]
+    assert busy["call_busy_share"] == 0 and busy["top_kernels"] == []  # no CUDA events on a CPU
+    assert "step" not in vars(llm.engine)  # the wrapper is gone

@@ -81,6 +81,9 @@ def _generate(args: argparse.Namespace) -> int:
         flags = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p", "seed": "--seed"}
         print(f"error: {validation_problems(e, flags)}", file=sys.stderr)
         return 1
+    if not 0 <= args.ngram <= 16:
+        print(f"error: --ngram {args.ngram}: the number of draft tokens per step must be 0 (off) to 16", file=sys.stderr)
+        return 1
     spec = {"method": "ngram", "num_speculative_tokens": args.ngram, "prompt_lookup_max": 3, "prompt_lookup_min": 1} if args.ngram else None
     try:
         llm = LLM(model=args.model, accelerator=args.accelerator, enable_prefix_caching=not args.no_prefix_caching,

@@ -226,6 +226,8 @@ def test_the_cli_checks_its_parameters_before_loading_a_model(monkeypatch, capsy
     monkeypatch.setattr(deepinfer_core, "LLM", no_model)
     assert main(["generate", "--prompt", "x", "--max-tokens", "0"]) == 1
     assert "--max-tokens: Input should be greater than or equal to 1" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--ngram", "-1"]) == 1
+    assert "--ngram -1: the number of draft tokens per step must be 0 (off) to 16" in capsys.readouterr().err
 
 
 # ---- sampling parameters -------------------------------------------------------------------------

@@ -21,6 +21,14 @@ class GraphBackend(Protocol):
     def replay(self, graph: Any) -> None: ...
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (a host tensor) on ``device``, copied through pinned memory without waiting for the
+    work already queued there (a copy from pageable memory may wait for it)."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class HostCopy:
     """Tensors being copied to the host; ``wait()`` returns the host copies once they landed."""
 

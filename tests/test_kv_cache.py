@@ -40,7 +40,7 @@ def manager(groups=None, num_blocks=8, block_size=4, max_num_seqs=4, lookahead=0
 
 
 def runner_for(kv: KVCacheManager) -> ModelRunner:
-    """A ModelRunner with only what ``_slots`` / ``_context`` / ``_valid_from`` read."""
+    """A ModelRunner with only what ``_slots`` / ``_context`` read."""
     r = ModelRunner.__new__(ModelRunner)
     r.block_size = kv.block_size
     r.kv = kv
@@ -542,7 +542,7 @@ def test_ring_context_after_a_bounded_replay_starts_at_the_replay():
     s.block_tables = {"p": [0, 1, 2, 3, 4], "r": [10, 11, 12]}
     s.paged_write_from = 16  # hit of 16 tokens: replay from 10
     r = runner_for(kv)
-    assert r._valid_from(s) == 10
+    assert kv.replay_start(s.paged_write_from) == 10 and kv.replay_start(0) == 0
     assert r._context(g, s, 14, 20).tolist() == [50, 51, 40, 41]  # positions 10..13, not 6..9
     assert r._context(g, s, 10, 20).tolist() == []
     assert r._context(g, s, 20, 21).tolist() == list(range(40, 48))  # the full window again: 12..19

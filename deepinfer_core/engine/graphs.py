@@ -32,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from deepinfer_core.models.batch import BatchMeta, CacheGroup, GroupMeta
+from deepinfer_core.platform import to_device
 
 log = logging.getLogger("deepinfer")
 
@@ -156,11 +157,8 @@ class DecodeGraphs:
         packed = torch.from_numpy(np.asarray(parts, dtype=np.int64))
         small = [hb.seq_lens + [hb.seq_lens[0]] * (size - n)]
         small += [hb.valid_from[name] + hb.valid_from[name][:1] * (size - n) for name in self.valid_from]
-        small_t = torch.from_numpy(np.asarray(small, dtype=np.int64))
-        if self.device.type != "cpu":
-            packed, small_t = packed.pin_memory(), small_t.pin_memory()
-        dev = packed.to(self.device, non_blocking=True)
-        dev_small = small_t.to(self.device, non_blocking=True)
+        dev = to_device(packed, self.device)
+        dev_small = to_device(torch.from_numpy(np.asarray(small, dtype=np.int64)), self.device)
         self.input_ids[:total].copy_(dev[0])
         self.positions[:total].copy_(dev[1])
         for i, name in enumerate(names):
@@ -173,10 +171,8 @@ class DecodeGraphs:
             rows = hb.tables[name]
             width = max(len(r) for r in rows)
             host = torch.from_numpy(self.host_tables[name].fill(keys, rows)[:, :width])
-            if self.device.type != "cpu":
-                host = host.pin_memory()
             table = self.tables[name]
-            table[:n, :width].copy_(host.to(self.device, non_blocking=True))
+            table[:n, :width].copy_(to_device(host, self.device))
             if size > n:
                 table[n:size].copy_(table[:1].expand(size - n, -1))
         fill_from_device(self.input_ids)

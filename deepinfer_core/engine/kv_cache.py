@@ -215,6 +215,12 @@ class KVCacheManager:
                 blocks[name].append(b)
         return len(blocks[self.paged[0]]) * self.block_size, blocks
 
+    def replay_start(self, num_hit: int) -> int:
+        """Where a sequence whose first ``num_hit`` tokens came from the prefix cache starts
+        computing: ``replay_tokens`` earlier, to rebuild its ring and state groups (bounded
+        replay). Also the first position those groups hold for it."""
+        return max(0, num_hit - self.replay_tokens) if num_hit else 0
+
     def count_lookup(self, num_tokens: int, num_hit: int) -> None:
         """A sequence of ``num_tokens`` tokens was admitted with ``num_hit`` of them cached (hit rate)."""
         if self.prefix_caching:

@@ -19,6 +19,7 @@ from deepinfer_core.engine.kv_cache import KVCache, KVCacheManager
 from deepinfer_core.engine.scheduler import ScheduledSeq, SchedulerOutput
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.models.batch import BatchMeta, CacheGroup, GroupMeta
+from deepinfer_core.platform import to_device
 
 
 @dataclass
@@ -76,10 +77,7 @@ class ModelRunner:
         self.max_position = model.config.max_position_embeddings - 1
 
     def _tensor(self, values, dtype) -> torch.Tensor:
-        t = torch.as_tensor(values, dtype=dtype)
-        if self.device.type == "cpu":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return to_device(torch.as_tensor(values, dtype=dtype), self.device)
 
     # ---- addressing ---------------------------------------------------------------------------
     def _slots(self, g: CacheGroup, seq: Sequence, positions: range) -> list[int]:
@@ -102,14 +100,10 @@ class ModelRunner:
             per = bs // g.tokens_per_entry
             return (table[:, None] * per + np.arange(per)).ravel()[: end // g.tokens_per_entry]
         if g.kind == "ring":
-            lo = max(self._valid_from(seq), start - g.window)
+            lo = max(self.kv.replay_start(seq.paged_write_from), start - g.window)
             pos = np.arange(lo, start)
             return table[(pos // bs) % len(table)] * bs + pos % bs
         return table[:1] * (1 + self.kv.lookahead) + start % (1 + self.kv.lookahead)
-
-    def _valid_from(self, seq: Sequence) -> int:
-        """First position ring/state groups hold for ``seq`` (after a bounded replay)."""
-        return max(0, seq.paged_write_from - self.kv.replay_tokens) if seq.paged_write_from else 0
 
     # ---- building a step ----------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput, prev: PrevTokens | None = None, pad_to: int = 0) -> HostBatch:
@@ -161,7 +155,7 @@ class ModelRunner:
                 slots.extend([-1] * pad)
                 hb.tables[g.name].append(seq.block_tables[g.name])
                 if g.kind == "ring":
-                    hb.valid_from[g.name].append(self._valid_from(seq))
+                    hb.valid_from[g.name].append(self.kv.replay_start(seq.paged_write_from))
             hb.seq_lens.append(s.end + pad)
             hb.query_start.append(hb.query_start[-1] + s.num_tokens + pad)
             hb.samples.append((s, len(hb.logits_rows), s.num_tokens))
@@ -169,7 +163,7 @@ class ModelRunner:
         for s in out.prefills:
             for g in self.groups:
                 if g.kind == "ring":
-                    hb.valid_from[g.name].append(self._valid_from(s.seq))
+                    hb.valid_from[g.name].append(self.kv.replay_start(s.seq.paged_write_from))
         return hb
 
     def _meta(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor, BatchMeta]:

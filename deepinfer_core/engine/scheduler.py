@@ -111,7 +111,7 @@ class Scheduler:
                 if seq.num_pending or self._held_back(seq):
                     continue  # its newest token is still on the device / its sibling is caching their prompt
                 hit, cached = self.kv.find_cached(seq) if seq.num_computed_tokens == 0 else (0, {})
-                start = max(0, hit - self.kv.replay_tokens) if hit else seq.num_computed_tokens
+                start = self.kv.replay_start(hit) if hit else seq.num_computed_tokens
                 num_new = min(seq.num_tokens - start, budget)
                 if not self.kv.can_allocate(seq, start + num_new, cached):
                     break

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer_core.engine.sequence import Sequence
+from deepinfer_core.platform import to_device
 
 NEG_INF = float("-inf")
 GREEDY_TEMPERATURE = 1e-5  # below this, temperature sampling is greedy (vLLM's threshold)
@@ -128,14 +129,8 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence | SampleRow], eos_
             rows += [i] * len(banned)
             cols += banned
     if rows:
-        logits[_on_device(rows, device), _on_device(cols, device)] = NEG_INF
+        logits[to_device(torch.tensor(rows, dtype=torch.int64), device), to_device(torch.tensor(cols, dtype=torch.int64), device)] = NEG_INF
     return logits
-
-
-def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """An int64 tensor of ``values`` on ``device``, copied without waiting for the device's queue."""
-    t = torch.tensor(values, dtype=torch.int64)
-    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -196,15 +191,13 @@ def launch(ops, logits: torch.Tensor, rows: list[Sequence | SampleRow], eos_ids:
         dtype=torch.int64,
     )
     host_params = (floats[0], ints[0], floats[1], floats[2])
-    if device.type != "cpu":
-        floats, ints = floats.pin_memory(), ints.pin_memory()
-    floats, ints = floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
+    floats, ints = to_device(floats, device), to_device(ints, device)
     tokens = ops.sample_tokens(processed, floats[0], ints[0], floats[1], floats[2], ints[1], ints[2], host_params=host_params)
     # the tokens and, per row, whether its logits were finite: one copy
     out = [torch.stack([tokens, torch.isfinite(logits).all(dim=-1).to(tokens.dtype)])]
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     if wanted:
-        index = _on_device(wanted, device)
+        index = to_device(torch.tensor(wanted, dtype=torch.int64), device)
         logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
         k = min(max(params[i].logprobs for i in wanted), vocab)
         values, ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())

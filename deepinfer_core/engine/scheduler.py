@@ -104,8 +104,9 @@ class Scheduler:
                 self._take(out, seq, seq.num_computed_tokens, num_new, max(0, num_new - remaining), decode)
                 budget -= num_new
 
+        admitted = []
         if not out.preempted:
-            for seq in list(self.waiting):
+            for seq in self.waiting:
                 if budget <= 0 or len(self.running) >= self.max_num_seqs:
                     break
                 if seq.num_pending or self._held_back(seq):
@@ -115,7 +116,7 @@ class Scheduler:
                 num_new = min(seq.num_tokens - start, budget)
                 if not self.kv.can_allocate(seq, start + num_new, cached):
                     break
-                self.waiting.remove(seq)
+                admitted.append(seq)
                 seq.status = Status.RUNNING
                 self.running.append(seq)
                 self.kv.count_lookup(seq.num_tokens, hit)
@@ -125,6 +126,8 @@ class Scheduler:
                 seq.paged_write_from = hit
                 self._take(out, seq, start, num_new, 0, False, cached)
                 budget -= num_new
+        for seq in admitted:  # after the walk: the queue is not copied every step
+            self.waiting.remove(seq)
         return out
 
     def _take(self, out: SchedulerOutput, seq: Sequence, start: int, num_new: int, num_drafts: int, decode: bool,

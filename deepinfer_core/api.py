@@ -85,7 +85,7 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
 
 
 class LLM:
-    """Offline inference on a DeepSeek V2/V3-family checkpoint.
+    """Offline inference on a DeepSeek V2/V3 or V4 checkpoint.
 
     model: local HF checkpoint directory, HF repo id, or None for DEEPINFER_HF_MODEL_DIR / the
     embedded default. accelerator: backend name (cpu, nvidia, ascend, ...); None reads
@@ -93,6 +93,8 @@ class LLM:
     random values instead of reading them (benchmarks: only config.json is needed). enforce_eager
     turns off graph capture of decode steps (otherwise graphs are captured while the engine
     starts). enable_prefix_caching reuses the KV blocks of prompt prefixes computed before.
+    block_size: tokens per KV block; None picks the model's (16 for V2/V3, a multiple of every
+    compression rate for V4).
     speculative_config, as vLLM spells it: ``{"method": "ngram", "num_speculative_tokens": k,
     "prompt_lookup_max": n}`` (prompt-lookup drafts, verified exactly).
     """
@@ -103,7 +105,7 @@ class LLM:
         accelerator: str | None = None,
         dtype: str | torch.dtype = "auto",
         max_model_len: int | None = None,
-        block_size: int = 16,
+        block_size: int | None = None,
         num_kv_blocks: int | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int | None = None,

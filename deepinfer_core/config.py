@@ -15,7 +15,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # The model_type values (config.json) DeepInfer serves: the one list. models/registry.py maps each to
 # its class; it lives here because the registry imports this module (and the model code with it).
-SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "deepseek_v4")
+MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")  # served by ModelConfig; deepseek_v4 by V4ModelConfig
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 
 
@@ -55,7 +56,7 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    model_type: Literal[SUPPORTED_MODEL_TYPES]  # type: ignore[valid-type]  # Literal[("a", "b")] is Literal["a", "b"]
+    model_type: Literal[MLA_MODEL_TYPES]  # type: ignore[valid-type]  # Literal[("a", "b")] is Literal["a", "b"]
     vocab_size: int = Field(gt=0)
     hidden_size: int = Field(gt=0)
     intermediate_size: int = Field(gt=0)
@@ -126,9 +127,14 @@ class ModelConfig(BaseModel):
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
 
+    def context_bytes_per_token(self, itemsize: int) -> int:
+        """Activation bytes a prefill needs per token of context (K and V of one layer expanded)."""
+        return (self.latent_dim + self.num_attention_heads * (self.qk_nope_head_dim + self.v_head_dim + self.qk_head_dim)) * itemsize
+
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        """Read and validate ``model_dir/config.json`` through transformers' config classes."""
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig | V4ModelConfig:
+        """Read and validate ``model_dir/config.json`` through transformers' config classes
+        (a ``V4ModelConfig`` for model_type deepseek_v4)."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"{path} not found: a model directory must hold an HF config.json")
@@ -151,7 +157,7 @@ class ModelConfig(BaseModel):
         except Exception as e:  # transformers raises many types for a bad config
             raise ConfigError(f"{path}: transformers could not read it: {e}") from e
         try:
-            return cls.from_hf(hf, raw)
+            return V4ModelConfig.from_hf(hf, raw) if model_type == "deepseek_v4" else ModelConfig.from_hf(hf, raw)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from e
 
@@ -159,15 +165,7 @@ class ModelConfig(BaseModel):
     def from_hf(cls, hf: Any, raw: dict | None = None) -> ModelConfig:
         raw = raw if raw is not None else hf.to_dict()
         rope = dict(getattr(hf, "rope_parameters", None) or {})
-        quant = raw.get("quantization_config") or {}
-        fp8_block = None
-        if quant:
-            if quant.get("quant_method") != "fp8" or "weight_block_size" not in quant:
-                raise ConfigError(
-                    f"quantization_config {quant} is not supported; only DeepSeek's block FP8 "
-                    "(quant_method 'fp8' with weight_block_size) is"
-                )
-            fp8_block = tuple(quant["weight_block_size"])
+        fp8_block = _fp8_block(raw)
         fields: dict[str, Any] = {
             "model_type": hf.model_type,
             "vocab_size": hf.vocab_size,
@@ -224,12 +222,175 @@ class ModelConfig(BaseModel):
             raise ConfigError(f"not usable: {validation_problems(e)}") from e
 
 
+def _fp8_block(raw: dict) -> tuple[int, int] | None:
+    quant = raw.get("quantization_config") or {}
+    if not quant:
+        return None
+    if quant.get("quant_method") != "fp8" or "weight_block_size" not in quant:
+        raise ConfigError(
+            f"quantization_config {quant} is not supported; only DeepSeek's block FP8 "
+            "(quant_method 'fp8' with weight_block_size) is"
+        )
+    return tuple(quant["weight_block_size"])
+
+
+class V4ModelConfig(BaseModel):
+    """The fields of a DeepSeek-V4 config.json (as transformers' DeepseekV4Config reads it:
+    legacy ``compress_ratios`` / ``num_hash_layers`` folded into ``layer_types`` /
+    ``mlp_layer_types``), validated. ``compress_ratios`` is per layer: 0 (sliding window only),
+    the CSA rate or the HCA rate."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    model_type: Literal["deepseek_v4"]
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    num_hidden_layers: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    qk_rope_head_dim: int = Field(gt=0)
+    q_lora_rank: int = Field(gt=0)
+    o_groups: int = Field(gt=0)
+    o_lora_rank: int = Field(gt=0)
+    layer_types: tuple[Literal["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"], ...]
+    csa_ratio: int = Field(gt=0)
+    hca_ratio: int = Field(gt=0)
+    index_n_heads: int = Field(gt=0)
+    index_head_dim: int = Field(gt=0)
+    index_topk: int = Field(gt=0)
+    sliding_window: int = Field(gt=1)
+    n_routed_experts: int = Field(gt=0)
+    n_shared_experts: int = Field(ge=0)
+    moe_intermediate_size: int = Field(gt=0)
+    num_experts_per_tok: int = Field(gt=0)
+    norm_topk_prob: bool
+    routed_scaling_factor: float = Field(gt=0)
+    scoring_func: Literal["sqrtsoftplus"]
+    num_hash_layers: int = Field(ge=0)
+    swiglu_limit: float | None = None
+    hc_mult: int = Field(gt=0)
+    hc_sinkhorn_iters: int = Field(gt=0)
+    hc_eps: float = Field(ge=0)
+    rms_norm_eps: float = Field(gt=0)
+    rope_theta: float = Field(gt=0)
+    compress_rope_theta: float = Field(gt=0)
+    compress_rope_parameters: dict[str, Any]
+    max_position_embeddings: int = Field(gt=0)
+    num_nextn_predict_layers: int = Field(0, ge=0)
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    torch_dtype: str | None = None
+    fp8_block: tuple[int, int] | None = None
+    expert_dtype: Literal["fp4", "fp8", "bf16"] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> V4ModelConfig:
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.head_dim:
+            raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even and at most head_dim={self.head_dim}")
+        if self.num_attention_heads % self.o_groups:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not divisible by o_groups={self.o_groups}")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds n_routed_experts={self.n_routed_experts}")
+        if self.index_head_dim < self.qk_rope_head_dim:
+            raise ValueError(f"index_head_dim={self.index_head_dim} is smaller than qk_rope_head_dim={self.qk_rope_head_dim}")
+        return self
+
+    @property
+    def compress_ratios(self) -> tuple[int, ...]:
+        rate = {"sliding_attention": 0, "compressed_sparse_attention": self.csa_ratio, "heavily_compressed_attention": self.hca_ratio}
+        return tuple(rate[t] for t in self.layer_types)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        return tuple(self.eos_token_id) if isinstance(self.eos_token_id, list) else (self.eos_token_id,)
+
+    def context_bytes_per_token(self, itemsize: int) -> int:
+        """Activation bytes a prefill needs per token of context: the gathered keys of one layer."""
+        return 2 * self.head_dim * itemsize
+
+    @classmethod
+    def from_hf(cls, hf: Any, raw: dict | None = None) -> V4ModelConfig:
+        raw = raw if raw is not None else hf.to_dict()
+        rope = getattr(hf, "rope_parameters", None) or {}
+        rates = dict(getattr(hf, "compress_rates", None) or {})
+        quant = dict(raw.get("quantization_config") or {})
+        expert_dtype = raw.get("expert_dtype") or quant.pop("expert_dtype", None)
+        mlp_types = list(getattr(hf, "mlp_layer_types", None) or [])
+        num_hash = sum(1 for t in mlp_types if t == "hash_moe")
+        if mlp_types[:num_hash] != ["hash_moe"] * num_hash:
+            raise ConfigError(f"mlp_layer_types {mlp_types}: hash_moe layers must come first")
+        raw_ratios = raw.get("compress_ratios")
+        if raw_ratios is not None and "layer_types" not in raw:
+            # transformers maps only 0 / 4 / 128; our layer kinds come from the ratio values
+            kinds = {0: "sliding_attention", rates.get("compressed_sparse_attention", 4): "compressed_sparse_attention",
+                     rates.get("heavily_compressed_attention", 128): "heavily_compressed_attention"}
+            bad = sorted({r for r in raw_ratios if r not in kinds})
+            if bad:
+                raise ConfigError(f"compress_ratios holds {bad}, which are neither 0, the CSA rate nor the HCA rate {rates}")
+            layer_types = [kinds[r] for r in raw_ratios[: hf.num_hidden_layers]]
+        else:
+            layer_types = list(hf.layer_types)
+        fields: dict[str, Any] = {
+            "model_type": "deepseek_v4",
+            "vocab_size": hf.vocab_size,
+            "hidden_size": hf.hidden_size,
+            "num_hidden_layers": hf.num_hidden_layers,
+            "num_attention_heads": hf.num_attention_heads,
+            "head_dim": hf.head_dim,
+            "qk_rope_head_dim": int(hf.qk_rope_head_dim),
+            "q_lora_rank": hf.q_lora_rank,
+            "o_groups": hf.o_groups,
+            "o_lora_rank": hf.o_lora_rank,
+            "layer_types": tuple(layer_types),
+            "csa_ratio": rates.get("compressed_sparse_attention", 4),
+            "hca_ratio": rates.get("heavily_compressed_attention", 128),
+            "index_n_heads": hf.index_n_heads,
+            "index_head_dim": hf.index_head_dim,
+            "index_topk": hf.index_topk,
+            "sliding_window": hf.sliding_window,
+            "n_routed_experts": hf.n_routed_experts,
+            "n_shared_experts": hf.n_shared_experts or 0,
+            "moe_intermediate_size": hf.moe_intermediate_size,
+            "num_experts_per_tok": hf.num_experts_per_tok,
+            "norm_topk_prob": bool(hf.norm_topk_prob),
+            "routed_scaling_factor": hf.routed_scaling_factor,
+            "scoring_func": hf.scoring_func,
+            "num_hash_layers": num_hash,
+            "swiglu_limit": getattr(hf, "swiglu_limit", None),
+            "hc_mult": hf.hc_mult,
+            "hc_sinkhorn_iters": hf.hc_sinkhorn_iters,
+            "hc_eps": hf.hc_eps,
+            "rms_norm_eps": hf.rms_norm_eps,
+            "rope_theta": rope.get("main", {}).get("rope_theta", getattr(hf, "rope_theta", 10000.0)),
+            "compress_rope_theta": rope.get("compress", {}).get("rope_theta", hf.compress_rope_theta),
+            "compress_rope_parameters": dict(rope.get("compress", {"rope_type": "default"})),
+            "max_position_embeddings": hf.max_position_embeddings,
+            "num_nextn_predict_layers": getattr(hf, "num_nextn_predict_layers", 0) or 0,
+            "tie_word_embeddings": bool(getattr(hf, "tie_word_embeddings", False)),
+            "bos_token_id": hf.bos_token_id,
+            "eos_token_id": hf.eos_token_id,
+            "torch_dtype": str(raw.get("torch_dtype") or raw.get("dtype") or "") or None,
+            "fp8_block": _fp8_block({"quantization_config": quant}),
+            "expert_dtype": expert_dtype,
+        }
+        try:
+            return cls(**fields)
+        except ValidationError as e:
+            raise ConfigError(f"not usable: {validation_problems(e)}") from e
+
+
 class EngineConfig(BaseModel):
     """Engine settings chosen by the user (``LLM(...)`` arguments)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    block_size: int = Field(16, gt=0)
+    # None: the model's choice (16 for V2/V3; a multiple of every compression rate for V4)
+    block_size: int | None = Field(None, gt=0)
     num_kv_blocks: int | None = Field(None, gt=0)
     max_num_seqs: int = Field(64, gt=0)
     max_num_batched_tokens: int | None = Field(None, gt=0)  # None: the backend's SchedulerLimits, else 2048

@@ -129,7 +129,7 @@ class Engine:
             self.proposer = NgramProposer(sc.num_speculative_tokens, sc.prompt_lookup_max, sc.prompt_lookup_min)
         lookahead = self.speculative.num_speculative_tokens if self.speculative else 0
         groups = self.model.cache_groups()
-        block_size = engine_config.block_size
+        block_size = engine_config.block_size or self.model.default_block_size
         self.cache_groups = groups
         num_blocks = engine_config.num_kv_blocks or self._auto_num_blocks(groups, block_size, lookahead)
         capacity = num_blocks * block_size
@@ -155,7 +155,8 @@ class Engine:
             log.info("cache group %s (%s, %d layers): %.0f bytes per %s", g.name, g.kind, len(g.layers), size, unit)
         graphs = None
         sizes = tuple(b for b in ((limits and limits.graph_batch_sizes) or ()) if b <= self.max_num_seqs)
-        if self.platform.graph_capture and self.platform.graphs is not None and sizes and not engine_config.enforce_eager:
+        capturable = getattr(self.model, "supports_graphs", True)
+        if self.platform.graph_capture and self.platform.graphs is not None and sizes and not engine_config.enforce_eager and capturable:
             query_lens = (1, 1 + lookahead) if lookahead else (1,)
             widths = max_blocks_per_group(groups, max_len, block_size, max(query_lens), self.kv.rings)
             graphs = DecodeGraphs(self.model, self.kv_cache.tensors, groups, widths, sizes, query_lens, self.device, self.platform.graphs())
@@ -255,7 +256,7 @@ class Engine:
         runner = cache = None  # freed before the allocator hands its blocks back
         self.platform.empty_cache()
         c = self.model_config
-        per_context_token = (c.latent_dim + c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim + c.qk_head_dim)) * self.dtype.itemsize
+        per_context_token = c.context_bytes_per_token(self.dtype.itemsize)
         long_context = max(0, max_len - tokens) * per_context_token
         logits = self.max_num_seqs * c.vocab_size * 4 * 3  # logits, sampler temporaries
         return int(peak + long_context + logits + 256 * 2**20)

@@ -117,16 +117,21 @@ class KVCache:
                 self.tensors[layer] = torch.zeros(shape, dtype=g.dtype, device=device)
 
     @staticmethod
-    def ring_blocks(group: CacheGroup, block_size: int, lookahead: int) -> int:
+    def ring_block(group: CacheGroup, block_size: int) -> int:
+        """Tokens per block of a ring group (its own ``ring_block``, else the engine's block size)."""
+        return group.ring_block or block_size
+
+    @classmethod
+    def ring_blocks(cls, group: CacheGroup, block_size: int, lookahead: int) -> int:
         """Blocks in one sequence's ring: room for window + lookahead tokens wherever they start."""
-        return math.ceil((group.window + lookahead) / block_size) + 1
+        return math.ceil((group.window + lookahead) / cls.ring_block(group, block_size)) + 1
 
     @classmethod
     def layer_shape(cls, g: CacheGroup, num_blocks: int, block_size: int, max_num_seqs: int, lookahead: int) -> tuple[int, int, int]:
         if g.kind == "paged":
             return (num_blocks, block_size // g.tokens_per_entry, g.entry_dim)
         if g.kind == "ring":
-            return (max_num_seqs * cls.ring_blocks(g, block_size, lookahead), block_size, g.entry_dim)
+            return (max_num_seqs * cls.ring_blocks(g, block_size, lookahead), cls.ring_block(g, block_size), g.entry_dim)
         return (max_num_seqs * (1 + lookahead), g.state_rows, g.entry_dim)
 
     @staticmethod

@@ -88,8 +88,9 @@ class ModelRunner:
             per = bs // m
             return [table[p // bs] * per + (p % bs) // m if p >= wf and p % m == m - 1 else -1 for p in positions]
         if g.kind == "ring":
-            ring, first = len(table), positions.stop - len(table) * bs  # older ones this step overwrites
-            return [table[(p // bs) % ring] * bs + p % bs if p >= first else -1 for p in positions]
+            rb = KVCache.ring_block(g, bs)
+            ring, first = len(table), positions.stop - len(table) * rb  # older ones this step overwrites
+            return [table[(p // rb) % ring] * rb + p % rb if p >= first else -1 for p in positions]
         versions = 1 + self.kv.lookahead
         return [table[0] * versions + (p + 1) % versions for p in positions]
 
@@ -100,9 +101,10 @@ class ModelRunner:
             per = bs // g.tokens_per_entry
             return (table[:, None] * per + np.arange(per)).ravel()[: end // g.tokens_per_entry]
         if g.kind == "ring":
+            rb = KVCache.ring_block(g, bs)
             lo = max(self.kv.replay_start(seq.paged_write_from), start - g.window)
             pos = np.arange(lo, start)
-            return table[(pos // bs) % len(table)] * bs + pos % bs
+            return table[(pos // rb) % len(table)] * rb + pos % rb
         return table[:1] * (1 + self.kv.lookahead) + start % (1 + self.kv.lookahead)
 
     # ---- building a step ----------------------------------------------------------------------
@@ -164,15 +166,15 @@ class ModelRunner:
             for g in self.groups:
                 if g.kind == "ring":
                     hb.valid_from[g.name].append(self.kv.replay_start(s.seq.paged_write_from))
+                    hb.tables[g.name].append(s.seq.block_tables[g.name])
         return hb
 
     def _meta(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor, BatchMeta]:
-        num_decodes = len(hb.seq_lens)
         groups = {}
         for g in self.groups:
             rows = hb.tables[g.name]
             width = max((len(r) for r in rows), default=0)
-            table = np.zeros((num_decodes, width), dtype=np.int32)
+            table = np.zeros((len(rows), width), dtype=np.int32)  # ring groups: decodes, then prefills
             for i, r in enumerate(rows):
                 table[i, : len(r)] = r
             context = np.concatenate(hb.context[g.name]) if hb.context[g.name] else np.zeros(0, dtype=np.int64)

@@ -25,8 +25,10 @@ class CacheGroup:
         tokens, so block i of every group covers the same tokens (and one hash, for prefix caching).
     kind "ring": the last ``window`` tokens plus the engine's lookahead (tokens a step may write
         beyond them and roll back: speculative drafts) per sequence, one entry per token, in a
-        fixed ring of blocks that are reused as the window slides: tensor [num_blocks,
-        block_size, entry_dim]; position p lives in ring block (p // block_size) mod ring_blocks.
+        fixed ring of blocks that are reused as the window slides: tensor [num_blocks, rb,
+        entry_dim] with rb = ``ring_block`` tokens per ring block (0: the engine's block size;
+        rings are private to a sequence, so their blocks need not match the paged ones);
+        position p lives in ring block (p // rb) mod ring_blocks, row p % rb.
     kind "state": one fixed-size slot per sequence of ``state_rows`` rows of ``entry_dim``, times
         (1 + lookahead) versions so a rolled-back step can return to an earlier one: tensor
         [num_slots * (1 + lookahead), state_rows, entry_dim].
@@ -43,6 +45,7 @@ class CacheGroup:
     window: int = 0
     state_rows: int = 1
     replay_tokens: int = 0
+    ring_block: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in CACHE_KINDS:
@@ -70,8 +73,9 @@ class GroupMeta:
         already cached, or a ring token the same step overwrites). Paged groups with
         tokens_per_entry m: the slot of entry p // m, written by the token at p with p % m == m - 1.
         State groups: the row version the state after this token is written to.
-    block_tables: [D, W] int32, the blocks of each decode sequence (ring groups: in ring order;
-        state groups: [D, 1], the sequence's slot).
+    block_tables: [D, W] int32, the blocks of each decode sequence (state groups: [D, 1], the
+        sequence's slot). Ring groups: [D + P, W], in ring order, of the decode sequences and
+        then of the prefill sequences (a prefill chunk's window reaches into its ring too).
     context_slots: [sum of context lengths] int64, for each prefill sequence in order the slots of
         the entries its context reads, in position order (paged: all entries before the chunk's
         end; ring: the cached window before the chunk, read before the chunk is written).

@@ -346,6 +346,8 @@ class DeepseekV3ForCausalLM(nn.Module):
     checkpoint calls ``drop_mtp_layers()`` (so ``num_mtp_layers`` is only final after loading).
     """
 
+    default_block_size = 16  # the engine's block size (tokens) unless the user picks one
+
     def __init__(self, config: ModelConfig, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False):
         super().__init__()
         self.config = config

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from deepinfer_core.config import SUPPORTED_MODEL_TYPES, ConfigError
+from deepinfer_core.config import MLA_MODEL_TYPES, SUPPORTED_MODEL_TYPES, ConfigError
 from deepinfer_core.models.deepseek_v3 import DeepseekV3ForCausalLM
+from deepinfer_core.models.deepseek_v4 import DeepseekV4ForCausalLM
 
-MODEL_CLASSES: dict[str, type] = dict.fromkeys(SUPPORTED_MODEL_TYPES, DeepseekV3ForCausalLM)
+MODEL_CLASSES: dict[str, type] = {**dict.fromkeys(MLA_MODEL_TYPES, DeepseekV3ForCausalLM), "deepseek_v4": DeepseekV4ForCausalLM}
+assert set(MODEL_CLASSES) == set(SUPPORTED_MODEL_TYPES)
 
 
 def get_model_class(model_type: str) -> type:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from deepinfer_core.ops import activation, attention, linear, moe, norm, rope, sampling
+from deepinfer_core.ops import activation, attention, hyper, linear, moe, norm, rope, sampling, sparse
 
 # name -> reference implementation. The order is the order ``deepinfer backends`` prints.
 REFERENCE_OPS: dict[str, Callable] = {
@@ -27,6 +27,19 @@ REFERENCE_OPS: dict[str, Callable] = {
     "mla_prefill_attention": attention.mla_prefill_attention,
     "mla_decode_attention": attention.mla_decode_attention,
     "sample_tokens": sampling.sample_tokens,
+    # DeepSeek-V4
+    "rms_norm_f32": norm.rms_norm_f32,
+    "rms_normalize": norm.rms_normalize,
+    "silu_and_mul_clamped": activation.silu_and_mul_clamped,
+    "moe_route_sqrtsoftplus": moe.moe_route_sqrtsoftplus,
+    "moe_experts_clamped": moe.moe_experts_clamped,
+    "mhc_pre": hyper.mhc_pre,
+    "mhc_post": hyper.mhc_post,
+    "mhc_head": hyper.mhc_head,
+    "write_cache": sparse.write_cache,
+    "compress_pool": sparse.compress_pool,
+    "indexer_topk": sparse.indexer_topk,
+    "sparse_attention": sparse.sparse_attention,
 }
 
 OP_NAMES: tuple[str, ...] = tuple(REFERENCE_OPS)

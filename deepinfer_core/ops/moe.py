@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.ops.activation import silu_and_mul
+from deepinfer_core.ops.activation import silu_and_mul, silu_and_mul_clamped
 from deepinfer_core.ops.linear import dequantize_fp8_block
 
 SCORING_FUNCS = ("sigmoid", "softmax")
@@ -90,6 +90,27 @@ def moe_experts(
     The reference follows transformers' eager path: experts in ascending id, the weighted
     expert output accumulated into a buffer of x's dtype.
     """
+    return _experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, silu_and_mul)
+
+
+def moe_experts_clamped(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    limit: float,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """``moe_experts`` with DeepSeek-V4's clamped SwiGLU: each expert computes
+    down(silu(min(gate, limit)) * clamp(up, -limit, limit)). Same arguments and layout otherwise."""
+    return _experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block,
+                    lambda h: silu_and_mul_clamped(h, limit))
+
+
+def _experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, act) -> torch.Tensor:
     out = torch.zeros_like(x)
     if x.shape[0] == 0:
         return out
@@ -99,7 +120,37 @@ def moe_experts(
         if w13_scale is not None:
             gate_up = dequantize_fp8_block(gate_up, w13_scale[expert], block, x.dtype)
             down = dequantize_fp8_block(down, w2_scale[expert], block, x.dtype)
-        h = silu_and_mul(F.linear(x[token_idx], gate_up))
+        h = act(F.linear(x[token_idx], gate_up))
         y = F.linear(h, down) * topk_weights[token_idx, slot, None]
         out.index_add_(0, token_idx, y.to(x.dtype))
     return out
+
+
+def moe_route_sqrtsoftplus(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    fixed_ids: torch.Tensor | None,
+    *,
+    top_k: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4 routing. Returns (weights [T, k] float32, ids [T, k] int64).
+
+    x: [T, D]; gate_weight: [E, D]. Scores s = sqrt(softplus(x @ W^T)) in float32. ids are
+    ``fixed_ids`` [T, k] when given (hash layers: the model looks them up from the token ids; no
+    bias), else the top_k of s + correction_bias ([E] float32, or none). weights = s at ids,
+    divided by their sum (+1e-20) when norm_topk_prob, times routed_scaling_factor. The order of
+    the k slots is unspecified.
+    """
+    scores = F.softplus(F.linear(x.float(), gate_weight.float())).sqrt()
+    if fixed_ids is not None:
+        ids = fixed_ids.long()
+    else:
+        choice = scores if correction_bias is None else scores + correction_bias.float()
+        ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids

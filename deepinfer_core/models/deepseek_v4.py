@@ -1,0 +1,463 @@
+"""DeepSeek-V4 (V4-Flash, V4-Pro), written on the OpTable (deepseek_architectures.md §3).
+
+Per layer: manifold-constrained hyper-connections around attention and MoE (``hc_mult``
+residual streams); shared-KV multi-query attention with per-head sinks over a sliding window of
+``sliding_window`` keys, plus compressed entries: HCA layers (ratio ``hca_ratio``) see every
+complete entry, CSA layers (ratio ``csa_ratio``, overlapping windows) the ``index_topk`` a
+lightning indexer picks; sqrt-softplus MoE (hash-routed in the first ``num_hash_layers``
+layers) with clamped SwiGLU. Parameter names equal transformers' ``DeepseekV4ForCausalLM``
+state_dict; the MTP block (``mtp.0.*`` in DeepSeek's checkpoints, §3.8) lives at ``mtp.layers.0``.
+
+Caches (``cache_groups``): every layer's window keys in the ring group "window"; CSA layers'
+compressed entries and indexer keys in paged groups "csa_kv" / "csa_index" (one entry per
+``csa_ratio`` tokens), HCA layers' in "hca_kv"; each compressor's projected rows of its open
+window(s) in a small ring ("csa_state" / "hca_state", float32). Prefix caching reuses the
+paged groups; after a hit the rings are rebuilt by recomputing ``replay_tokens`` tokens, enough
+for every layer's window to be exact again (``layers * (sliding_window - 1)``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from deepinfer_core.config import V4ModelConfig
+from deepinfer_core.models.batch import BatchMeta, CacheGroup
+from deepinfer_core.models.deepseek_v3 import MLP, Alloc, Experts, Linear, _param
+from deepinfer_core.models.deepseek_v4_batch import V4Batch
+from deepinfer_core.ops import OpTable
+from deepinfer_core.ops.rope import rope_cos_sin_table
+
+CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
+WINDOW, CSA_KV, CSA_INDEX, CSA_STATE, HCA_KV, HCA_STATE = "window", "csa_kv", "csa_index", "csa_state", "hca_kv", "hca_state"
+RING_BLOCK = 16  # tokens per block of the window and HCA-state rings
+
+
+class Norm(nn.Module):
+    """RMSNorm weight kept in float32 (transformers keeps every V4 norm in float32)."""
+
+    def __init__(self, dim: int, eps: float, alloc: Alloc):
+        super().__init__()
+        self.weight = _param((dim,), torch.float32, alloc.device)
+        self.eps = eps
+
+
+class HyperConnection(nn.Module):
+    def __init__(self, config: V4ModelConfig, alloc: Alloc):
+        super().__init__()
+        hc, d = config.hc_mult, config.hidden_size
+        self.fn = _param(((2 + hc) * hc, hc * d), torch.float32, alloc.device)
+        self.base = _param(((2 + hc) * hc,), torch.float32, alloc.device)
+        self.scale = _param((3,), torch.float32, alloc.device)
+
+
+class HyperHead(nn.Module):
+    def __init__(self, config: V4ModelConfig, alloc: Alloc):
+        super().__init__()
+        hc, d = config.hc_mult, config.hidden_size
+        self.hc_fn = _param((hc, hc * d), torch.float32, alloc.device)
+        self.hc_base = _param((hc,), torch.float32, alloc.device)
+        self.hc_scale = _param((1,), torch.float32, alloc.device)
+
+    def forward(self, ops: OpTable, config: V4ModelConfig, x: torch.Tensor) -> torch.Tensor:
+        return ops.mhc_head(x, self.hc_fn, self.hc_base, self.hc_scale, hc_eps=config.hc_eps, rms_eps=config.rms_norm_eps)
+
+
+def _rope(ops: OpTable, x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing rope dims of x [T, H, d] (interleaved pairs) at ``positions``."""
+    r = table.shape[-1]
+    rotated = ops.rotary_embedding(x[..., -r:], x[:, 0, -r:], positions, table, True)[0]
+    return torch.cat([x[..., :-r], rotated], dim=-1)
+
+
+class Compressor(nn.Module):
+    """Pools the projected rows of every window of ``ratio`` tokens (two overlapping series when
+    ``overlap``: CSA) into one normalised, rotated entry of ``dim`` values (§3.5)."""
+
+    def __init__(self, config: V4ModelConfig, ops: OpTable, alloc: Alloc, ratio: int, dim: int, overlap: bool):
+        super().__init__()
+        self.ops, self.ratio, self.dim, self.overlap = ops, ratio, dim, overlap
+        width = 2 * dim if overlap else dim
+        d = config.hidden_size
+        bf = Alloc(alloc.dtype, alloc.device, None)  # bf16 in DeepSeek's FP8 checkpoints
+        self.kv_proj = Linear(d, width, ops, bf)
+        self.gate_proj = Linear(d, width, ops, bf)
+        self.position_bias = _param((ratio, width), torch.float32, alloc.device)
+        self.kv_norm = Norm(dim, config.rms_norm_eps, alloc)
+
+    @property
+    def row_dim(self) -> int:
+        """Values per token in the state ring: projected kv and gate logits (+ position bias)."""
+        return 2 * self.kv_proj.weight.shape[0]
+
+    def rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[T, row_dim] float32: [kv | gate + position_bias[p % ratio]] of every token."""
+        kv = self.kv_proj(x)
+        score = self.gate_proj(x).float() + self.position_bias[positions % self.ratio]
+        return torch.cat([kv.float(), score], dim=-1)
+
+    def pool(self, rows: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """rows [N, S, row_dim] of each window (S = ratio, or 2 * ratio oldest first when
+        overlapping), valid [N, S] -> entries [N, dim] rotated at ``positions``."""
+        width = rows.shape[-1] // 2
+        kv, score = rows[..., :width], rows[..., width:]
+        if self.overlap:  # the previous window's first series, this window's second
+            m, c = self.ratio, self.dim
+            kv = torch.cat([kv[:, :m, :c], kv[:, m:, c:]], dim=1)
+            score = torch.cat([score[:, :m, :c], score[:, m:, c:]], dim=1)
+        score = score.masked_fill(~valid[:, :, None], float("-inf"))
+        kv = kv.masked_fill(~valid[:, :, None], 0.0).to(dtype)
+        entries = self.ops.compress_pool(kv, score, self.kv_norm.weight, self.kv_norm.eps)
+        return _rope(self.ops, entries[:, None], positions, table)[:, 0]
+
+
+class Indexer(Compressor):
+    """The lightning indexer of a CSA layer (§3.6): its own overlapping compressor of
+    ``index_head_dim`` keys, and per-query scores that pick the top ``index_topk`` entries."""
+
+    def __init__(self, config: V4ModelConfig, ops: OpTable, alloc: Alloc):
+        super().__init__(config, ops, alloc, config.csa_ratio, config.index_head_dim, overlap=True)
+        self.num_heads, self.head_dim, self.top_k = config.index_n_heads, config.index_head_dim, config.index_topk
+        self.q_b_proj = Linear(config.q_lora_rank, self.num_heads * self.head_dim, ops, alloc)
+        self.scorer = nn.Module()
+        self.scorer.weights_proj = Linear(config.hidden_size, self.num_heads, ops, Alloc(alloc.dtype, alloc.device, None))
+
+    def select(self, x, qr, positions, table, keys, candidates) -> torch.Tensor:
+        q = self.q_b_proj(qr).view(x.shape[0], self.num_heads, self.head_dim)
+        q = _rope(self.ops, q, positions, table)
+        weights = self.scorer.weights_proj(x).float() * self.num_heads**-0.5
+        return self.ops.indexer_topk(q, weights, keys, candidates, self.top_k, self.head_dim**-0.5)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: V4ModelConfig, ops: OpTable, alloc: Alloc, layer_type: str):
+        super().__init__()
+        self.ops, self.config, self.layer_type = ops, config, layer_type
+        h, d, hidden = config.num_attention_heads, config.head_dim, config.hidden_size
+        self.num_heads, self.head_dim = h, d
+        self.q_a_proj = Linear(hidden, config.q_lora_rank, ops, alloc)
+        self.q_a_norm = Norm(config.q_lora_rank, config.rms_norm_eps, alloc)
+        self.q_b_proj = Linear(config.q_lora_rank, h * d, ops, alloc)
+        self.kv_proj = Linear(hidden, d, ops, alloc)
+        self.kv_norm = Norm(d, config.rms_norm_eps, alloc)
+        self.o_a_proj = Linear(h * d // config.o_groups, config.o_groups * config.o_lora_rank, ops, alloc)
+        self.o_b_proj = Linear(config.o_groups * config.o_lora_rank, hidden, ops, alloc)
+        self.sinks = _param((h,), torch.float32, alloc.device)
+        self.compressor = None
+        if layer_type == CSA:
+            self.compressor = Compressor(config, ops, alloc, config.csa_ratio, d, overlap=True)
+            self.compressor.indexer = Indexer(config, ops, alloc)
+        elif layer_type == HCA:
+            self.compressor = Compressor(config, ops, alloc, config.hca_ratio, d, overlap=False)
+
+    def forward(self, x: torch.Tensor, plan: V4Batch, caches: dict[str, torch.Tensor], name: str, tables) -> torch.Tensor:
+        ops, c = self.ops, self.config
+        t, positions = x.shape[0], plan.positions
+        table, inverse = tables
+        qr = ops.rms_norm_f32(self.q_a_proj(x), self.q_a_norm.weight, self.q_a_norm.eps)
+        q = ops.rms_normalize(self.q_b_proj(qr).view(t, self.num_heads, self.head_dim), c.rms_norm_eps)
+        kv = ops.rms_norm_f32(self.kv_proj(x), self.kv_norm.weight, self.kv_norm.eps)
+        r = table.shape[-1]
+        q_pe, k_pe = ops.rotary_embedding(q[..., -r:], kv[:, -r:], positions, table, True)
+        q = torch.cat([q[..., :-r], q_pe], dim=-1)
+        kv = torch.cat([kv[:, :-r], k_pe], dim=-1)
+
+        window = caches[f"{name}.window"]
+        pool = torch.cat([kv, window.view(-1, self.head_dim).to(kv.dtype)])  # read before this step's writes
+        ops.write_cache(window, kv, plan.batch.groups[WINDOW].slot_mapping)
+        index = plan.window(WINDOW, c.sliding_window)
+        if self.compressor is not None:
+            entries, chosen = self._compressed(x, qr, plan, caches, name, table)
+            index = torch.cat([index, torch.where(chosen >= 0, chosen + pool.shape[0], chosen)], dim=1)
+            pool = torch.cat([pool, entries])
+        out = ops.sparse_attention(q, pool, index, self.sinks, self.head_dim**-0.5)
+        out = _rope(ops, out, positions, inverse)  # undo the values' rotation at the query position
+        return self.o_b_proj(self._grouped_o_a(out.view(t, c.o_groups, -1)))
+
+    def _grouped_o_a(self, x: torch.Tensor) -> torch.Tensor:
+        """Group g of heads through rows [g R, (g + 1) R) of o_a_proj; [T, G, H d / G] -> [T, G R]."""
+        proj, groups = self.o_a_proj, x.shape[1]
+        rows = proj.weight.shape[0] // groups
+        outs = []
+        for g in range(groups):
+            w = proj.weight[g * rows : (g + 1) * rows]
+            if proj.weight_scale_inv is None:
+                outs.append(self.ops.linear(x[:, g], w))
+            else:
+                bn = proj.block[0]
+                s = proj.weight_scale_inv[g * rows // bn : (g + 1) * rows // bn]
+                outs.append(self.ops.fp8_block_linear(x[:, g], w, s, proj.block))
+        return torch.cat(outs, dim=-1)
+
+    def _compressed(self, x, qr, plan: V4Batch, caches, name: str, table) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's compressed entries; return (every sequence's entries [N, d], the
+        pool rows each query attends to [T, K] (-1: none))."""
+        comp = self.compressor
+        csa = self.layer_type == CSA
+        kv_group, state_group = (CSA_KV, CSA_STATE) if csa else (HCA_KV, HCA_STATE)
+        parts = [comp] + ([comp.indexer] if csa else [])
+        rows = torch.cat([p.rows(x, plan.positions) for p in parts], dim=-1)
+        state = caches[f"{name}.compressor_state"]
+        state_pool = torch.cat([rows, state.view(-1, state.shape[-1])])
+        self.ops.write_cache(state, rows, plan.batch.groups[state_group].slot_mapping)
+        span = 2 * comp.ratio if comp.overlap else comp.ratio
+        em = plan.emitters(kv_group, state_group, span)
+        if em.tokens.numel():
+            window_rows = state_pool[em.rows.clamp(min=0)]
+            valid = em.rows >= 0
+            offset = 0
+            for part, cache_name in zip(parts, ("compressed", "indexer")):
+                part_rows = window_rows[..., offset : offset + part.row_dim]
+                offset += part.row_dim
+                entries = part.pool(part_rows, valid, em.entry_positions, table, x.dtype)
+                self.ops.write_cache(caches[f"{name}.{cache_name}"], entries, em.slots)
+        slots, visible = plan.entries(kv_group)
+        entries = self.ops.gather_latent_cache(caches[f"{name}.compressed"], slots).to(x.dtype)
+        if not csa:
+            return entries, visible
+        keys = self.ops.gather_latent_cache(caches[f"{name}.indexer"], slots).to(x.dtype)
+        return entries, comp.indexer.select(x, qr, plan.positions, table, keys, visible)
+
+
+class ClampedMLP(MLP):
+    """The shared expert: SwiGLU with DeepSeek-V4's clamp (``swiglu_limit``; transformers clamps it)."""
+
+    def __init__(self, hidden: int, intermediate: int, ops: OpTable, alloc: Alloc, limit: float | None):
+        super().__init__(hidden, intermediate, ops, alloc)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate_up = self.gate_up_proj(x)
+        else:
+            gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
+        h = self.ops.silu_and_mul(gate_up) if self.limit is None else self.ops.silu_and_mul_clamped(gate_up, self.limit)
+        return self.down_proj(h)
+
+
+class MoE(nn.Module):
+    def __init__(self, config: V4ModelConfig, ops: OpTable, alloc: Alloc, hashed: bool):
+        super().__init__()
+        self.ops, self.config = ops, config
+        self.gate = nn.Module()
+        self.gate.weight = _param((config.n_routed_experts, config.hidden_size), alloc.dtype, alloc.device)
+        if hashed:  # token id -> its k experts
+            self.gate.tid2eid = _param((config.vocab_size, config.num_experts_per_tok), torch.int64, alloc.device)
+        else:
+            self.gate.e_score_correction_bias = _param((config.n_routed_experts,), torch.float32, alloc.device)
+        self.hashed = hashed
+        self.experts = Experts(config, Alloc(alloc.dtype, alloc.device, None))  # MXFP4/FP8 experts dequantised at load
+        inter = config.moe_intermediate_size * config.n_shared_experts
+        self.shared_experts = ClampedMLP(config.hidden_size, inter, ops, alloc, config.swiglu_limit) if inter else None
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        c, ops = self.config, self.ops
+        fixed = self.gate.tid2eid[input_ids] if self.hashed else None
+        bias = None if self.hashed else self.gate.e_score_correction_bias
+        weights, ids = ops.moe_route_sqrtsoftplus(
+            x, self.gate.weight, bias, fixed, top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob,
+            routed_scaling_factor=c.routed_scaling_factor,
+        )
+        ex = self.experts
+        if c.swiglu_limit is None:
+            out = ops.moe_experts(x, ex.gate_up_proj, ex.down_proj, weights, ids)
+        else:
+            out = ops.moe_experts_clamped(x, ex.gate_up_proj, ex.down_proj, weights, ids, c.swiglu_limit)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: V4ModelConfig, ops: OpTable, alloc: Alloc, layer_type: str, hashed: bool):
+        super().__init__()
+        self.ops, self.config = ops, config
+        self.self_attn = Attention(config, ops, alloc, layer_type)
+        self.mlp = MoE(config, ops, alloc, hashed)
+        self.input_layernorm = Norm(config.hidden_size, config.rms_norm_eps, alloc)
+        self.post_attention_layernorm = Norm(config.hidden_size, config.rms_norm_eps, alloc)
+        self.attn_hc = HyperConnection(config, alloc)
+        self.ffn_hc = HyperConnection(config, alloc)
+
+    def _pre(self, hc: HyperConnection, x: torch.Tensor):
+        c = self.config
+        return self.ops.mhc_pre(x, hc.fn, hc.base, hc.scale, hc_eps=c.hc_eps, rms_eps=c.rms_norm_eps, sinkhorn_iters=c.hc_sinkhorn_iters)
+
+    def forward(self, x, input_ids, plan: V4Batch, caches, name: str, tables) -> torch.Tensor:
+        """x: [T, hc, D] streams -> the streams after attention and MoE."""
+        ops = self.ops
+        post, comb, y = self._pre(self.attn_hc, x)
+        y = ops.rms_norm_f32(y, self.input_layernorm.weight, self.input_layernorm.eps)
+        x = ops.mhc_post(self.self_attn(y, plan, caches, name, tables), x, post, comb)
+        post, comb, y = self._pre(self.ffn_hc, x)
+        y = ops.rms_norm_f32(y, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        return ops.mhc_post(self.mlp(y, input_ids), x, post, comb)
+
+
+class MTPBlock(DecoderLayer):
+    """The V4 MTP block (§3.8): a sliding-window, non-hash decoder layer fed with
+    e_proj(enorm(embed(t_{p+1}))) + h_proj(hnorm(streams)), with its own head collapse and norm."""
+
+    def __init__(self, config: V4ModelConfig, ops: OpTable, alloc: Alloc):
+        super().__init__(config, ops, alloc, SWA, hashed=False)
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.enorm = Norm(d, eps, alloc)
+        self.hnorm = Norm(d, eps, alloc)
+        self.e_proj = Linear(d, d, ops, alloc)
+        self.h_proj = Linear(d, d, ops, alloc)
+        self.norm = Norm(d, eps, alloc)
+        self.hc_head = HyperHead(config, alloc)
+
+
+class DeepseekV4Backbone(nn.Module):
+    def __init__(self, config: V4ModelConfig, ops: OpTable, alloc: Alloc):
+        super().__init__()
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = _param((config.vocab_size, config.hidden_size), alloc.dtype, alloc.device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, ops, alloc, t, hashed=i < config.num_hash_layers) for i, t in enumerate(config.layer_types)
+        )
+        self.norm = Norm(config.hidden_size, config.rms_norm_eps, alloc)
+        self.hc_head = HyperHead(config, alloc)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    """DeepSeek-V4 causal LM over the cache groups of ``cache_groups`` (``forward`` has the same
+    batch contract as DeepseekV3ForCausalLM's). Decode steps are not captured as graphs: the
+    index tensors' sizes depend on each batch's context lengths."""
+
+    supports_graphs = False
+
+    def __init__(self, config: V4ModelConfig, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False):
+        super().__init__()
+        self.config, self.ops, self.dtype = config, ops, dtype
+        self.device = torch.device(device)
+        self.keep_fp8 = keep_fp8 and config.fp8_block is not None
+        alloc = Alloc(dtype, self.device, tuple(config.fp8_block) if self.keep_fp8 else None)
+        self.model = DeepseekV4Backbone(config, ops, alloc)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, ops, Alloc(dtype, self.device, None))
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp = nn.Module()
+        self.mtp.layers = nn.ModuleList(MTPBlock(config, ops, alloc) for _ in range(min(1, config.num_nextn_predict_layers)))
+        r, maxpos = config.qk_rope_head_dim, config.max_position_embeddings
+        main = rope_cos_sin_table(r, config.rope_theta, {"rope_type": "default"}, maxpos)
+        compress = rope_cos_sin_table(r, config.compress_rope_theta, config.compress_rope_parameters, maxpos)
+        # transformers rounds cos/sin to the model dtype before rotating; the inverse uses -sin.
+        self.tables = {}
+        for kind, t in (("main", main), ("compress", compress)):
+            t = t.to(dtype).float().to(self.device)
+            self.tables[kind] = (t, torch.cat([t[:, : r // 2], -t[:, r // 2 :]], dim=-1))
+
+    # ---- layout ---------------------------------------------------------------------------------
+    @property
+    def num_mtp_layers(self) -> int:
+        return len(self.mtp.layers)
+
+    def drop_mtp_layers(self) -> None:
+        self.mtp.layers = nn.ModuleList()
+
+    @property
+    def default_block_size(self) -> int:
+        """A multiple of 16 and of every compression rate (paged entries never straddle blocks)."""
+        return math.lcm(16, self.config.csa_ratio, self.config.hca_ratio)
+
+    @property
+    def replay_tokens(self) -> int:
+        """Tokens recomputed before the first uncached one after a prefix hit: each layer's window
+        depends on the previous layer's over another ``sliding_window - 1`` tokens."""
+        return (len(self.model.layers) + self.num_mtp_layers) * (self.config.sliding_window - 1)
+
+    def cache_groups(self, with_mtp: bool = False) -> list[CacheGroup]:
+        c, dt = self.config, self.dtype
+        names = [f"model.layers.{i}.self_attn" for i in range(len(self.model.layers))]
+        if with_mtp:
+            names += [f"mtp.layers.{i}.self_attn" for i in range(self.num_mtp_layers)]
+        kinds = list(c.layer_types) + [SWA] * (len(names) - len(c.layer_types))
+        csa = [n for n, k in zip(names, kinds) if k == CSA]
+        hca = [n for n, k in zip(names, kinds) if k == HCA]
+        replay = self.replay_tokens
+        groups = [CacheGroup(WINDOW, "ring", tuple(f"{n}.window" for n in names), c.head_dim, dt,
+                             window=c.sliding_window, replay_tokens=replay, ring_block=min(RING_BLOCK, c.sliding_window))]
+        if csa:
+            comp = self.get_submodule(csa[0]).compressor  # every CSA layer has the same row widths
+            row = comp.row_dim + comp.indexer.row_dim
+            groups += [
+                CacheGroup(CSA_KV, "paged", tuple(f"{n}.compressed" for n in csa), c.head_dim, dt, tokens_per_entry=c.csa_ratio),
+                CacheGroup(CSA_INDEX, "paged", tuple(f"{n}.indexer" for n in csa), c.index_head_dim, dt, tokens_per_entry=c.csa_ratio),
+                CacheGroup(CSA_STATE, "ring", tuple(f"{n}.compressor_state" for n in csa), row, torch.float32,
+                           window=2 * c.csa_ratio, replay_tokens=replay, ring_block=c.csa_ratio),
+            ]
+        if hca:
+            groups += [
+                CacheGroup(HCA_KV, "paged", tuple(f"{n}.compressed" for n in hca), c.head_dim, dt, tokens_per_entry=c.hca_ratio),
+                CacheGroup(HCA_STATE, "ring", tuple(f"{n}.compressor_state" for n in hca), 2 * c.head_dim, torch.float32,
+                           window=c.hca_ratio, replay_tokens=replay, ring_block=min(RING_BLOCK, c.hca_ratio)),
+            ]
+        return groups
+
+    @torch.no_grad()
+    def post_load(self) -> None:
+        for module in self.modules():
+            if isinstance(module, MLP):
+                module.fuse()
+
+    # ---- forward --------------------------------------------------------------------------------
+    def _plan(self, positions: torch.Tensor, batch: BatchMeta, kv_caches: dict[str, torch.Tensor]) -> V4Batch:
+        groups = {g.name: g for g in self.cache_groups(with_mtp=True)}
+        # the engine's block size, from a paged tensor [blocks, block_size // m, dim] (rings have their own)
+        block_size = next((kv_caches[g.layers[0]].shape[1] * g.tokens_per_entry for g in groups.values()
+                           if g.kind == "paged" and g.layers[0] in kv_caches), 0)
+        return V4Batch(positions, batch, groups, block_size)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens.weight[input_ids]
+
+    def _layer_tables(self, layer_type: str):
+        return self.tables["main" if layer_type == SWA else "compress"]
+
+    @torch.no_grad()
+    def forward_streams(self, input_ids, positions, batch: BatchMeta, kv_caches: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The residual streams after the last layer, [T, hc, D] (the MTP block's input)."""
+        plan = self._plan(positions, batch, kv_caches)
+        e = self.embed(input_ids)
+        x = e[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, input_ids, plan, kv_caches, f"model.layers.{i}.self_attn", self._layer_tables(self.config.layer_types[i]))
+        return x
+
+    def head_hidden(self, streams: torch.Tensor) -> torch.Tensor:
+        """Final collapse and norm: [T, hc, D] -> [T, D]."""
+        x = self.model.hc_head(self.ops, self.config, streams)
+        return self.ops.rms_norm_f32(x, self.model.norm.weight, self.model.norm.eps)
+
+    @torch.no_grad()
+    def forward(self, input_ids, positions, batch: BatchMeta, kv_caches: dict[str, torch.Tensor]) -> torch.Tensor:
+        """input_ids, positions: [T] int64 packed as BatchMeta describes; kv_caches: the tensor of
+        every layer of cache_groups(), by layer name. Returns the hidden states after the final
+        collapse and norm, [T, D]."""
+        return self.head_hidden(self.forward_streams(input_ids, positions, batch, kv_caches))
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def forward_mtp(self, depth, input_ids, positions, prev_streams, batch: BatchMeta, kv_caches) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP block (reused for every depth): input_ids are the tokens shifted by one
+        (position p carries t_{p+1}), prev_streams the previous stage's streams [T, hc, D]
+        (depth 0: forward_streams()). Uses kv_caches["mtp.layers.0.self_attn.window"]
+        (cache_groups(with_mtp=True)). Returns (hidden after the block's head collapse and norm
+        [T, D], its streams for the next depth)."""
+        if not self.num_mtp_layers:
+            raise ValueError("MTP requested but the model has no MTP block loaded")
+        block: MTPBlock = self.mtp.layers[0]
+        ops = self.ops
+        e = ops.rms_norm_f32(self.embed(input_ids), block.enorm.weight, block.enorm.eps)
+        h = ops.rms_norm_f32(prev_streams, block.hnorm.weight, block.hnorm.eps)
+        x = block.e_proj(e)[:, None, :] + block.h_proj(h)
+        x = block(x, input_ids, self._plan(positions, batch, kv_caches), kv_caches, "mtp.layers.0.self_attn", self.tables["main"])
+        hidden = ops.rms_norm_f32(block.hc_head(ops, self.config, x), block.norm.weight, block.norm.eps)
+        return hidden, x

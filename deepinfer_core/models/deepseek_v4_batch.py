@@ -1,0 +1,121 @@
+"""Where a DeepSeek-V4 forward finds the rows it reads, computed once per forward from BatchMeta.
+
+V4 attention reads, per query, its sliding window (the last ``sliding_window`` positions, from
+this batch's new tokens or from the sequence's ring) and compressed entries (from paged
+groups); each compressor, when a token closes its window, pools the window's projected rows
+(from this batch or from the sequence's state ring). Every layer of a kind addresses the same
+rows, so the index tensors are built here once and each layer gathers its own tensors with
+them. Row pools put this batch's new rows first (index t for token t) and the cache's rows
+after them (index T + flat cache row), so one index tensor can name both.
+
+Sequences are numbered in token order: the prefill sequences, then the decode rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer_core.models.batch import BatchMeta, CacheGroup
+
+
+@dataclass
+class Emitters:
+    """The tokens of this batch that close a compression window (and write its entry)."""
+
+    tokens: torch.Tensor  # [N] token indices
+    slots: torch.Tensor  # [N] paged cache slots of their entries
+    entry_positions: torch.Tensor  # [N] first position of each window (its RoPE position)
+    rows: torch.Tensor  # [N, S] pool index of the window's rows, oldest first (-1: none)
+
+
+class V4Batch:
+    """Index tensors of one forward. ``groups``: the model's cache groups by name."""
+
+    def __init__(self, positions: torch.Tensor, batch: BatchMeta, groups: dict[str, CacheGroup], block_size: int):
+        self.batch = batch
+        self.groups = groups
+        self.block_size = block_size
+        self.positions = positions
+        device = positions.device
+        self.num_tokens = t = positions.shape[0]
+        cu_q, cu_k = batch.prefill_cu_seqlens_q.long(), batch.prefill_cu_seqlens_k.long()
+        qsl = batch.decode_query_start_loc.long()
+        n = torch.cat([cu_q[1:] - cu_q[:-1], qsl[1:] - qsl[:-1]])
+        self.base = torch.cat([cu_q[:-1], batch.num_prefill_tokens + qsl[:-1]])  # first token of each sequence
+        self.end = torch.cat([cu_k[1:] - cu_k[:-1], batch.decode_seq_lens.long()])  # context length after this step
+        self.start = self.end - n  # first new position
+        self.num_decodes = batch.num_decodes
+        self.seq = torch.repeat_interleave(torch.arange(n.shape[0], device=device), n, output_size=t)
+        self._ring_tables: dict[str, torch.Tensor] = {}
+        self._entries: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _token_order(self, per_seq: torch.Tensor) -> torch.Tensor:
+        """Rows given decodes first, then prefills (the runner's ring order) -> token order."""
+        d = self.num_decodes
+        return torch.cat([per_seq[d:], per_seq[:d]])
+
+    def valid_from(self, ring: str) -> torch.Tensor:
+        vf = self.batch.groups[ring].valid_from
+        return torch.zeros_like(self.end) if vf is None else self._token_order(vf.long())
+
+    def _rows(self, ring: str, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Pool index of position ``pos`` of sequence ``seq`` (same shapes): this batch's row when
+        the position is new in this step, else T + its ring slot; -1 before the ring's first
+        valid position or below 0."""
+        g = self.groups[ring]
+        if ring not in self._ring_tables:
+            self._ring_tables[ring] = self._token_order(self.batch.groups[ring].block_tables.long())
+        table = self._ring_tables[ring]
+        rb = g.ring_block or self.block_size
+        start, lo = self.start[seq], self.valid_from(ring)[seq]
+        new = self.base[seq] + (pos - start)
+        blocks = table[seq.reshape(-1), ((pos.clamp(min=0) // rb) % table.shape[1]).reshape(-1)].view(pos.shape)
+        cached = self.num_tokens + blocks * rb + pos.clamp(min=0) % rb
+        out = torch.where(pos >= start, new, cached)
+        return torch.where((pos >= lo) & (pos >= 0), out, torch.full_like(out, -1))
+
+    def window(self, ring: str, window: int) -> torch.Tensor:
+        """[T, window] pool indices of each query's window keys p - window + 1 .. p (-1: none)."""
+        pos = self.positions[:, None] - torch.arange(window, device=self.positions.device)[None, :]
+        return self._rows(ring, self.seq[:, None].expand_as(pos), pos)
+
+    def emitters(self, paged: str, ring: str, span: int) -> Emitters:
+        """Tokens that write an entry of paged group ``paged`` (tokens_per_entry m) and the pool
+        indices of the ``span`` rows ending at them (m, or 2m for overlapping windows) in ``ring``."""
+        slots = self.batch.groups[paged].slot_mapping
+        tokens = torch.nonzero(slots >= 0).flatten()
+        pos = self.positions[tokens]
+        rows_pos = pos[:, None] - span + 1 + torch.arange(span, device=pos.device)[None, :]
+        seq = self.seq[tokens][:, None].expand_as(rows_pos)
+        m = self.groups[paged].tokens_per_entry
+        return Emitters(tokens, slots[tokens], (pos // m) * m, self._rows(ring, seq, rows_pos))
+
+    def entries(self, paged: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots [N] of every sequence's entries of paged group ``paged`` after this step, in
+        sequence and entry order; [T, C] index into them of the entries each query sees:
+        w < (p + 1) // m, -1 padded)."""
+        if paged in self._entries:
+            return self._entries[paged]
+        g, meta = self.groups[paged], self.batch.groups[paged]
+        m = g.tokens_per_entry
+        count = self.end // m
+        p = self.batch.num_prefills
+        per = self.block_size // m
+        tables = meta.block_tables.long()
+        width = int(count.max()) if count.numel() else 0
+        w = torch.arange(width, device=count.device)
+        dec = count[p:]
+        if dec.numel() and width:
+            dec_slots = tables.gather(1, (w // per).clamp(max=max(tables.shape[1] - 1, 0))[None, :].expand(dec.shape[0], -1)) * per + w % per
+            dec_slots = dec_slots[w[None, :] < dec[:, None]]
+        else:
+            dec_slots = meta.context_slots.new_zeros(0)
+        slots = torch.cat([meta.context_slots.long(), dec_slots])
+        first = torch.cumsum(count, 0) - count
+        visible = (self.positions + 1) // m
+        vis_w = w[None, :].expand(self.num_tokens, -1)
+        index = torch.where(vis_w < visible[:, None], first[self.seq][:, None] + vis_w, torch.full_like(vis_w, -1))
+        self._entries[paged] = (slots, index)
+        return slots, index

@@ -1,0 +1,100 @@
+"""DeepSeek-V4 attention ops: attention with sinks over gathered keys, the compressors' pooling,
+the lightning indexer's top-k, and a plain cache-row write.
+
+These ops work on *pools* of rows and index tensors, which the model builds once per forward:
+a key pool is every row a batch's queries may read (the new tokens' keys, the sliding-window
+ring rows, the compressed entries of every sequence), and each query names its keys by row
+index into the pool (-1: no key). A kernel can gather straight from the caches instead; the
+contract is only the math on the named rows (deepseek_architectures.md §3.3-3.6).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_core.ops.norm import rms_norm_f32
+
+# Queries processed at once by the reference attention (bounds its [chunk, K, d] gather).
+ATTENTION_CHUNK = 256
+
+
+def _gather_rows(pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """pool[idx] in float32 with -1 read as row 0 (masked by the caller); an empty pool (every
+    index -1) gives zeros."""
+    if pool.shape[0] == 0:
+        return pool.new_zeros(*idx.shape, pool.shape[-1], dtype=torch.float32)
+    return pool[idx.clamp(min=0)].float()
+
+
+def write_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store row t of ``values`` [T, C] at flat row slot_mapping[t] of ``cache`` [..., C] (in
+    place, cast to the cache's dtype); a negative slot means "do not store"."""
+    flat = cache.view(-1, cache.shape[-1])
+    keep = slot_mapping >= 0
+    flat[slot_mapping[keep]] = values[keep].to(cache.dtype)
+
+
+def sparse_attention(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Shared-KV multi-query attention with a per-head sink over the keys each query names.
+
+    q: [T, H, d]; kv: [N, d] key pool (each key is also its value); indices: [T, K] int64 rows of
+    kv per query, -1 = none (any order, no duplicates); sinks: [H] float32 logits with no value.
+    o[t, h] = sum_j P_j kv[indices[t, j]] with P = softmax over [q[t, h] . kv[idx] * scale for
+    the valid idx..., sinks[h]] (the sink's probability is dropped). A query with no valid key
+    gets zeros. Scores and the weighted sum in float32; returns [T, H, d] in q's dtype.
+    """
+    t_all, heads, d = q.shape
+    out = torch.empty_like(q)
+    sink = sinks.float()[None, :, None]
+    for lo in range(0, t_all, ATTENTION_CHUNK):
+        hi = min(lo + ATTENTION_CHUNK, t_all)
+        idx = indices[lo:hi]
+        valid = idx >= 0
+        keys = _gather_rows(kv, idx)  # [t, K, d]
+        scores = torch.einsum("thd,tkd->thk", q[lo:hi].float(), keys) * scale
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        logits = torch.cat([scores, sink.expand(hi - lo, heads, 1)], dim=-1)
+        probs = torch.softmax(logits, dim=-1)[..., :-1]
+        out[lo:hi] = torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)
+    return out
+
+
+def compress_pool(kv: torch.Tensor, score: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """One compressed entry per window: RMSNorm(sum_s softmax_s(score[n, s, c]) * kv[n, s, c]).
+
+    kv: [N, S, C] the window's projected rows (model dtype); score: [N, S, C] float32 gate logits
+    with the position bias already added (-inf: an empty slot, weight 0; every (n, c) has at least
+    one finite slot); the softmax runs over the S slots independently per channel. The pooled rows are normalised with ``rms_norm_f32``
+    (weight [C], float32 multiply, one cast). Returns [N, C] in kv's dtype. (transformers weighs
+    in kv's dtype after rounding the softmax to it; so does this.)
+    """
+    weights = torch.softmax(score.float(), dim=1).to(kv.dtype)
+    pooled = (kv * weights).sum(dim=1)
+    return rms_norm_f32(pooled, norm_weight, eps)
+
+
+def indexer_topk(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor, top_k: int, scale: float
+) -> torch.Tensor:
+    """The lightning indexer: each query's ``top_k`` best candidate entries.
+
+    q: [T, Hi, Di] indexer queries; weights: [T, Hi] float32 per-head weights; keys: [N, Di]
+    indexer key pool; candidates: [T, C] int64 rows of keys each query may pick, -1 = none (any
+    order, no duplicates).
+    score(t, j) = sum_h weights[t, h] * relu(q[t, h] . keys[j]) * scale, in float32. Returns
+    [T, min(top_k, C)] int64: the chosen rows of keys (highest scores first is not required), -1
+    where a query has fewer valid candidates than that.
+    """
+    t_all, c = candidates.shape
+    k = min(top_k, c)
+    if k == 0 or t_all == 0:
+        return candidates.new_full((t_all, k), -1)
+    valid = candidates >= 0
+    cand = _gather_rows(keys, candidates)  # [T, C, Di]
+    dots = torch.einsum("thd,tcd->thc", q.float(), cand).relu() * scale
+    scores = (dots * weights.float()[:, :, None]).sum(dim=1).masked_fill(~valid, float("-inf"))
+    best = scores.topk(k, dim=-1).indices
+    chosen = candidates.gather(1, best)
+    return torch.where(valid.gather(1, best), chosen, torch.full_like(chosen, -1))

@@ -4,6 +4,8 @@
 top-6 + 2 shared, MLA without q_lora, ~15.7B parameters, bf16): it fits one 141 GB GPU.
 ``v3-slice``: DeepSeek-V3's config.json with 4 layers (1 dense + 3 MoE) instead of 61 and no MTP
 layer, block-FP8 weights as DeepSeek ships them: every per-layer shape is the real one.
+``v3``, ``v4-flash``, ``v4-pro``: the full configs (cache sizing; too large to run on one GPU).
+``v4-flash-slice``: DeepSeek-V4-Flash's config.json with its first 4 layers and no MTP block.
 """
 
 from __future__ import annotations
@@ -40,7 +42,32 @@ V3_SLICE = {
     "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]},
 }
 
-MODELS = {"v2-lite": V2_LITE, "v3-slice": V3_SLICE}
+_YARN_V4 = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
+_V4_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
+
+# DeepSeek-V4-Flash's config.json (deepseek_architectures.md §3.9), legacy keys as DeepSeek ships them.
+V4_FLASH = {
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "torch_dtype": "bfloat16",
+    "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64, "num_key_value_heads": 1,
+    "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_lora_rank": 1024, "o_groups": 8,
+    "compress_ratios": [0, 0] + [4, 128] * 20 + [4] + [0], "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+    "sliding_window": 128, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 6, "moe_intermediate_size": 2048,
+    "scoring_func": "sqrtsoftplus", "norm_topk_prob": True, "routed_scaling_factor": 1.5, "num_hash_layers": 3, "swiglu_limit": 10.0,
+    "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6, "rope_theta": 10000, "compress_rope_theta": 160000,
+    "rope_scaling": _YARN_V4, "max_position_embeddings": 1048576, "num_nextn_predict_layers": 1, "expert_dtype": "fp4",
+    "quantization_config": _V4_FP8, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
+}
+V4_PRO = {
+    **V4_FLASH, "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128, "q_lora_rank": 1536, "o_groups": 16,
+    "compress_ratios": [128, 128] + [4, 128] * 29 + [4] + [0], "index_topk": 1024, "n_routed_experts": 384,
+    "moe_intermediate_size": 3072, "routed_scaling_factor": 2.5,
+}
+# V4-Flash's first four layers (sliding-only, sliding-only, CSA, HCA; the first three hash-routed), no MTP:
+# every per-layer shape is the real one.
+V4_FLASH_SLICE = {**V4_FLASH, "num_hidden_layers": 4, "compress_ratios": [0, 0, 4, 128, 0], "num_nextn_predict_layers": 0}
+V3_FULL = {**V3_SLICE, "num_hidden_layers": 61}
+
+MODELS = {"v2-lite": V2_LITE, "v3-slice": V3_SLICE, "v3": V3_FULL, "v4-flash": V4_FLASH, "v4-pro": V4_PRO, "v4-flash-slice": V4_FLASH_SLICE}
 
 
 def write_config(name: str, directory: Path) -> Path:

@@ -1,7 +1,11 @@
-"""Load an HF-format safetensors checkpoint directory into a DeepSeek V2/V3 model.
+"""Load an HF-format safetensors checkpoint directory into a DeepSeek V2/V3/V4 model.
 
 ``load_model(model_dir, config, model)`` fills every parameter of an already constructed
-``DeepseekV3ForCausalLM`` (built with ``torch.empty``) and then calls ``model.post_load()``:
+``DeepseekV3ForCausalLM`` (built with ``torch.empty``) and then calls ``model.post_load()``.
+What the checkpoint's keys are called and where each goes is the model's *checkpoint format*
+(``checkpoint_format(model, config)``: the model's ``checkpoint_format`` attribute, else the one
+for ``config.model_type``; V2/V3 below, V4 in ``deepinfer_core/checkpoint_v4.py``); the rest
+(files, headers, shapes, FP8 / MXFP4 dequantisation, NaN checks, errors) is shared:
 
 * files: ``model.safetensors``, or the shards named by ``model.safetensors.index.json``, or
   else every ``*.safetensors`` file in the directory. Pickle checkpoints (``.bin``, ``.pt``) are
@@ -15,8 +19,12 @@
   all under those layers (``save_pretrained`` drops them), the loader calls
   ``model.drop_mtp_layers()`` and logs a warning, so ``model.num_mtp_layers`` and
   ``model.cache_groups(with_mtp=True)`` are final only after loading. Partially present MTP layers are an error.
-* block FP8 (``float8_e4m3fn`` + float32 ``weight_scale_inv``): dequantised to the parameter's
-  dtype (W8A16) unless the model keeps FP8 weights (``keep_fp8=True``), then copied as is.
+* block FP8 (``float8_e4m3fn`` + float32 ``weight_scale_inv``, or ``float8_e8m0fnu`` scales as
+  V4 ships them): dequantised to the parameter's dtype (W8A16) unless the model keeps FP8 weights
+  (``keep_fp8=True``), then copied as is (e8m0 scales converted bit-exactly to float32).
+* MXFP4 (V4 routed experts, ``expert_dtype: fp4``): int8 / uint8 / ``float4_e2m1fn_x2`` weights
+  [out, in/2] with e8m0 scales [out, in/32], always dequantised into the parameter
+  (``dequantize_mxfp4``).
 * tensors are read one at a time through ``safe_open`` (memory-mapped) and copied into their
   parameter straight away; dtype conversion happens in that copy.
 * every loaded tensor (and every FP8 scale) is checked for NaN / inf after the copy, so a
@@ -47,6 +55,13 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 FP8_HEADER_DTYPES = ("F8_E4M3",)
+# Packed MXFP4: two E2M1 codes a byte. I8 / U8 headers count bytes ([out, in/2]); safetensors'
+# F4 (torch.float4_e2m1fn_x2) counts values ([out, in]).
+FP4_HEADER_DTYPES = ("I8", "U8", "F4")
+FP4_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
+MXFP4_GROUP = 32  # inputs per e8m0 scale
+# E2M1 code -> value: codes 0-7 as listed, 8-15 their negatives (8 is -0).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 # Keys of an MTP layer that duplicate the main model's embedding and head.
 MTP_TIED_KEYS = ("embed_tokens.weight", "shared_head.head.weight")
 FINITE_CHUNK = 1 << 26  # elements per step of the non-finite scan (a 64 MiB bool temporary)
@@ -72,6 +87,83 @@ class Slot:
         if self.rows is not None:
             tensor = tensor[self.rows]
         return tensor
+
+
+@dataclass
+class LoadPlan:
+    """What a checkpoint format makes of a checkpoint's keys: ``expected`` checkpoint key -> its
+    slot, for every tensor the model needs (keys the checkpoint lacks included, named as the
+    checkpoint would name them: they are reported missing); ``companions`` quantised weight key
+    -> its scale's key, for weights dequantised at load; ``ignored`` keys read by no one."""
+
+    expected: dict[str, Slot]
+    companions: dict[str, str]
+    ignored: set[str]
+
+
+class V3Checkpoint:
+    """The checkpoint format of DeepSeek V2/V3 (module docstring): HF / DeepSeek names, MTP layer
+    i under ``model.layers.{num_hidden_layers + i}``. A checkpoint format provides these three
+    methods (``deepinfer_core.checkpoint_v4.V4Checkpoint`` is the other one)."""
+
+    def scale_keys(self, key: str) -> tuple[str, ...]:
+        """The names the scale of quantised weight ``key`` may have (any one present will do)."""
+        return (_scale_key(key),)
+
+    def resolve_mtp(self, model, config, key_file: dict[str, Path]) -> None:
+        """Drop the model's MTP layers when the checkpoint has none (warning); error when some lack."""
+        _resolve_mtp(model, config, key_file)
+
+    def plan(self, model, config, key_file: dict[str, Path]) -> LoadPlan:
+        expected = _expected_keys(model, config, set(key_file))
+        mtp_first = config.num_hidden_layers
+        ignored, companions = set(), {}
+        for key in key_file:
+            if key in expected:
+                continue
+            m = re.fullmatch(r"model\.layers\.(\d+)\.(.*)", key)
+            if m and mtp_first <= int(m[1]) < mtp_first + model.num_mtp_layers and m[2] in MTP_TIED_KEYS:
+                ignored.add(key)
+            elif key.endswith("_scale_inv") and key[: -len("_scale_inv")] in expected:
+                companions[key[: -len("_scale_inv")]] = key  # dequantised together with its weight
+        return LoadPlan(expected, companions, ignored)
+
+
+def checkpoint_format(model, config):
+    """The model's ``checkpoint_format`` attribute when it has one, else the format for
+    ``config.model_type`` (V4: ``checkpoint_v4.V4Checkpoint``; V2/V3: ``V3Checkpoint``)."""
+    fmt = getattr(model, "checkpoint_format", None)
+    if fmt is not None:
+        return fmt
+    if config.model_type == "deepseek_v4":
+        from deepinfer_core.checkpoint_v4 import V4Checkpoint  # imports this module
+
+        return V4Checkpoint()
+    return V3Checkpoint()
+
+
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """float8_e8m0fnu (or its bytes as uint8) -> float32 2^(byte - 127), bit-exact on any device
+    (byte 0 is 2^-127, a float32 subnormal; 255 is NaN); other dtypes: ``scale.float()``."""
+    if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        return scale.float()
+    byte = scale.view(torch.uint8).to(torch.int32)
+    bits = torch.where(byte == 0, torch.full_like(byte, 0x00400000), byte << 23)
+    bits = torch.where(byte == 255, torch.full_like(byte, 0x7FC00000), bits)
+    return bits.view(torch.float32)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 [..., N, K/2] (int8, uint8 or float4_e2m1fn_x2; byte k holds element 2k in its low
+    nibble and 2k+1 in its high nibble) with scales [..., N, ceil(K/32)] (e8m0, its uint8 bytes,
+    or float) -> [..., N, K] in ``dtype``: W[i, j] = E2M1(code[i, j]) * scale[i, j // 32]."""
+    byte = packed.view(torch.uint8)
+    codes = torch.stack((byte & 0x0F, byte >> 4), dim=-1).flatten(-2).int()  # int: an index, not a mask
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)[codes]
+    k, s = values.shape[-1], e8m0_to_float(scale)
+    if k % MXFP4_GROUP == 0:  # one multiply per group, no [N, K] copy of the scales
+        return (values.unflatten(-1, (-1, MXFP4_GROUP)) * s.unsqueeze(-1)).flatten(-2).to(dtype)
+    return (values * s.repeat_interleave(MXFP4_GROUP, dim=-1)[..., :k]).to(dtype)
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -186,11 +278,12 @@ def _list(keys, files: dict[str, Path] | None = None, limit: int = 5) -> str:
 
 
 def load_model(model_dir: str | Path, config: ModelConfig, model: torch.nn.Module, *, progress: bool = True) -> None:
-    """Fill ``model`` (a DeepseekV3ForCausalLM for ``config``) from the checkpoint in ``model_dir``.
+    """Fill ``model`` (a DeepseekV3ForCausalLM for ``config``, or any model whose checkpoint
+    format ``checkpoint_format`` finds) from the checkpoint in ``model_dir``.
 
     Drops the model's MTP layers when the checkpoint has none (see the module docstring), then
     calls ``model.post_load()``. Raises CheckpointError for any missing, unexpected or misshapen
-    tensor, unreadable file, or FP8 weight without its scale.
+    tensor, unreadable file, or FP8 / MXFP4 weight without its scale.
     """
     files = checkpoint_files(model_dir)
     handles = {path: _open(path) for path in files}
@@ -206,25 +299,25 @@ def load_model(model_dir: str | Path, config: ModelConfig, model: torch.nn.Modul
             if key_file.get(key, Path()).name != name:
                 raise CheckpointError(f"{index} maps {key} to {name} but that shard does not hold it: fix the index or the shard")
 
+    fmt = checkpoint_format(model, config)
     for key, path in key_file.items():
-        if handles[path].get_slice(key).get_dtype() in FP8_HEADER_DTYPES and _scale_key(key) not in key_file:
-            raise CheckpointError(
-                f"{path}: FP8 weight {key} has no scale {_scale_key(key)} in the checkpoint: "
-                "the checkpoint is incomplete or not DeepSeek block-FP8; download it again"
-            )
-    _resolve_mtp(model, config, key_file)
-    params = model.state_dict(keep_vars=True)
-    expected = _expected_keys(model, config, set(key_file))
-    mtp_first = config.num_hidden_layers
-    ignored, companions = set(), {}
-    for key in key_file:
-        if key in expected:
+        dtype = handles[path].get_slice(key).get_dtype()
+        if dtype not in FP8_HEADER_DTYPES and dtype not in FP4_HEADER_DTYPES:
             continue
-        m = re.fullmatch(r"model\.layers\.(\d+)\.(.*)", key)
-        if m and mtp_first <= int(m[1]) < mtp_first + model.num_mtp_layers and m[2] in MTP_TIED_KEYS:
-            ignored.add(key)
-        elif key.endswith("_scale_inv") and key[: -len("_scale_inv")] in expected:
-            companions[key[: -len("_scale_inv")]] = key  # dequantised together with its weight
+        scales = fmt.scale_keys(key)
+        if scales and not any(scale in key_file for scale in scales):
+            what, fix = (
+                ("FP8 weight", "the checkpoint is incomplete or not DeepSeek block-FP8")
+                if dtype in FP8_HEADER_DTYPES
+                else ("packed FP4 (MXFP4) weight", "the checkpoint is incomplete or not DeepSeek's MXFP4")
+            )
+            raise CheckpointError(
+                f"{path}: {what} {key} has no scale {' or '.join(scales)} in the checkpoint: {fix}; download it again"
+            )
+    fmt.resolve_mtp(model, config, key_file)
+    params = model.state_dict(keep_vars=True)
+    plan = fmt.plan(model, config, key_file)
+    expected, companions, ignored = plan.expected, plan.companions, plan.ignored
     missing = set(expected) - set(key_file)
     if missing:
         raise CheckpointError(
@@ -238,31 +331,36 @@ def load_model(model_dir: str | Path, config: ModelConfig, model: torch.nn.Modul
             f"{_list(unexpected, key_file)}; the checkpoint does not match config.json"
         )
 
-    # Header-only checks: shapes and FP8 scales, before reading any data.
+    # Header-only checks: shapes and FP8 / MXFP4 scales, before reading any data.
     for key, slot in expected.items():
         handle = handles[key_file[key]]
         header = handle.get_slice(key)
         shape, dtype = tuple(header.get_shape()), header.get_dtype()
-        want = tuple(slot.view(params[slot.param]).shape)
+        param = params[slot.param]
+        want = tuple(slot.view(param).shape)
+        if dtype in FP4_HEADER_DTYPES and param.is_floating_point() and param.dtype != torch.float8_e4m3fn:
+            _check_mxfp4(key, shape, dtype, want, config, companions, handles, key_file)
+            continue
         if shape != want:
             raise CheckpointError(
                 f"{key_file[key]}: {key} has shape {list(shape)} but config.json implies {list(want)}: "
                 "the checkpoint and its config.json disagree"
             )
-        if dtype in FP8_HEADER_DTYPES and params[slot.param].dtype != torch.float8_e4m3fn:
+        if dtype in FP8_HEADER_DTYPES and param.dtype != torch.float8_e4m3fn:
             if config.fp8_block is None:
                 raise CheckpointError(
                     f"{key_file[key]}: {key} is float8_e4m3fn but config.json has no FP8 quantization_config "
                     "(weight_block_size): add it or use a checkpoint in bf16"
                 )
-            scale_shape = tuple(handles[key_file[companions[key]]].get_slice(companions[key]).get_shape())
+            scale_key = _companion(key, fmt, companions, key_file)
+            scale_shape = tuple(handles[key_file[scale_key]].get_slice(scale_key).get_shape())
             grid = (*want[:-2], -(-want[-2] // config.fp8_block[0]), -(-want[-1] // config.fp8_block[1]))
             if scale_shape != grid:
                 raise CheckpointError(
-                    f"{key_file[companions[key]]}: {companions[key]} has shape {list(scale_shape)} but weight "
+                    f"{key_file[scale_key]}: {scale_key} has shape {list(scale_shape)} but weight "
                     f"{list(want)} with weight_block_size {list(config.fp8_block)} needs {list(grid)}"
                 )
-        elif params[slot.param].dtype == torch.float8_e4m3fn and dtype not in FP8_HEADER_DTYPES:
+        elif param.dtype == torch.float8_e4m3fn and dtype not in FP8_HEADER_DTYPES:
             raise CheckpointError(
                 f"{key_file[key]}: {key} is {dtype}, but the model keeps this weight in FP8 (keep_fp8=True): "
                 "load it with keep_fp8=False or use DeepSeek's block-FP8 checkpoint"
@@ -277,13 +375,19 @@ def load_model(model_dir: str | Path, config: ModelConfig, model: torch.nn.Modul
                     continue
                 dst = slot.view(params[slot.param])
                 # Each tensor goes straight from the memory-mapped file into its parameter (the copy
-                # converts the dtype); FP8 weights that the model does not keep are first moved to
-                # the model's device and dequantised there, not on the host.
+                # converts the dtype); FP8 / MXFP4 weights that the model does not keep are first
+                # moved to the model's device and dequantised there, not on the host.
                 src = _read(handles, key_file, key)
                 if src.dtype == torch.float8_e4m3fn and dst.dtype != torch.float8_e4m3fn:
                     scale = _read(handles, key_file, companions[key]).to(dst.device)
                     finite.append((companions[key], all_finite(scale)))
-                    src = dequantize_fp8_block(src.to(dst.device), scale, config.fp8_block, dst.dtype)
+                    src = dequantize_fp8_block(src.to(dst.device), e8m0_to_float(scale), config.fp8_block, dst.dtype)
+                elif src.dtype in FP4_DTYPES and dst.is_floating_point():
+                    scale = _read(handles, key_file, companions[key]).to(dst.device)
+                    finite.append((companions[key], all_finite(scale)))
+                    src = dequantize_mxfp4(src.to(dst.device), scale, dst.dtype)
+                elif src.dtype == torch.float8_e8m0fnu and dst.dtype != torch.float8_e8m0fnu:
+                    src = e8m0_to_float(src)  # a kept FP8 weight's scale, bit-exact
                 dst.copy_(src)
                 finite.append((key, all_finite(dst)))  # after the copy: an overflow of the dtype conversion counts
                 bar.update()
@@ -291,15 +395,60 @@ def load_model(model_dir: str | Path, config: ModelConfig, model: torch.nn.Modul
     model.post_load()
 
 
+def _companion(key: str, fmt, companions: dict[str, str], key_file: dict[str, Path]) -> str:
+    if key not in companions:  # its scale is there (checked first) but the format did not pair it
+        raise CheckpointError(
+            f"{key_file[key]}: quantised weight {key} has no scale {' or '.join(fmt.scale_keys(key))} that goes "
+            "with it: the checkpoint is incomplete or mixes namings; download it again"
+        )
+    return companions[key]
+
+
+def _check_mxfp4(key, shape, dtype, want, config, companions, handles, key_file) -> None:
+    """Header checks of a packed FP4 weight going into a parameter of shape ``want``."""
+    path = key_file[key]
+    expert_dtype = getattr(config, "expert_dtype", None)
+    if expert_dtype != "fp4":
+        raise CheckpointError(
+            f"{path}: {key} is packed FP4 ({dtype}) but config.json's expert_dtype is {expert_dtype!r}, not 'fp4': "
+            "set expert_dtype to 'fp4' in config.json (as DeepSeek-V4 ships it) or use a matching checkpoint"
+        )
+    packed = want if dtype == "F4" else (*want[:-1], want[-1] // 2)
+    if shape != packed or want[-1] % 2:
+        raise CheckpointError(
+            f"{path}: {key} has shape {list(shape)} but config.json implies {list(packed)} (packed FP4 of a "
+            f"{list(want)} weight, two values a byte): the checkpoint and its config.json disagree"
+        )
+    if key not in companions:
+        raise CheckpointError(
+            f"{path}: packed FP4 (MXFP4) weight {key} has no scale that goes with it: the checkpoint is "
+            "incomplete or not DeepSeek's MXFP4; download it again"
+        )
+    scale_key = companions[key]
+    scale_shape = tuple(handles[key_file[scale_key]].get_slice(scale_key).get_shape())
+    grid = (*want[:-1], -(-want[-1] // MXFP4_GROUP))
+    if scale_shape != grid:
+        raise CheckpointError(
+            f"{key_file[scale_key]}: {scale_key} has shape {list(scale_shape)} but packed FP4 weight {key} of "
+            f"{list(want)} needs {list(grid)} (one e8m0 scale per {MXFP4_GROUP} inputs): the checkpoint and its "
+            "config.json disagree"
+        )
+
+
 def all_finite(t: torch.Tensor) -> torch.Tensor:
     """0-d bool tensor on t's device: no NaN or inf in ``t``, read in chunks (bounded temporaries).
-    float8_e4m3fn has no inf; its NaN is every bit of exponent and mantissa set."""
+    float8_e4m3fn has no inf; its NaN is every bit of exponent and mantissa set; float8_e8m0fnu's
+    NaN is byte 255; integer and packed FP4 tensors are always finite."""
     flat = t.reshape(-1)
     ok = torch.ones((), dtype=torch.bool, device=t.device)
     for start in range(0, flat.numel(), FINITE_CHUNK):
         chunk = flat[start : start + FINITE_CHUNK]
         if chunk.dtype == torch.float8_e4m3fn:
             ok &= ~((chunk.view(torch.uint8) & 0x7F) == 0x7F).any()
+        elif chunk.dtype == torch.float8_e8m0fnu:  # NaN is byte 255 (torch.isfinite misses it)
+            ok &= ~(chunk.view(torch.uint8) == 0xFF).any()
+        elif chunk.dtype == torch.float4_e2m1fn_x2:  # every E2M1 code is finite
+            continue
         elif chunk.is_floating_point():
             ok &= torch.isfinite(chunk).all()
     return ok
@@ -343,9 +492,10 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0, progress: bool = T
     """Random weights of the right shapes and dtypes, for benchmarks (``load_format="dummy"``).
 
     Matrices ~ N(0, 1/fan_in) so activations stay O(1) through the layers; norm weights ~ 1;
-    router biases ~ 0.01 N(0, 1); block-FP8 weights are N(0, 1) values in float8_e4m3fn with every
-    block scale 1/sqrt(fan_in). Generated on the model's device (no host copy). The outputs are
-    noise; routing is close to uniform over the experts.
+    router biases ~ 0.01 N(0, 1); hash-routing tables (``tid2eid``) uniform expert ids; block-FP8
+    weights are N(0, 1) values in float8_e4m3fn with every block scale 1/sqrt(fan_in). Generated
+    on the model's device (no host copy). The outputs are noise; routing is close to uniform over
+    the experts.
     """
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     params = dict(model.named_parameters())
@@ -357,9 +507,16 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0, progress: bool = T
                 p.fill_(1.0)
             elif name.endswith("e_score_correction_bias"):
                 p.copy_(torch.randn(p.shape, generator=gen, device=p.device) * 0.01)
+            elif name.endswith("tid2eid"):  # V4 hash routing table: expert ids of the router
+                p.copy_(torch.randint(0, params[name[: -len("tid2eid")] + "weight"].shape[0], p.shape, generator=gen, device=p.device))
             else:
                 std = 1.0 if p.dtype == torch.float8_e4m3fn else p.shape[-1] ** -0.5
                 for part in p if p.dim() == 3 else [p]:  # fused experts one at a time (smaller float32 temporaries)
                     part.copy_(torch.randn(part.shape, generator=gen, device=p.device) * std)
             bar.update()
+    for name, b in model.named_buffers():  # router tensors a model may hold as buffers (as transformers' V4)
+        if name.endswith("tid2eid"):
+            b.copy_(torch.randint(0, params[name[: -len("tid2eid")] + "weight"].shape[0], b.shape, generator=gen, device=b.device))
+        elif name.endswith("e_score_correction_bias"):
+            b.copy_(torch.randn(b.shape, generator=gen, device=b.device) * 0.01)
     model.post_load()

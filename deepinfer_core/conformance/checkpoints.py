@@ -345,6 +345,55 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.T
     return q.contiguous(), scale.float()
 
 
+def e8m0_from_exponent(exponent: torch.Tensor) -> torch.Tensor:
+    """Integer exponents e -> float8_e8m0fnu 2^e (byte e + 127), clamped to the finite range 2^-127 .. 2^127."""
+    return (exponent.to(torch.int32) + 127).clamp(0, 254).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def _pow2_exponent(amax: torch.Tensor, top: float) -> torch.Tensor:
+    """The smallest e with amax / 2^e <= top (all-zero blocks: the smallest scale)."""
+    e = torch.ceil(torch.log2(amax.double() / top))
+    return torch.where(amax > 0, e, torch.full_like(e, -127)).clamp(-127, 127)
+
+
+def quantize_fp8_block_e8m0(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (float8_e4m3fn [N, K], float8_e8m0fnu scales [ceil(N/bn), ceil(K/bk)]) with
+    power-of-two block scales 2^ceil(log2(amax/448)), as DeepSeek-V4 stores its FP8 linears."""
+    bn, bk = block
+    n, k = w.shape
+    gn, gk = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(gn * bn, gk * bk, dtype=torch.float32, device=w.device)
+    padded[:n, :k] = w.float()
+    blocks = padded.view(gn, bn, gk, bk)
+    scale = e8m0_from_exponent(_pow2_exponent(blocks.abs().amax(dim=(1, 3)), FP8_MAX))
+    q = (blocks / scale.float()[:, None, :, None]).view(gn * bn, gk * bk)[:n, :k].to(torch.float8_e4m3fn)
+    return q.contiguous(), scale
+
+
+E2M1_MAX = 6.0
+_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., N, K] float (K a multiple of 32) -> MXFP4 as DeepSeek-V4 stores routed experts:
+    (int8 [..., N, K/2], element 2k in the low nibble of byte k and 2k+1 in the high nibble;
+    float8_e8m0fnu scales [..., N, K/32], 2^ceil(log2(amax/6)) per 32 inputs). Each value is
+    rounded to the nearest E2M1 value (ties to the larger magnitude); ``deepinfer_core.loader.
+    dequantize_mxfp4`` inverts it."""
+    *lead, n, k = w.shape
+    if k % 32:
+        raise ValueError(f"MXFP4 needs the input dimension to be a multiple of 32, got {k}")
+    groups = w.float().reshape(*lead, n, k // 32, 32)
+    scale = e8m0_from_exponent(_pow2_exponent(groups.abs().amax(dim=-1), E2M1_MAX))
+    x = (groups / scale.float()[..., None]).reshape(*lead, n, k)
+    grid = torch.tensor(_E2M1_GRID, device=w.device)
+    mid = (grid[1:] + grid[:-1]) / 2
+    code = torch.bucketize(x.abs().clamp(max=E2M1_MAX), mid, right=True).to(torch.uint8)
+    code |= (x < 0).to(torch.uint8) << 3
+    packed = code[..., 0::2] | (code[..., 1::2] << 4)
+    return packed.view(torch.int8).contiguous(), scale
+
+
 def _generated(name: str) -> GeneratedCheckpoint:
     try:
         return GENERATED[name]

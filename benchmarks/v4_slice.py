@@ -10,9 +10,11 @@ the backend lacks runs its reference implementation on the GPU.
 
 1. ``generate``: batches of B prompts of P tokens, N greedy tokens each; the first call at a
    batch size and a repeat, wall time and output tokens per second.
-2. ``profile``: decode steps of a batch at a context length, each op of the op table wrapped in
-   a ``record_function`` range; GPU time per op (kernels launched inside its range) and the
-   step's wall time, so the share of time outside the GPU (Python, syncs) shows too.
+2. ``profile``: decode steps of a batch at a context length (after a real prefill). Each op of
+   the op table is timed between two device synchronisations (its wall time: host work,
+   launches and kernels; their sum is the step), then steps run under torch.profiler for the
+   GPU kernel time per step (how busy the GPU is) and, per op, the time of the aten kernels
+   inside its range (Triton kernels are not attributed to a range; they count in the total).
 Writes JSON to --out and prints a summary.
 """
 
@@ -40,8 +42,9 @@ def build(max_num_seqs: int, max_model_len: int, accelerator: str, model_dir: Pa
 
     model_dir = model_dir or write_config("v4-flash-slice", Path(tempfile.mkdtemp(prefix="deepinfer-v4-")))
     t0 = time.perf_counter()
+    blocks = max_num_seqs * (-(-max_model_len // 16) + 1)  # every sequence at full length, whatever the block size (>= 16)
     llm = LLM(model=str(model_dir), accelerator=accelerator, dtype="bfloat16", load_format="dummy",
-              max_num_seqs=max_num_seqs, max_model_len=max_model_len, progress=False)
+              max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_kv_blocks=blocks, progress=False)
     return llm, time.perf_counter() - t0
 
 
@@ -68,17 +71,32 @@ def generate_points(llm, batches, prompt_len: int, new_tokens: int) -> list[dict
     return out
 
 
-def _wrap_ops(ops) -> None:
+def _wrap_ops(ops, timings: dict | None = None) -> dict:
+    """Put every op of the table in a record_function range; with ``timings``, also time each
+    call between two device synchronisations (its wall time: launches, host work and kernels)."""
     from deepinfer_core.ops import OP_NAMES
 
-    for name in OP_NAMES:
-        fn = ops[name]
+    originals = {name: ops[name] for name in OP_NAMES}
+    for name, fn in originals.items():
 
         def wrapped(*args, _fn=fn, _name=name, **kwargs):
             with torch.profiler.record_function(f"op::{_name}"):
-                return _fn(*args, **kwargs)
+                if timings is None:
+                    return _fn(*args, **kwargs)
+                _sync()
+                t0 = time.perf_counter()
+                out = _fn(*args, **kwargs)
+                _sync()
+                timings[_name] = timings.get(_name, 0.0) + time.perf_counter() - t0
+                return out
 
         setattr(ops, name, wrapped)
+    return originals
+
+
+def _unwrap_ops(ops, originals: dict) -> None:
+    for name, fn in originals.items():
+        setattr(ops, name, fn)
 
 
 def profile_decode(llm, batch: int, context: int, steps: int) -> dict:
@@ -89,7 +107,7 @@ def profile_decode(llm, batch: int, context: int, steps: int) -> dict:
 
     engine = llm.engine
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 8, ignore_eos=True)  # none finishes while measured
     g = torch.Generator().manual_seed(0)
     for _ in range(batch):
         engine.add_request(torch.randint(2, vocab, (context,), generator=g).tolist(), params)
@@ -98,6 +116,15 @@ def profile_decode(llm, batch: int, context: int, steps: int) -> dict:
     for _ in range(2):
         engine.step()
     _sync()
+    running = len(engine.scheduler.running)
+    timings: dict[str, float] = {}
+    originals = _wrap_ops(engine.model.ops, timings)
+    t0 = time.perf_counter()
+    for _ in range(steps):  # each op timed between device syncs: its wall time
+        engine.step()
+    _sync()
+    synced_wall = (time.perf_counter() - t0) / steps
+    _unwrap_ops(engine.model.ops, originals)
     _wrap_ops(engine.model.ops)
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
@@ -105,26 +132,32 @@ def profile_decode(llm, batch: int, context: int, steps: int) -> dict:
             engine.step()
         _sync()
         wall = (time.perf_counter() - t0) / steps
+    _unwrap_ops(engine.model.ops, originals)
     engine.abort_all()
     per_op: dict[str, float] = defaultdict(float)
     per_op_cpu: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
     kernels_ms = 0.0
     for avg in prof.key_averages():
-        if avg.key.startswith("op::"):
+        # the CPU-side range (its device time = the kernels launched inside it); the GPU-side
+        # annotation of the same name would count them twice
+        if avg.key.startswith("op::") and avg.device_type == torch.autograd.DeviceType.CPU:
             per_op[avg.key[4:]] += avg.device_time_total / 1e3 / steps
             per_op_cpu[avg.key[4:]] += avg.cpu_time_total / 1e3 / steps
             calls[avg.key[4:]] += avg.count // steps
     for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
+        if event.device_type == torch.autograd.DeviceType.CUDA and not event.name.startswith("op::"):
             kernels_ms += event.device_time_total / 1e3 / steps
     rows = sorted(per_op.items(), key=lambda kv: -kv[1])
-    print(f"decode B={batch} context={context}: wall {wall * 1e3:.2f} ms/step, GPU kernels {kernels_ms:.2f} ms/step "
-          f"({100 * kernels_ms / (wall * 1e3):.0f}% busy)", flush=True)
-    for name, ms in rows:
-        print(f"    {ms:8.3f} ms GPU {per_op_cpu[name]:8.3f} ms host  {calls[name]:5d} calls  {name}", flush=True)
-    return {"batch": batch, "context": context, "steps": steps, "wall_ms_per_step": wall * 1e3,
-            "gpu_kernel_ms_per_step": kernels_ms, "ops_gpu_ms_per_step": dict(rows),
+    synced = {name: t * 1e3 / steps for name, t in sorted(timings.items(), key=lambda kv: -kv[1])}
+    print(f"decode B={batch} ({running} running) context={context}: wall {wall * 1e3:.2f} ms/step, GPU kernels "
+          f"{kernels_ms:.2f} ms/step ({100 * kernels_ms / (wall * 1e3):.0f}% busy); ops timed between syncs: "
+          f"{synced_wall * 1e3:.2f} ms/step", flush=True)
+    for name, ms in synced.items():
+        print(f"    {ms:8.3f} ms synced {per_op.get(name, 0.0):8.3f} ms aten GPU {calls[name]:5d} calls  {name}", flush=True)
+    return {"batch": batch, "running": running, "context": context, "steps": steps, "wall_ms_per_step": wall * 1e3,
+            "synced_wall_ms_per_step": synced_wall * 1e3, "ops_synced_ms_per_step": synced,
+            "gpu_kernel_ms_per_step": kernels_ms, "ops_aten_gpu_ms_per_step": dict(rows),
             "ops_host_ms_per_step": dict(per_op_cpu), "op_calls_per_step": dict(calls),
             "providers": dict(engine.ops.providers)}
 
@@ -135,18 +168,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, action="append", default=None)
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--profile", default="8x2048", help="BATCHxCONTEXT of the decode profile")
+    parser.add_argument("--profile", action="append", default=None, help="BATCHxCONTEXT of a decode profile (repeatable)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--model-dir", type=Path, default=None, help="another V4 config.json directory (smoke tests)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     batches = args.batch or [1, 8, 32]
-    pb, pc = map(int, args.profile.split("x"))
+    points = [tuple(map(int, p.split("x"))) for p in (args.profile or ["1x2048", "8x2048", "32x2048"])]
+    pb, pc = max(b for b, _ in points), max(c for _, c in points)
     llm, load_s = build(max(max(batches), pb), max(args.prompt_len, pc) + args.new_tokens + args.steps + 64, args.accelerator,
-                          args.model_dir)
+                        args.model_dir)
     result = {"model": "v4-flash-slice", "load_seconds": load_s, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "generate": generate_points(llm, batches, args.prompt_len, args.new_tokens),
-              "profile": profile_decode(llm, pb, pc, args.steps)}
+              "profile": [profile_decode(llm, b, c, args.steps) for b, c in points]}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "v4_slice.json").write_text(json.dumps(result, indent=1))
 

@@ -142,7 +142,9 @@ class Attention(nn.Module):
         self.q_b_proj = Linear(config.q_lora_rank, h * d, ops, alloc)
         self.kv_proj = Linear(hidden, d, ops, alloc)
         self.kv_norm = Norm(d, config.rms_norm_eps, alloc)
-        self.o_a_proj = Linear(h * d // config.o_groups, config.o_groups * config.o_lora_rank, ops, alloc)
+        # grouped: each group's rows must hold whole FP8 blocks to stay FP8 (else dequantised at load)
+        whole = alloc.fp8_block is None or config.o_lora_rank % alloc.fp8_block[0] == 0
+        self.o_a_proj = Linear(h * d // config.o_groups, config.o_groups * config.o_lora_rank, ops, alloc, fp8=whole)
         self.o_b_proj = Linear(config.o_groups * config.o_lora_rank, hidden, ops, alloc)
         self.sinks = _param((h,), torch.float32, alloc.device)
         self.compressor = None

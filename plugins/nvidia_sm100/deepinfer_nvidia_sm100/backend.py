@@ -159,10 +159,11 @@ def deepinfer_ops(platform, model_config):
     import importlib
 
     block = getattr(model_config, "fp8_block", None) if model_config is not None else None
-    if block and platform.fp8_weights and (block[1] < 16 or block[1] & (block[1] - 1)):
-        # The FP8 GEMMs step through K one weight block at a time (tl.dot needs K >= 16, a power of two).
+    if block and platform.fp8_weights and (block[1] < 32 or block[1] & (block[1] - 1)):
+        # The FP8 GEMMs step through K one weight block at a time: an e4m3 tl.dot needs K >= 32, a
+        # power of two (a 16-wide block failed to compile on the H200).
         log.warning(
-            "FP8 weight block %s: the NVIDIA FP8 kernels need a power-of-two block width >= 16, so the "
+            "FP8 weight block %s: the NVIDIA FP8 kernels need a power-of-two block width >= 32, so the "
             "weights are dequantised to the compute dtype at load instead", list(block),
         )
         platform.fp8_weights = False

@@ -43,11 +43,26 @@ def test_every_op_has_a_generator_and_a_spec():
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "rotary_embedding", "silu_and_mul", "moe_route",
-                                "write_latent_cache", "gather_latent_cache", "mla_prefill_attention", "mla_decode_attention"])
+                                "write_latent_cache", "gather_latent_cache", "mla_prefill_attention", "mla_decode_attention",
+                                # DeepSeek-V4 (moe_experts_clamped's real shapes are slow: below)
+                                "rms_norm_f32", "rms_normalize", "silu_and_mul_clamped", "moe_route_sqrtsoftplus",
+                                "mhc_pre", "mhc_post", "mhc_head", "write_cache", "compress_pool", "indexer_topk",
+                                "sparse_attention"])
 def test_reference_passes_itself(op):
     report = check(op, REFERENCE_OPS[op], examples=3)
     assert report.result == "PASS", report.detail()
     assert report.cases == len(shapes(op)) + 3
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_reference_passes_itself_on_the_small_clamped_expert_shapes(dtype):
+    """moe_experts_clamped's declared shapes below real size (the real ones run in the full suite)."""
+    small = [dims for dims in shapes("moe_experts_clamped") if dims["hidden"] < 1024]
+    assert any(dims["fp8_block"] for dims in small) and any(dims["gate_up_std"] > dims["limit"] for dims in small)
+    for dims in small:
+        for seed in (0, 1):
+            report = replay_case(ReplayCase("moe_experts_clamped", dtype, dims, seed), REFERENCE_OPS["moe_experts_clamped"], "cpu")
+            assert report.result == "PASS", (dims, report.detail())
 
 
 def test_inputs_are_reproducible_and_device_independent():
@@ -232,7 +247,8 @@ def test_wrong_expert_choice_fails_and_ties_are_allowed():
     assert report.result == "PASS", report.detail()  # slot order is unspecified
 
 
-PAGED_LENGTHS = {"write_latent_cache": "tokens", "gather_latent_cache": "slots", "mla_decode_attention": "seq_lens"}
+PAGED_LENGTHS = {"write_latent_cache": "tokens", "gather_latent_cache": "slots", "mla_decode_attention": "seq_lens",
+                 "write_cache": "tokens"}
 
 
 def test_paged_ops_declare_the_block_boundaries():
@@ -476,7 +492,7 @@ def test_pytest_plugin_runs_the_checks(tmp_path):
 
 @pytest.mark.slow
 def test_reference_backend_passes_the_whole_suite(tmp_path):
-    """The README's command as CI runs it: every op, every dtype, every declared shape (~3-5 min)."""
+    """The README's command as CI runs it: every op, every dtype, every declared shape (~7 min)."""
     out = tmp_path / "reference.json"
     script = Path(sys.executable).parent / "deepinfer"
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "deepinfer_core.cli"]
@@ -486,3 +502,122 @@ def test_reference_backend_passes_the_whole_suite(tmp_path):
     data = json.loads(out.read_text())
     assert data["passed"] and len(data["ops"]) == len(OP_NAMES) * 3
     assert all(r["cases"] >= len(shapes(r["op"])) for r in data["ops"])
+
+
+# ---- DeepSeek-V4 ops: the kit catches wrong ones ------------------------------------------------
+
+
+def _route_topk_ignoring_fixed_ids(x, gate, bias, fixed_ids, **kw):
+    return REFERENCE_OPS["moe_route_sqrtsoftplus"](x, gate, bias, None, **kw)
+
+
+def _route_bias_in_weights(x, gate, bias, fixed_ids, **kw):
+    weights, ids = REFERENCE_OPS["moe_route_sqrtsoftplus"](x, gate, bias, fixed_ids, **kw)
+    return (weights + bias[ids] if bias is not None else weights), ids
+
+
+def _indexer_second_best(q, weights, keys, candidates, top_k, scale):
+    """The reference's picks with its weakest pick swapped for the best candidate it left out."""
+    ids = REFERENCE_OPS["indexer_topk"](q, weights, keys, candidates, top_k, scale)
+    out = ids.clone()
+    for t in range(ids.shape[0]):
+        left = sorted(set(candidates[t][candidates[t] >= 0].tolist()) - set(ids[t].tolist()))
+        if left and (ids[t] >= 0).any():
+            out[t, int((ids[t] >= 0).nonzero()[-1])] = left[0]
+    return out
+
+
+def _indexer_minus_ones_first(q, weights, keys, candidates, top_k, scale):
+    """Same rows, other order: the -1s first (the order is free)."""
+    ids = REFERENCE_OPS["indexer_topk"](q, weights, keys, candidates, top_k, scale)
+    return ids.sort(dim=-1).values
+
+
+def _indexer_padding_as_row_0(q, weights, keys, candidates, top_k, scale):
+    return REFERENCE_OPS["indexer_topk"](q, weights, keys, candidates.clamp(min=0), top_k, scale)
+
+
+def _attention_padding_as_row_0(q, kv, indices, sinks, scale):
+    return REFERENCE_OPS["sparse_attention"](q, kv, indices.clamp(min=0), sinks, scale)
+
+
+def _attention_without_sinks(q, kv, indices, sinks, scale):
+    return REFERENCE_OPS["sparse_attention"](q, kv, indices, torch.full_like(sinks, float("-inf")), scale)
+
+
+def _write_cache_ignoring_padding(cache, values, slot_mapping):
+    cache.view(-1, cache.shape[-1])[slot_mapping.clamp(min=0)] = values.to(cache.dtype)
+
+
+def _mhc_one_sinkhorn_round_short(x, fn, base, scale, *, hc_eps, rms_eps, sinkhorn_iters):
+    return REFERENCE_OPS["mhc_pre"](x, fn, base, scale, hc_eps=hc_eps, rms_eps=rms_eps, sinkhorn_iters=max(1, sinkhorn_iters - 1))
+
+
+def _mhc_post_comb_not_transposed(out, x, post, comb):
+    return REFERENCE_OPS["mhc_post"](out, x, post, comb.transpose(-1, -2))
+
+
+def _pool_empty_slots_as_zero_logits(kv, score, norm_weight, eps):
+    return REFERENCE_OPS["compress_pool"](kv, score.nan_to_num(neginf=0.0), norm_weight, eps)
+
+
+def _experts_without_clamp(x, w13, w2, weights, ids, limit, w13_scale=None, w2_scale=None, block=None):
+    return REFERENCE_OPS["moe_experts"](x, w13, w2, weights, ids, w13_scale, w2_scale, block)
+
+
+def _swiglu_clamping_gate_both_ways(x, limit):
+    gate, up = x.chunk(2, dim=-1)
+    return REFERENCE_OPS["silu_and_mul_clamped"](torch.cat([gate.clamp(min=-limit), up], -1), limit)
+
+
+@pytest.mark.parametrize("op, wrong, says", [
+    ("moe_route_sqrtsoftplus", _route_topk_ignoring_fixed_ids, "differ without a tie"),
+    ("moe_route_sqrtsoftplus", _route_bias_in_weights, "weights:"),
+    ("indexer_topk", _indexer_second_best, "rows differ without a tie"),
+    ("indexer_topk", _indexer_padding_as_row_0, "repeats a row"),
+    ("sparse_attention", _attention_padding_as_row_0, "o:"),
+    ("sparse_attention", _attention_without_sinks, "o:"),
+    ("write_cache", _write_cache_ignoring_padding, "in place"),
+    ("mhc_pre", _mhc_one_sinkhorn_round_short, "comb:"),
+    ("mhc_post", _mhc_post_comb_not_transposed, "streams:"),
+    ("compress_pool", _pool_empty_slots_as_zero_logits, "entries:"),
+    ("moe_experts_clamped", _experts_without_clamp, "y:"),
+    ("silu_and_mul_clamped", _swiglu_clamping_gate_both_ways, "y:"),
+], ids=lambda v: v.__name__.strip("_") if callable(v) else None)  # fmt: skip
+def test_a_wrong_v4_op_fails_for_the_right_reason(op, wrong, says):
+    report = check(op, wrong, examples=0)
+    assert report.result == "FAIL" and says in report.message, report.detail()
+    assert replay_case(report.failing_case, wrong, "cpu").result == "FAIL"
+    assert replay_case(report.failing_case, REFERENCE_OPS[op], "cpu").result == "PASS"
+
+
+@pytest.mark.parametrize("op, fn", [
+    ("indexer_topk", _indexer_minus_ones_first),
+    ("moe_route_sqrtsoftplus", lambda *a, **kw: tuple(t.flip(-1) for t in REFERENCE_OPS["moe_route_sqrtsoftplus"](*a, **kw))),
+])  # fmt: skip
+def test_v4_selections_are_compared_as_sets(op, fn):
+    report = check(op, fn, examples=2)
+    assert report.result == "PASS", report.detail()
+
+
+def test_v4_index_inputs_are_valid():
+    """The index tensors the kit builds: distinct rows per query, -1 padding mixed in, queries
+    with no key (sparse_attention) and with fewer candidates than the output is wide (indexer_topk)."""
+    for op, arg in (("sparse_attention", 2), ("indexer_topk", 3)):
+        saw_padding = saw_empty = saw_short = False
+        for dims in shapes(op):
+            case = make_case(op, dims, F32, "cpu", seed=1)
+            rows, pool = case.args[arg], case.args[1 if op == "sparse_attention" else 2].shape[0]
+            for row in rows:
+                valid = row[row >= 0]
+                assert valid.unique().numel() == valid.numel() and (valid < pool).all() and ((row >= 0) | (row == -1)).all()
+                saw_padding |= bool((row == -1).any() and valid.numel() and (row[: valid.numel()] == -1).any())
+                saw_empty |= valid.numel() == 0
+                if op == "indexer_topk":
+                    saw_short |= 0 < valid.numel() < min(case.args[4], rows.shape[1])
+        assert saw_padding and saw_empty and (saw_short or op == "sparse_attention"), op
+    # the clamp bites in the clamped cases, and hash routing gets fixed ids
+    case = make_case("silu_and_mul_clamped", shapes("silu_and_mul_clamped")[3], F32, "cpu")
+    assert (case.args[0].abs() > case.args[1]).float().mean() > 0.2
+    hashed = [make_case("moe_route_sqrtsoftplus", d, F32, "cpu") for d in shapes("moe_route_sqrtsoftplus") if d["hash"] and d["tokens"]]
+    assert hashed and all(c.args[3] is not None and c.args[3].shape == (c.args[0].shape[0], c.kwargs["top_k"]) for c in hashed)

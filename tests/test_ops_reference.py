@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.ops import attention, linear, moe, norm, rope
+from deepinfer_core.ops import attention, hyper, linear, moe, norm, rope, sparse
 from tests.hf_checkpoints import dequantize, quantize_fp8_block
 
 GEN = torch.Generator().manual_seed(0)
@@ -337,3 +337,323 @@ def test_ops_toml_covers_every_op():
         assert set(entry["tolerance"]) == {"float32", "bfloat16", "float16"}, name
         assert all({"atol", "rtol"} <= set(t) for t in entry["tolerance"].values()), name
         assert entry["shapes"] and all(isinstance(s, dict) for s in entry["shapes"]), name
+
+
+# ---- DeepSeek-V4 ops against transformers' deepseek_v4 modules -----------------------------------
+
+
+def _v4_config(**overrides):
+    from transformers import DeepseekV4Config
+
+    base = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 32,
+            "q_lora_rank": 16, "n_routed_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 16,
+            "index_n_heads": 16, "index_head_dim": 16, "index_topk": 5, "o_groups": 2, "o_lora_rank": 8, "hc_mult": 4,
+            "hc_sinkhorn_iters": 20, "sliding_window": 4}
+    return DeepseekV4Config(**{**base, **overrides})
+
+
+def _v4(name: str):
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4
+
+    return getattr(modeling_deepseek_v4, name)
+
+
+def _fill(module: torch.nn.Module, **scales) -> None:
+    """Every parameter ~ N(0, scale^2) (scale by name, else 1 / sqrt(fan_in)); norms ~ 1 + 0.1 N(0, 1)."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * randn(*p.shape))
+            else:
+                p.copy_(randn(*p.shape, scale=scales.get(leaf, p.shape[-1] ** -0.5)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_v4_norms_match_hf(dtype):
+    hf = _v4("DeepseekV4RMSNorm")(48, eps=1e-6)
+    _fill(hf)
+    with torch.no_grad():  # a bf16 checkpoint value, which transformers holds in float32
+        hf.weight.copy_(hf.weight.bfloat16().float())
+    x = randn(7, 48).to(dtype)
+    assert hf.weight.dtype == torch.float32
+    torch.testing.assert_close(norm.rms_norm_f32(x, hf.weight, 1e-6), hf(x), atol=0, rtol=0)
+    # the weight as the checkpoint stores it: used in float32 all the same
+    torch.testing.assert_close(norm.rms_norm_f32(x, hf.weight.bfloat16(), 1e-6), hf(x), atol=0, rtol=0)
+    q = randn(5, 3, 64).to(dtype)  # per head, as V4's q_b_norm
+    torch.testing.assert_close(norm.rms_normalize(q, 1e-6), _v4("DeepseekV4UnweightedRMSNorm")(eps=1e-6)(q), atol=0, rtol=0)
+    assert norm.rms_norm_f32(x[:0], hf.weight, 1e-6).shape == (0, 48)
+
+
+@pytest.mark.parametrize("limit", [10.0, 1.0])
+def test_clamped_swiglu_matches_hf_mlp(limit):
+    config = _v4_config(moe_intermediate_size=24, swiglu_limit=limit)
+    mlp = _v4("DeepseekV4MLP")(config)
+    _fill(mlp, weight=12 / math.sqrt(32))  # gate and up ~ N(0, 144): the clamp bites
+    x = randn(9, 32)
+    gate_up = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1)
+    assert (gate_up.abs() > limit).float().mean() > 0.2
+    from deepinfer_core.ops.activation import silu_and_mul_clamped
+
+    ours = F.linear(silu_and_mul_clamped(gate_up, limit), mlp.down_proj.weight)
+    torch.testing.assert_close(ours, mlp(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_sqrtsoftplus_routing_matches_hf_topk_router(norm_topk_prob):
+    config = _v4_config(n_routed_experts=16, num_experts_per_tok=4, routed_scaling_factor=2.5)
+    router = _v4("DeepseekV4TopKRouter")(config)
+    with torch.no_grad():
+        router.weight.copy_(randn(16, 32, scale=32**-0.5))
+        router.e_score_correction_bias.copy_(randn(16, scale=0.1))
+    x = randn(40, 32)
+    _, hf_w, hf_ids = router(x)
+    w, ids = moe.moe_route_sqrtsoftplus(x, router.weight, router.e_score_correction_bias, None, top_k=4,
+                                        norm_topk_prob=True, routed_scaling_factor=2.5)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64
+    _same_routing(w, ids, hf_w, hf_ids)
+    # transformers always renormalises; without it the weights are the scores at the ids, scaled
+    w_raw, ids_raw = moe.moe_route_sqrtsoftplus(x, router.weight, router.e_score_correction_bias, None, top_k=4,
+                                                norm_topk_prob=norm_topk_prob, routed_scaling_factor=2.5)
+    assert torch.equal(ids_raw.sort(-1).values, hf_ids.sort(-1).values)
+    if not norm_topk_prob:
+        scores = F.softplus(F.linear(x, router.weight)).sqrt()
+        torch.testing.assert_close(w_raw, scores.gather(1, ids_raw) * 2.5, atol=1e-6, rtol=1e-6)
+    # without a bias the top-k of the scores themselves
+    _, no_bias_ids = moe.moe_route_sqrtsoftplus(x, router.weight, None, None, top_k=4, norm_topk_prob=True, routed_scaling_factor=2.5)
+    assert torch.equal(no_bias_ids.sort(-1).values, F.linear(x, router.weight).topk(4, -1).indices.sort(-1).values)
+
+
+def test_sqrtsoftplus_fixed_ids_match_hf_hash_router():
+    config = _v4_config(n_routed_experts=16, num_experts_per_tok=4, routed_scaling_factor=1.5)
+    router = _v4("DeepseekV4HashRouter")(config)
+    with torch.no_grad():
+        router.weight.copy_(randn(16, 32, scale=32**-0.5))
+        router.tid2eid.copy_(torch.stack([torch.randperm(16, generator=GEN)[:4] for _ in range(config.vocab_size)]))
+    input_ids = torch.randint(0, config.vocab_size, (2, 11), generator=GEN)
+    x = randn(2, 11, 32)
+    _, hf_w, hf_ids = router(x, input_ids)
+    fixed = router.tid2eid[input_ids.reshape(-1)]
+    bias = randn(16, scale=10.0)  # a (huge) bias must not matter: hash layers ignore it
+    for b in (None, bias):
+        w, ids = moe.moe_route_sqrtsoftplus(x.reshape(-1, 32), router.weight, b, fixed, top_k=4, norm_topk_prob=True,
+                                            routed_scaling_factor=1.5)
+        assert torch.equal(ids, hf_ids)
+        torch.testing.assert_close(w, hf_w, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("limit, std, block", [(10.0, 12.0, None), (1.0, 1.0, None), (10.0, 12.0, (16, 16))],
+                         ids=["limit10", "limit1", "fp8"])
+def test_clamped_experts_match_hf_eager_experts(limit, std, block):
+    config = _v4_config(hidden_size=48, n_routed_experts=8, moe_intermediate_size=24, swiglu_limit=limit)
+    config._experts_implementation = "eager"
+    experts = _v4("DeepseekV4Experts")(config)
+    w13, w2 = randn(8, 48, 48, scale=std / math.sqrt(48)), randn(8, 48, 24, scale=24**-0.5 / std**2)
+    if block:  # FP8 experts: transformers runs the dequantised weights
+        (q13, s13), (q2, s2) = zip(*[quantize_fp8_block(w, block) for w in w13]), zip(*[quantize_fp8_block(w, block) for w in w2])
+        q13, s13, q2, s2 = torch.stack(q13), torch.stack(s13), torch.stack(q2), torch.stack(s2)
+        w13 = torch.stack([dequantize(q, s, block) for q, s in zip(q13, s13)])
+        w2 = torch.stack([dequantize(q, s, block) for q, s in zip(q2, s2)])
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(w13)
+        experts.down_proj.copy_(w2)
+    x = randn(10, 48)
+    ids = torch.stack([torch.randperm(7, generator=GEN)[:3] for _ in range(10)])  # expert 7 never chosen
+    w = randn(10, 3).abs()
+    golden = experts(x, ids, w)
+    h = F.linear(x, w13[ids[0, 0]])
+    assert (h.abs() > limit).any()  # the clamp bites
+    if block:
+        ours = moe.moe_experts_clamped(x, q13, q2, w, ids, limit, s13, s2, block)
+    else:
+        ours = moe.moe_experts_clamped(x, experts.gate_up_proj, experts.down_proj, w, ids, limit)
+    torch.testing.assert_close(ours, golden, atol=1e-5, rtol=1e-5)
+    unclamped = moe.moe_experts(x, w13, w2, w, ids)
+    assert (unclamped - golden).abs().max() > 1e-2  # and the clamp matters
+    assert moe.moe_experts_clamped(x[:0], w13, w2, w[:0], ids[:0], limit).shape == (0, 48)
+
+
+def _hf_hyper(cls: str, hidden: int, hc: int = 4, iters: int = 20):
+    module = _v4(cls)(_v4_config(hidden_size=hidden, hc_mult=hc, hc_sinkhorn_iters=iters))
+    fn_name, base_name, scale_name = ("fn", "base", "scale") if cls == "DeepseekV4HyperConnection" else ("hc_fn", "hc_base", "hc_scale")
+    with torch.no_grad():
+        fn = getattr(module, fn_name)
+        fn.copy_(randn(*fn.shape, scale=(hc * hidden) ** -0.5))
+        getattr(module, base_name).copy_(randn(*getattr(module, base_name).shape, scale=0.1))
+        getattr(module, scale_name).copy_(1 + randn(*getattr(module, scale_name).shape, scale=0.1))
+    return module, getattr(module, fn_name), getattr(module, base_name), getattr(module, scale_name)
+
+
+@pytest.mark.parametrize("hc, iters", [(4, 20), (3, 1), (2, 5)])
+def test_mhc_pre_matches_hf_hyper_connection(hc, iters):
+    module, fn, base, scale = _hf_hyper("DeepseekV4HyperConnection", 40, hc, iters)
+    x = randn(2, 6, hc, 40)
+    hf_post, hf_comb, hf_collapsed = module(x)
+    post, comb, collapsed = hyper.mhc_pre(x.reshape(12, hc, 40), fn, base, scale, hc_eps=module.hc_eps, rms_eps=1e-6,
+                                          sinkhorn_iters=iters)
+    assert post.dtype == comb.dtype == torch.float32 and collapsed.dtype == x.dtype
+    torch.testing.assert_close(post, hf_post.reshape(12, hc), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(comb, hf_comb.reshape(12, hc, hc), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(collapsed, hf_collapsed.reshape(12, 40), atol=1e-6, rtol=1e-6)
+    assert hyper.mhc_pre(x[0, :0], fn, base, scale, hc_eps=1e-6, rms_eps=1e-6, sinkhorn_iters=iters)[2].shape == (0, 40)
+
+
+def test_mhc_post_is_hfs_stream_update():
+    """The decoder layer's update, new = post * out + comb^T x (transformers' DeepseekV4DecoderLayer,
+    here in float32), on the coefficients mhc_pre gives for the streams x."""
+    module = _hf_hyper("DeepseekV4HyperConnection", 40)[0]
+    x = randn(1, 7, 4, 40)
+    post, comb, _ = module(x)
+    out = randn(1, 7, 40)  # the block's output
+    hf_new = post.unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), x)
+    ours = hyper.mhc_post(out[0], x[0], post[0], comb[0])
+    torch.testing.assert_close(ours, hf_new[0], atol=1e-6, rtol=1e-6)
+    # written out: stream k gets post_k * out + sum_j comb[j, k] x_j
+    k = 2
+    torch.testing.assert_close(ours[:, k], post[0, :, k, None] * out[0] + (comb[0, :, :, k, None] * x[0]).sum(1), atol=1e-6, rtol=1e-6)
+    bf = hyper.mhc_post(out[0].bfloat16(), x[0].bfloat16(), post[0], comb[0])
+    assert bf.dtype == torch.bfloat16
+
+
+def test_mhc_head_matches_hf_hyper_head():
+    module, fn, base, scale = _hf_hyper("DeepseekV4HyperHead", 40)
+    x = randn(2, 5, 4, 40)
+    ours = hyper.mhc_head(x.reshape(10, 4, 40), fn, base, scale, hc_eps=module.eps, rms_eps=1e-6)
+    torch.testing.assert_close(ours, module(x).reshape(10, 40), atol=1e-6, rtol=1e-6)
+
+
+def _sliding_indices(lens: list[int], window: int, gen=GEN) -> torch.Tensor:
+    """Each token of each sequence (one pool of all their keys, sequence after sequence) names
+    the keys of its sliding window, in a random order with -1 padding mixed in."""
+    rows, start = [], 0
+    width = window + 2
+    for n in lens:
+        for p in range(n):
+            keys = torch.arange(start + max(0, p - window + 1), start + p + 1)
+            row = torch.full((width,), -1, dtype=torch.int64)
+            row[torch.randperm(width, generator=gen)[: keys.numel()]] = keys[torch.randperm(keys.numel(), generator=gen)]
+            rows.append(row)
+        start += n
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("window", [4, 64])
+def test_sparse_attention_matches_hf_eager_with_sinks(window):
+    """A causal sliding-window layer as transformers computes it (eager attention with sinks, K = V,
+    one KV head): the same keys named as indices, two sequences in one pool."""
+    from types import SimpleNamespace
+
+    h, d, lens = 4, 32, [9, 6]
+    sinks = randn(h)
+    module = SimpleNamespace(num_key_value_groups=h, sinks=sinks, training=False)
+    q, kv = randn(sum(lens), h, d), randn(sum(lens), d)
+    indices = _sliding_indices(lens, window)
+    ours = sparse.sparse_attention(q, kv, indices, sinks, d**-0.5)
+    eager = _v4("eager_attention_forward")
+    start = 0
+    for n in lens:
+        pos = torch.arange(n)
+        visible = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+        mask = torch.zeros(n, n).masked_fill(~visible, float("-inf"))[None, None]
+        qs, ks = q[start : start + n].transpose(0, 1)[None], kv[start : start + n][None, None]
+        hf, _ = eager(module, qs, ks, ks, mask, scaling=d**-0.5)
+        torch.testing.assert_close(ours[start : start + n], hf[0], atol=1e-5, rtol=1e-5)
+        start += n
+
+
+def test_sparse_attention_sinks_and_empty_rows():
+    """The sink takes probability without a value (o = the keys' softmax weights times
+    1 - P_sink); a query naming no key (or an empty pool) gets zeros."""
+    q, kv, sinks = randn(3, 2, 8), randn(5, 8), torch.tensor([0.5, -1.0])
+    indices = torch.tensor([[1, -1, 3], [-1, -1, -1], [4, 0, 2]])
+    got = sparse.sparse_attention(q, kv, indices, sinks, 0.3)
+    s = q[0] @ kv[[1, 3]].T * 0.3
+    p = torch.cat([s, sinks[:, None]], -1).softmax(-1)[:, :2]
+    torch.testing.assert_close(got[0], p @ kv[[1, 3]], atol=1e-6, rtol=1e-6)
+    assert torch.count_nonzero(got[1]) == 0 and torch.count_nonzero(got[2]) > 0
+    assert torch.count_nonzero(sparse.sparse_attention(q, kv[:0], torch.full((3, 2), -1), sinks, 0.3)) == 0
+
+
+def _windows(kv: torch.Tensor, gate: torch.Tensor, m: int, overlap: bool):
+    """HF's compressor layout for one sequence: [n, m, C] (HCA), or [n, 2m, C/2] for CSA (window w
+    pools window w-1's first half of channels and its own second half; window 0's first half
+    empty: kv 0, gate -inf)."""
+    n = kv.shape[0] // m
+    kv, gate = kv[: n * m].view(n, m, -1), gate[: n * m].view(n, m, -1)
+    if not overlap:
+        return kv, gate
+    c = kv.shape[-1] // 2
+    new_kv, new_gate = kv.new_zeros(n, 2 * m, c), gate.new_full((n, 2 * m, c), float("-inf"))
+    new_kv[:, m:], new_gate[:, m:] = kv[..., c:], gate[..., c:]
+    new_kv[1:, :m], new_gate[1:, :m] = kv[:-1, :, :c], gate[:-1, :, :c]
+    return new_kv, new_gate
+
+
+@pytest.mark.parametrize("kind", ["heavily_compressed_attention", "compressed_sparse_attention"])
+def test_compress_pool_matches_hf_compressors(kind):
+    """transformers' stateless compressor forward (pooled in kv's dtype, DeepseekV4RMSNorm, RoPE at
+    each window's first position) equals compress_pool on its windows, then the same RoPE."""
+    m = 4
+    config = _v4_config(compress_rates={"compressed_sparse_attention": m, "heavily_compressed_attention": m})
+    cls = "DeepseekV4HCACompressor" if kind.startswith("heavily") else "DeepseekV4CSACompressor"
+    comp = _v4(cls)(config)
+    _fill(comp, position_bias=1.0)
+    x, seq = randn(1, 18, 32), 18  # 4 windows and 2 tokens of an unfinished one
+    hf_kv, _ = comp(x, randn(1, seq, config.q_lora_rank), torch.arange(seq)[None], None, 0)
+    kv = comp.kv_proj(x[0])
+    gate = comp.gate_proj(x[0])
+    gate = gate + comp.position_bias.repeat(seq // m + 1, 1)[:seq]
+    windows_kv, windows_gate = _windows(kv, gate, m, overlap=kind.startswith("compressed"))
+    pooled = sparse.compress_pool(windows_kv, windows_gate, comp.kv_norm.weight, 1e-6)
+    positions = torch.arange(pooled.shape[0])[None] * m
+    cos, sin = comp.rotary_emb(pooled, position_ids=positions, layer_type="compress")
+    ours = _v4("apply_rotary_pos_emb")(pooled[None, None], cos, sin)[0, 0]
+    torch.testing.assert_close(ours, hf_kv[0, 0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compress_pool_weighs_in_kv_dtype_as_hf(dtype):
+    """HF's pooling math itself, (kv * softmax_fp32(gate).to(kv.dtype)).sum then the norm, bit for bit."""
+    kv, gate = randn(5, 8, 24).to(dtype), randn(5, 8, 24)
+    gate[0, :4] = float("-inf")
+    weight = 1 + 0.1 * randn(24)
+    hf_norm = _v4("DeepseekV4RMSNorm")(24, eps=1e-6)
+    with torch.no_grad():
+        hf_norm.weight.copy_(weight)
+    hf = hf_norm((kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1))
+    torch.testing.assert_close(sparse.compress_pool(kv, gate, weight, 1e-6), hf, atol=0, rtol=0)
+
+
+def test_indexer_topk_matches_hf_scorer_and_topk():
+    """transformers' DeepseekV4IndexerScorer with its causal top-k (entries w < (p + 1) // m, picks
+    beyond them -1): the same queries with each one's visible entries as candidates."""
+    m, seq, entries = 4, 21, 5
+    config = _v4_config(index_topk=3)
+    scorer = _v4("DeepseekV4IndexerScorer")(config)
+    _fill(scorer)
+    hidden = randn(1, seq, 32)
+    q = randn(1, seq, config.index_n_heads, config.index_head_dim)
+    keys = randn(1, entries, config.index_head_dim)
+    scores = scorer(q, keys, hidden)  # [1, S, T]
+    threshold = (torch.arange(seq) + 1) // m
+    future = torch.arange(entries)[None, :] >= threshold[:, None]
+    top = scores[0].masked_fill(future, float("-inf")).topk(3, dim=-1).indices
+    hf_ids = torch.where(top >= threshold[:, None], -1, top)
+    weights = scorer.weights_proj(hidden[0]).float() * scorer.weights_scaling
+    candidates = torch.full((seq, entries + 2), -1)
+    for p in range(seq):
+        visible = torch.arange(int(threshold[p].clamp(max=entries)))
+        candidates[p, torch.randperm(entries + 2, generator=GEN)[: visible.numel()]] = visible[torch.randperm(visible.numel(), generator=GEN)]
+    ours = sparse.indexer_topk(q[0], weights, keys[0], candidates, 3, scorer.softmax_scale)
+    assert ours.shape == (seq, 3) and ours.dtype == torch.int64
+    assert torch.equal(ours.sort(-1).values, hf_ids.sort(-1).values)
+    assert (ours[:3] == -1).all() and (ours[11:] >= 0).all()  # no entry yet; then at least 3 (p >= 11)
+
+
+def test_write_cache_stores_rows_casts_and_skips_padding():
+    cache = torch.zeros(3, 4, 6)
+    values = randn(4, 6).bfloat16()
+    sparse.write_cache(cache, values, torch.tensor([9, -1, 0, 5]))
+    flat = cache.view(-1, 6)
+    torch.testing.assert_close(flat[[9, 0, 5]], values[[0, 2, 3]].float(), atol=0, rtol=0)
+    assert flat.abs().sum(-1).nonzero().flatten().tolist() == [0, 5, 9]

@@ -208,12 +208,18 @@ def judge_moe_route(weights, ids, x: torch.Tensor, gate: torch.Tensor, bias: tor
             return Outcome(False, float("inf"), f"{name}: expected [{tokens}, {top_k}] {want}, got {got}")
     if tokens == 0:
         return Outcome(True)
-    tie_eps = float(ops_spec()["moe_route"].get("tie_eps", 0.0))
-    tol = tolerance("moe_route", dtype)
     ref_w, ref_ids = REFERENCE_OPS["moe_route"](x, gate, bias, **route_kwargs)
     selection, weights_of = route_selection(x, gate, bias, **route_kwargs)
+    return _judge_routing("moe_route", weights, ids, ref_w, ref_ids, selection, weights_of, top_k, gate.shape[0], x.device, dtype)
+
+
+def _judge_routing(op: str, weights, ids, ref_w, ref_ids, selection, weights_of, top_k: int, num_experts: int,
+                   x_device, dtype: torch.dtype) -> Outcome:
+    """Routing (weights, ids) of ``op`` against the reference's (ref_w, ref_ids): ``selection``
+    [T, E] is what the reference ranks, ``weights_of(ids)`` the weights it gives any id set."""
+    tie_eps = float(ops_spec()[op].get("tie_eps", 0.0))
+    tol = tolerance(op, dtype)
     ids, ref_ids, selection, weights = ids.cpu(), ref_ids.cpu(), selection.cpu(), weights.cpu()
-    num_experts = gate.shape[0]
     if ((ids < 0) | (ids >= num_experts)).any():
         return Outcome(False, float("inf"), f"ids outside [0, {num_experts}) (unwritten?): {ids[((ids < 0) | (ids >= num_experts)).any(1)][:2].tolist()}")
     out_ids, order = ids.sort(dim=1)
@@ -221,7 +227,7 @@ def judge_moe_route(weights, ids, x: torch.Tensor, gate: torch.Tensor, bias: tor
     ref_sorted, ref_order = ref_ids.sort(dim=1)
     ref_w = ref_w.cpu().gather(1, ref_order)
     # route_selection stands in for the reference at ties: it must agree with it where ids agree
-    stand_in = compare("weights (the kit's stand-in for the reference)", weights_of(ref_sorted.to(x.device)).cpu(), ref_w, tol)
+    stand_in = compare("weights (the kit's stand-in for the reference)", weights_of(ref_sorted.to(x_device)).cpu(), ref_w, tol)
     if not stand_in.ok:
         return Outcome(False, float("inf"), f"conformance kit error, not the backend's: {stand_in.message}")
     ranked = selection.sort(dim=1, descending=True).values
@@ -238,8 +244,130 @@ def judge_moe_route(weights, ids, x: torch.Tensor, gate: torch.Tensor, bias: tor
             return Outcome(False, float("inf"), f"token {t} repeats an expert: {out_ids[t].tolist()}")
         if not (selection[t, out_ids[t]] >= kth[t] - tie_eps).all():
             return Outcome(False, float("inf"), f"token {t} chose an expert ranked below the k-th")
-    expected = torch.where(same[:, None], ref_w, weights_of(out_ids.to(x.device)).cpu())
+    expected = torch.where(same[:, None], ref_w, weights_of(out_ids.to(x_device)).cpu())
     return compare("weights", out_w, expected, tol)
+
+
+def _expect(name: str, t, shape: tuple, dtype: torch.dtype) -> Outcome | None:
+    """None when ``t`` is a tensor of ``shape`` and ``dtype``, else the failure saying what it is."""
+    if isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(shape) and t.dtype == dtype:
+        return None
+    got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+    return Outcome(False, float("inf"), f"{name}: expected [{', '.join(map(str, shape))}] {dtype}, got {got}")
+
+
+def sqrtsoftplus_selection(x, gate, bias, fixed_ids, top_k, norm_topk_prob, routed_scaling_factor):
+    """What V4's router ranks ([T, E]; with fixed ids 1 at them, 0 elsewhere: no ties) and the
+    weights it gives any chosen id set."""
+    logits = F.linear(x.float(), gate.float())
+    scores = (logits.clamp(min=0) + torch.log1p(torch.exp(-logits.abs()))).sqrt()  # sqrt(softplus), written out
+    if fixed_ids is not None:
+        selection = torch.zeros_like(scores).scatter_(1, fixed_ids.long(), 1.0)
+    else:
+        selection = scores if bias is None else scores + bias.float()
+
+    def weights_of(ids):
+        w = scores.gather(1, ids)
+        if norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return w * routed_scaling_factor
+
+    return selection, weights_of
+
+
+def check_moe_route_sqrtsoftplus(fn: Callable, case: OpCase) -> Outcome:
+    """As ``check_moe_route``: id sets per token (ties within tie_eps free), then the weights."""
+    mine = case.clone()
+    out = call_backend(fn, mine)
+    untouched = _inputs_untouched(case, mine)
+    if not untouched.ok:
+        return untouched
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        return Outcome(False, float("inf"), "must return (weights, ids)")
+    weights, ids = out
+    x, gate, bias, fixed_ids = case.args
+    top_k, tokens = case.kwargs["top_k"], x.shape[0]
+    for name, t, want in (("weights", weights, torch.float32), ("ids", ids, torch.int64)):
+        wrong = _expect(name, t, (tokens, top_k), want)
+        if wrong:
+            return wrong
+    if tokens == 0:
+        return Outcome(True)
+    ref_w, ref_ids = REFERENCE_OPS["moe_route_sqrtsoftplus"](*case.clone().args, **case.kwargs)
+    selection, weights_of = sqrtsoftplus_selection(x, gate, bias, fixed_ids, **case.kwargs)
+    return _judge_routing("moe_route_sqrtsoftplus", weights, ids, ref_w, ref_ids, selection, weights_of, top_k,
+                          gate.shape[0], x.device, case.dtype)
+
+
+def indexer_scores(q, weights, keys, candidates, scale) -> torch.Tensor:
+    """[T, C] float32: each candidate's indexer score, -inf where the candidate is -1 (written
+    independently of the reference: one head at a time)."""
+    valid = candidates >= 0
+    if keys.shape[0] == 0:
+        return torch.full(candidates.shape, float("-inf"), device=candidates.device)
+    cand = keys.float()[candidates.clamp(min=0)]  # [T, C, Di]
+    total = torch.zeros(candidates.shape, dtype=torch.float32, device=candidates.device)
+    for h in range(q.shape[1]):
+        dots = torch.bmm(cand, q[:, h].float()[:, :, None])[..., 0]  # [T, C]
+        total = total + weights[:, h, None].float() * (dots.clamp(min=0) * scale)
+    return total.masked_fill(~valid, float("-inf"))
+
+
+def check_indexer_topk(fn: Callable, case: OpCase) -> Outcome:
+    """Per query, the chosen rows as a set: the reference's, except where its k-th and (k+1)-th
+    scores tie within the spec's tie_eps (then any k distinct candidates whose scores reach the
+    k-th); as many -1 as the query has fewer valid candidates than the output is wide."""
+    mine = case.clone()
+    out = call_backend(fn, mine)
+    untouched = _inputs_untouched(case, mine)
+    if not untouched.ok:
+        return untouched
+    q, weights, keys, candidates, top_k, scale = case.args
+    tokens, c = candidates.shape
+    width = min(top_k, c)
+    wrong = _expect("ids", out, (tokens, width), torch.int64)
+    if wrong:
+        return wrong
+    if tokens == 0 or width == 0:
+        return Outcome(True)
+    tie_eps = float(ops_spec()["indexer_topk"].get("tie_eps", 0.0))
+    ref = REFERENCE_OPS["indexer_topk"](*case.clone().args).cpu()
+    scores = indexer_scores(q, weights, keys, candidates, scale).cpu()
+    ids, cand, pool = out.cpu(), candidates.cpu(), keys.shape[0]
+    bad = (ids < -1) | (ids >= pool)
+    if bad.any():
+        t = int(bad.any(1).nonzero()[0])
+        return Outcome(False, float("inf"), f"ids outside [-1, {pool}) (unwritten?): query {t}: {ids[t].tolist()}")
+    ranked = scores.sort(dim=1, descending=True).values
+    for t in range(tokens):
+        valid = cand[t] >= 0
+        want = min(width, int(valid.sum()))
+        where = f"query {t} ({int(valid.sum())} valid candidates)"
+        # score of every pool row this query may pick (NaN: not its candidate)
+        row_score = torch.full((pool + 1,), float("nan"))
+        row_score[cand[t][valid]] = scores[t][valid]
+        kth = ranked[t, want - 1] if want else torch.tensor(float("inf"))
+        after = ranked[t, want] if want < c else torch.tensor(float("-inf"))
+        tie = bool(kth == after) or bool((kth - after).abs() < tie_eps)
+        ref_set = ref[t][ref[t] >= 0].sort().values
+        # the kit's scores stand in for the reference's at ties: they must agree with its choice
+        if ref_set.numel() != want or not (row_score[ref_set] >= kth - tie_eps).all():
+            return Outcome(False, float("inf"), f"conformance kit error, not the backend's: the reference's rows for {where} are not a top-{want} of the kit's scores")
+        chosen = ids[t][ids[t] >= 0].sort().values
+        if chosen.numel() != want:
+            return Outcome(False, float("inf"), f"{where}: {chosen.numel()} rows chosen, expected {want} (and {width - want} times -1): {ids[t].tolist()}")
+        if chosen.unique().numel() != want:
+            return Outcome(False, float("inf"), f"{where} repeats a row: {chosen.tolist()}")
+        if torch.equal(chosen, ref_set):
+            continue
+        if not tie:
+            return Outcome(False, float("inf"), f"{where}: rows differ without a tie: {chosen.tolist()} vs reference {ref_set.tolist()}")
+        picked = row_score[chosen]
+        if picked.isnan().any():
+            return Outcome(False, float("inf"), f"{where} chose rows that are not its candidates: {chosen[picked.isnan()].tolist()}")
+        if not (picked >= kth - tie_eps).all():
+            return Outcome(False, float("inf"), f"{where} chose a row ranked below the {want}-th")
+    return Outcome(True)
 
 
 def reference_distribution(logits, temperature, top_k, top_p, min_p) -> torch.Tensor:
@@ -337,6 +465,8 @@ def check_sample_tokens(fn: Callable, case: OpCase) -> Outcome:
 CHECKERS: dict[str, Callable[[Callable, OpCase], Outcome]] = {
     "moe_route": check_moe_route,
     "sample_tokens": check_sample_tokens,
+    "moe_route_sqrtsoftplus": check_moe_route_sqrtsoftplus,
+    "indexer_topk": check_indexer_topk,
 }
 
 

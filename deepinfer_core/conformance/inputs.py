@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from deepinfer_core.conformance.checkpoints import quantize_fp8_block
+from deepinfer_core.dtypes import dtype_from_name
 from deepinfer_core.ops.rope import rope_cos_sin_table
 
 NORM_EPS = 1e-6
@@ -262,6 +263,175 @@ def _sample_tokens(d: dict, dtype, r: _Draw):
     return (logits.to(r.device), *sampling_params(rows, greedy_rows, r.device)), {}
 
 
+# ---- DeepSeek-V4 ops ----------------------------------------------------------------------------
+
+HC_EPS = 1e-6  # mHC's hc_eps (V4-Flash / V4-Pro)
+V4_ROUTE_KEYS = ("top_k", "norm_topk_prob", "routed_scaling_factor")
+
+
+def _v4_norm_weight(n: int, r: _Draw) -> torch.Tensor:
+    """A V4 norm weight as transformers holds it: float32 of a bf16 checkpoint value (~1 + 0.1 N(0, 1))."""
+    return (1 + r.randn(n, scale=0.1)).to(torch.bfloat16).float()
+
+
+def _rms_norm_f32(d: dict, dtype, r: _Draw):
+    # a strided view, as rms_norm's case (the kernel must not assume a contiguous row stride)
+    x = r.randn(d["tokens"], d["hidden"] + 8, dtype=dtype)[:, : d["hidden"]]
+    return (x, _v4_norm_weight(d["hidden"], r), NORM_EPS), {}
+
+
+def _rms_normalize(d: dict, dtype, r: _Draw):
+    return (r.randn(d["tokens"], d["heads"], d["head_dim"], dtype=dtype), NORM_EPS), {}
+
+
+def _silu_and_mul_clamped(d: dict, dtype, r: _Draw):
+    # input_std > limit: a good part of gate and up lies beyond the clamp
+    return (r.randn(d["tokens"], 2 * d["intermediate"], dtype=dtype, scale=d["input_std"]), float(d["limit"])), {}
+
+
+def _distinct_rows(r: _Draw, rows: int, pool: int, k: int) -> torch.Tensor:
+    """[rows, k] int64: each row k distinct values of [0, pool)."""
+    if rows == 0:
+        return torch.empty(0, k, dtype=torch.int64)
+    return torch.stack([r.perm(pool)[:k] for _ in range(rows)])
+
+
+def _moe_route_sqrtsoftplus(d: dict, dtype, r: _Draw):
+    t, hidden, e, k = d["tokens"], d["hidden"], d["experts"], d["top_k"]
+    x = r.randn(t, hidden, dtype=dtype)
+    # the gate weight in the compute dtype (V4 checkpoints store it bf16; the op upcasts it), the
+    # correction bias float32
+    gate = r.randn(e, hidden, dtype=dtype, scale=hidden**-0.5)
+    bias = r.randn(e, scale=0.1) if d["bias"] else None
+    fixed = _distinct_rows(r, t, e, k).to(r.device) if d["hash"] else None
+    return (x, gate, bias, fixed), {key: d[key] for key in V4_ROUTE_KEYS}
+
+
+def _moe_experts_clamped(d: dict, dtype, r: _Draw):
+    t, hidden, inter, e, k = (d[n] for n in ("tokens", "hidden", "intermediate", "experts", "top_k"))
+    std = float(d["gate_up_std"])
+    x = r.randn(t, hidden, dtype=dtype)
+    # gate and up ~ N(0, gate_up_std^2): beyond the limit where gate_up_std is large; the down
+    # projection scaled by 1 / gate_up_std^2 keeps the outputs O(1)
+    w13 = torch.randn(e, 2 * inter, hidden, generator=r.gen) * (std / math.sqrt(hidden))
+    w2 = torch.randn(e, hidden, inter, generator=r.gen) / (math.sqrt(inter) * max(1.0, std) ** 2)
+    block = tuple(d["fp8_block"]) or None
+    if block:
+        (w13, s13), (w2, s2) = quantize_block_fp8(w13, block), quantize_block_fp8(w2, block)
+        s13, s2 = s13.to(r.device), s2.to(r.device)
+    else:
+        w13, w2, s13, s2 = w13.to(dtype), w2.to(dtype), None, None
+    allowed = r.perm(e)[: max(k, e - max(1, e // 4))]  # some experts receive no token
+    rows = [allowed[r.perm(len(allowed))[:k]] for _ in range(t)]
+    ids = torch.stack(rows) if rows else torch.empty(0, k, dtype=torch.int64)
+    weights = torch.randn(t, k, generator=r.gen).softmax(dim=-1)
+    return (x, w13.to(r.device), w2.to(r.device), weights.to(r.device), ids.to(r.device), float(d["limit"]), s13, s2, block), {}
+
+
+def _mhc_params(r: _Draw, outputs: int, fan_in: int, scales: int):
+    """fn ~ N(0, 1) / sqrt(hc D) (the mixes M come out ~N(0, 1)), base ~ 0.1 N(0, 1), scale ~ 1 + 0.1 N(0, 1); float32."""
+    fn = r.randn(outputs, fan_in, scale=fan_in**-0.5)
+    return fn, r.randn(outputs, scale=0.1), 1 + r.randn(scales, scale=0.1)
+
+
+def _mhc_pre(d: dict, dtype, r: _Draw):
+    t, hc, hidden = d["tokens"], d["hc"], d["hidden"]
+    x = r.randn(t, hc, hidden, dtype=dtype)
+    fn, base, scale = _mhc_params(r, (2 + hc) * hc, hc * hidden, 3)
+    return (x, fn, base, scale), {"hc_eps": HC_EPS, "rms_eps": NORM_EPS, "sinkhorn_iters": d["sinkhorn_iters"]}
+
+
+def _mhc_post(d: dict, dtype, r: _Draw):
+    t, hc, hidden = d["tokens"], d["hc"], d["hidden"]
+    out = r.randn(t, hidden, dtype=dtype)
+    x = r.randn(t, hc, hidden, dtype=dtype)
+    # coefficients as mhc_pre makes them: post in (0, 2), comb close to doubly stochastic
+    post = 2 * torch.sigmoid(torch.randn(t, hc, generator=r.gen))
+    comb = torch.randn(t, hc, hc, generator=r.gen).softmax(dim=-1)
+    for _ in range(3):
+        comb = comb / comb.sum(dim=-2, keepdim=True)
+        comb = comb / comb.sum(dim=-1, keepdim=True)
+    return (out, x, post.to(r.device), comb.to(r.device)), {}
+
+
+def _mhc_head(d: dict, dtype, r: _Draw):
+    t, hc, hidden = d["tokens"], d["hc"], d["hidden"]
+    x = r.randn(t, hc, hidden, dtype=dtype)
+    fn, base, scale = _mhc_params(r, hc, hc * hidden, 1)
+    return (x, fn, base, scale), {"hc_eps": HC_EPS, "rms_eps": NORM_EPS}
+
+
+def _write_cache(d: dict, dtype, r: _Draw):
+    t = d["tokens"]
+    slots_total = d["num_blocks"] * d["block_size"]
+    if t > slots_total:
+        raise ValueError(f"write_cache: {t} tokens do not fit {slots_total} slots")
+    cache_dtype = dtype if d.get("cache_dtype", "model") == "model" else dtype_from_name(d["cache_dtype"])
+    # the cache starts with N(0, 1) entries: rows the op must not touch keep them
+    cache = r.randn(d["num_blocks"], d["block_size"], d["entry_dim"], dtype=cache_dtype)
+    values = r.randn(t, d["entry_dim"], dtype=dtype)
+    slots = r.perm(slots_total)[:t]
+    slots[r.perm(t)[: min(d["padding_tokens"], t)]] = -1
+    return (cache, values, slots.to(r.device)), {}
+
+
+def _compress_pool(d: dict, dtype, r: _Draw):
+    n, s, c = d["windows"], d["slots"], d["channels"]
+    if d["empty_windows"] > n:
+        raise ValueError(f"compress_pool: {d['empty_windows']} empty windows of {n}")
+    kv = r.randn(n, s, c, dtype=dtype)
+    # gate logits ~ N(0, 1) plus a learned per-(slot, channel) position bias ~ N(0, 1), float32
+    score = torch.randn(n, s, c, generator=r.gen) + torch.randn(s, c, generator=r.gen)
+    # a sequence's first CSA window has no previous window: its first half of slots is empty
+    # (-inf), the kv there arbitrary (here N(0, 1): weight 0 must make it irrelevant)
+    score[r.perm(n)[: d["empty_windows"]], : s // 2] = float("-inf")
+    return (kv, score.to(r.device), _v4_norm_weight(c, r).to(r.device), NORM_EPS), {}
+
+
+def _padded_rows(r: _Draw, counts: list[int], width: int, pool: int) -> torch.Tensor:
+    """[len(counts), width] int64: row i has counts[i] distinct rows of [0, pool) at random
+    positions, -1 elsewhere."""
+    out = torch.full((len(counts), width), -1, dtype=torch.int64)
+    for i, n in enumerate(counts):
+        out[i, r.perm(width)[:n]] = r.perm(pool)[:n]
+    return out
+
+
+def _indexer_topk(d: dict, dtype, r: _Draw):
+    t, h, di, pool, c, k = (d[n] for n in ("tokens", "heads", "head_dim", "pool", "candidates", "top_k"))
+    short = d["short_queries"]
+    if c > pool or short > t:
+        raise ValueError(f"indexer_topk: need candidates <= pool and short_queries <= tokens, got {d}")
+    width = min(k, c)
+    # short queries have fewer valid candidates than the output is wide (their output has -1s;
+    # one of them none at all), the others between that width and all C
+    counts = [int(r.integers(width, c + 1)) for _ in range(t)]
+    for j, i in enumerate(r.perm(t)[:short].tolist()):
+        counts[i] = 0 if j == 0 else int(r.integers(0, max(width, 1)))
+    q = r.randn(t, h, di, dtype=dtype)
+    weights = r.randn(t, h, scale=h**-0.5)  # weights_proj(x) * n_heads^-0.5, float32
+    keys = r.randn(pool, di, dtype=dtype)
+    candidates = _padded_rows(r, counts, c, pool)
+    return (q, weights, keys, candidates.to(r.device), k, di**-0.5), {}
+
+
+def _sparse_attention(d: dict, dtype, r: _Draw):
+    t, h, dim, pool, k, empty = (d[n] for n in ("tokens", "heads", "head_dim", "pool", "keys", "empty_queries"))
+    if k > pool or empty > t:
+        raise ValueError(f"sparse_attention: need keys <= pool and empty_queries <= tokens, got {d}")
+    # queries name 1..K keys each (the first non-empty one all K), empty_queries none at all
+    counts = [int(r.integers(1, k + 1)) if k else 0 for _ in range(t)]
+    empty_rows = set(r.perm(t)[:empty].tolist())
+    full = [i for i in range(t) if i not in empty_rows][:1]
+    for i in range(t):
+        counts[i] = 0 if i in empty_rows else (k if i in full else counts[i])
+    q = r.randn(t, h, dim, dtype=dtype)
+    kv = r.randn(pool, dim, dtype=dtype)
+    sinks = r.randn(h)
+    indices = _padded_rows(r, counts, k, pool)
+    return (q, kv, indices.to(r.device), sinks, dim**-0.5), {}
+
+
 BUILDERS: dict[str, Callable[[dict, torch.dtype, _Draw], tuple[tuple, dict]]] = {
     "rms_norm": _rms_norm,
     "add_rms_norm": _add_rms_norm,
@@ -276,8 +446,20 @@ BUILDERS: dict[str, Callable[[dict, torch.dtype, _Draw], tuple[tuple, dict]]] = 
     "mla_prefill_attention": _mla_prefill_attention,
     "mla_decode_attention": _mla_decode_attention,
     "sample_tokens": _sample_tokens,
+    "rms_norm_f32": _rms_norm_f32,
+    "rms_normalize": _rms_normalize,
+    "silu_and_mul_clamped": _silu_and_mul_clamped,
+    "moe_route_sqrtsoftplus": _moe_route_sqrtsoftplus,
+    "moe_experts_clamped": _moe_experts_clamped,
+    "mhc_pre": _mhc_pre,
+    "mhc_post": _mhc_post,
+    "mhc_head": _mhc_head,
+    "write_cache": _write_cache,
+    "compress_pool": _compress_pool,
+    "indexer_topk": _indexer_topk,
+    "sparse_attention": _sparse_attention,
 }
-INPLACE = {"write_latent_cache": (0,)}
+INPLACE = {"write_latent_cache": (0,), "write_cache": (0,)}
 
 
 def make_case(op: str, dims: dict, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> OpCase:
@@ -298,7 +480,16 @@ COUNT_DIMS = {
     "linear": ("tokens",), "fp8_block_linear": ("tokens",), "silu_and_mul": ("tokens",),
     "moe_route": ("tokens",), "moe_experts": ("tokens",), "write_latent_cache": ("tokens", "padding_tokens"),
     "gather_latent_cache": ("slots",), "sample_tokens": ("rows", "greedy_rows"),
+    "rms_norm_f32": ("tokens",), "rms_normalize": ("tokens",), "silu_and_mul_clamped": ("tokens",),
+    "moe_route_sqrtsoftplus": ("tokens",), "moe_experts_clamped": ("tokens",), "mhc_pre": ("tokens",),
+    "mhc_post": ("tokens",), "mhc_head": ("tokens",), "write_cache": ("tokens", "padding_tokens"),
+    "compress_pool": ("windows", "empty_windows"), "indexer_topk": ("tokens", "short_queries"),
+    "sparse_attention": ("tokens", "empty_queries"),
 }
+# a count that may not exceed another (both redrawn): the smaller one is cut to the larger
+BOUNDED_COUNTS = {"sample_tokens": ("greedy_rows", "rows"), "write_latent_cache": ("padding_tokens", "tokens"),
+                  "write_cache": ("padding_tokens", "tokens"), "compress_pool": ("empty_windows", "windows"),
+                  "indexer_topk": ("short_queries", "tokens"), "sparse_attention": ("empty_queries", "tokens")}
 
 
 def shape_strategy(op: str, declared: list[dict]):
@@ -329,10 +520,9 @@ def shape_strategy(op: str, declared: list[dict]):
 
             return st.tuples(*pairs).map(redrawn)
         counts = {dim: st.integers(min(lowest[dim], dims[dim]), dims[dim]) for dim in COUNT_DIMS.get(op, ()) if dim in dims}
-        if op == "sample_tokens":  # greedy rows cannot exceed rows
-            return st.fixed_dictionaries(counts).map(lambda c: {**dims, **c, "greedy_rows": min(c["greedy_rows"], c["rows"])})
-        if op == "write_latent_cache":
-            return st.fixed_dictionaries(counts).map(lambda c: {**dims, **c, "padding_tokens": min(c["padding_tokens"], c["tokens"])})
+        if op in BOUNDED_COUNTS:  # greedy rows cannot exceed rows, padding tokens tokens, ...
+            small, large = BOUNDED_COUNTS[op]
+            return st.fixed_dictionaries(counts).map(lambda c: {**dims, **c, small: min(c[small], c[large])})
         return st.fixed_dictionaries(counts).map(lambda c: {**dims, **c})
 
     return st.sampled_from(declared).flatmap(vary)

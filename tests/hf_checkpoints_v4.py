@@ -43,6 +43,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from deepinfer_core.checkpoint_v4 import normalize_v4_key, rename_v4_state
+from deepinfer_core.conformance.checkpoints import quantize_fp8_block_e8m0, quantize_mxfp4
+from deepinfer_core.loader import dequantize_mxfp4, e8m0_to_float
+from deepinfer_core.ops.linear import dequantize_fp8_block
+
 SWA, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
 YARN_V4 = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1}
@@ -148,9 +153,6 @@ CONFIGS_V4: dict[str, dict] = {
 PROMPT_LEN_V4 = {"v4_flash_like": 80, "v4_pro_like": 80, "v4_swa_nohash": 80, "v4_legacy_ratios": 300}
 
 FP8_BLOCK = (16, 16)  # every dimension of CONFIGS_V4 is a multiple of 16 (transformers' dequantiser needs that)
-FP4_GROUP = 32
-FP8_MAX = 448.0
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 QUANTS = (None, "fp8", "fp8+fp4")
 
 
@@ -243,51 +245,33 @@ def _num_experts_from(module) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# HF names <-> DeepSeek's original names
+# HF names <-> DeepSeek's original names (deepinfer_core.checkpoint_v4: rename_v4_state one way)
 
-_LAYER_RENAMES = (  # HF suffix inside model.layers.L. -> original suffix inside layers.L.
-    ("self_attn.sinks", "attn.attn_sink"),
-    ("self_attn.q_a_proj.weight", "attn.wq_a.weight"),
-    ("self_attn.q_a_norm.weight", "attn.q_norm.weight"),
-    ("self_attn.q_b_proj.weight", "attn.wq_b.weight"),
-    ("self_attn.kv_proj.weight", "attn.wkv.weight"),
-    ("self_attn.kv_norm.weight", "attn.kv_norm.weight"),
-    ("self_attn.o_a_proj.weight", "attn.wo_a.weight"),
-    ("self_attn.o_b_proj.weight", "attn.wo_b.weight"),
-    ("self_attn.compressor.kv_proj.weight", "attn.compressor.wkv.weight"),
-    ("self_attn.compressor.gate_proj.weight", "attn.compressor.wgate.weight"),
-    ("self_attn.compressor.position_bias", "attn.compressor.ape"),
-    ("self_attn.compressor.kv_norm.weight", "attn.compressor.norm.weight"),
-    ("self_attn.compressor.indexer.kv_proj.weight", "attn.indexer.compressor.wkv.weight"),
-    ("self_attn.compressor.indexer.gate_proj.weight", "attn.indexer.compressor.wgate.weight"),
-    ("self_attn.compressor.indexer.position_bias", "attn.indexer.compressor.ape"),
-    ("self_attn.compressor.indexer.kv_norm.weight", "attn.indexer.compressor.norm.weight"),
-    ("self_attn.compressor.indexer.q_b_proj.weight", "attn.indexer.wq_b.weight"),
-    ("self_attn.compressor.indexer.scorer.weights_proj.weight", "attn.indexer.weights_proj.weight"),
-    ("mlp.gate.weight", "ffn.gate.weight"),
-    ("mlp.gate.e_score_correction_bias", "ffn.gate.bias"),
-    ("mlp.gate.tid2eid", "ffn.gate.tid2eid"),
-    ("mlp.shared_experts.gate_proj.weight", "ffn.shared_experts.w1.weight"),
-    ("mlp.shared_experts.up_proj.weight", "ffn.shared_experts.w3.weight"),
-    ("mlp.shared_experts.down_proj.weight", "ffn.shared_experts.w2.weight"),
-    ("input_layernorm.weight", "attn_norm.weight"),
-    ("post_attention_layernorm.weight", "ffn_norm.weight"),
-    ("attn_hc.fn", "hc_attn_fn"),
-    ("attn_hc.base", "hc_attn_base"),
-    ("attn_hc.scale", "hc_attn_scale"),
-    ("ffn_hc.fn", "hc_ffn_fn"),
-    ("ffn_hc.base", "hc_ffn_base"),
-    ("ffn_hc.scale", "hc_ffn_scale"),
-)
-_LAYER_RENAME = dict(_LAYER_RENAMES)
-_TOP_RENAME = {
-    "model.embed_tokens.weight": "embed.weight",
-    "lm_head.weight": "head.weight",
-    "model.norm.weight": "norm.weight",
-    "model.hc_head.hc_fn": "hc_head_fn",
-    "model.hc_head.hc_base": "hc_head_base",
-    "model.hc_head.hc_scale": "hc_head_scale",
-}
+
+def load_original_v4(module: torch.nn.Module, tensors: dict[str, torch.Tensor], param=lambda target: target) -> None:
+    """Copy V4 checkpoint tensors (any naming, routed experts one by one) into ``module``'s
+    parameters, experts into their fused tensors; ``param`` maps a V4 parameter name
+    (``normalize_v4_key(key).target``) to the module's. Every parameter must be given."""
+    state = module.state_dict()
+    filled = set()
+    with torch.no_grad():
+        for key, t in tensors.items():
+            p = normalize_v4_key(key)
+            if p is None or p.scale:
+                raise KeyError(f"{key!r} is no V4 weight")
+            name = param(p.target)
+            dst = state[name] if p.expert is None else state[name][p.expert]
+            if p.half is not None:
+                rows = dst.shape[0] // 2
+                dst = dst[p.half * rows : (p.half + 1) * rows]
+            if dst.shape != t.shape:
+                raise ValueError(f"{key}: shape {list(t.shape)}, {name} needs {list(dst.shape)}")
+            dst.copy_(t)
+            filled.add(name)
+    if missing := sorted(set(state) - filled):
+        raise KeyError(f"no tensors for {missing[:5]}")
+
+
 # Original-name suffixes of the linears DeepSeek ships in block FP8 (routed experts: FP8 or FP4).
 FP8_LINEARS_V4 = (
     "attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_a.weight", "attn.wo_b.weight",
@@ -297,55 +281,6 @@ FP8_LINEARS_V4 = (
 # Stored float32 in DeepSeek's checkpoints (the rest of the unquantised tensors are bf16).
 _FP32_LEAVES = ("attn_sink", "ape", "gate.bias", "hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn",
                 "hc_ffn_base", "hc_ffn_scale", "hc_head_fn", "hc_head_base", "hc_head_scale")
-
-
-def to_original_names(state: dict[str, torch.Tensor], layer_prefix: str = "model.layers.") -> dict[str, torch.Tensor]:
-    """An HF V4 state dict -> DeepSeek's original keys (routed experts split per expert, w1/w3/w2)."""
-    out: dict[str, torch.Tensor] = {}
-    for key, t in state.items():
-        if key in _TOP_RENAME:
-            out[_TOP_RENAME[key]] = t
-            continue
-        if not key.startswith(layer_prefix):
-            raise KeyError(f"unexpected V4 key {key!r}")
-        layer, suffix = key[len(layer_prefix):].split(".", 1)
-        base = f"layers.{layer}."
-        if suffix == "mlp.experts.gate_up_proj":  # [E, 2I, D]: w1 (gate) rows first, then w3 (up)
-            inter = t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[base + f"ffn.experts.{e}.w1.weight"] = t[e, :inter].clone()
-                out[base + f"ffn.experts.{e}.w3.weight"] = t[e, inter:].clone()
-        elif suffix == "mlp.experts.down_proj":
-            for e in range(t.shape[0]):
-                out[base + f"ffn.experts.{e}.w2.weight"] = t[e].clone()
-        elif suffix in _LAYER_RENAME:
-            out[base + _LAYER_RENAME[suffix]] = t
-        else:
-            raise KeyError(f"no original name for V4 key {key!r}")
-    return out
-
-
-def from_original_names(tensors: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
-    """The inverse of ``to_original_names`` for ``layers.*`` and top-level keys (experts re-fused)."""
-    inverse = {v: k for k, v in _LAYER_RENAME.items()}
-    top = {v: k for k, v in _TOP_RENAME.items()}
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[str, list]] = {}
-    for key, t in tensors.items():
-        if key in top:
-            out[top[key]] = t
-            continue
-        _, layer, suffix = key.split(".", 2)
-        prefix = f"model.layers.{layer}."
-        if suffix.startswith("ffn.experts."):
-            _, _, e, w, _ = suffix.split(".")
-            experts.setdefault(prefix, {}).setdefault(w, [None] * num_experts)[int(e)] = t
-        else:
-            out[prefix + inverse[suffix]] = t
-    for prefix, ws in experts.items():
-        out[prefix + "mlp.experts.gate_up_proj"] = torch.stack([torch.cat([a, b]) for a, b in zip(ws["w1"], ws["w3"])])
-        out[prefix + "mlp.experts.down_proj"] = torch.stack(ws["w2"])
-    return out
 
 
 def is_fp8_linear_v4(key: str) -> bool:
@@ -365,64 +300,12 @@ def stored_dtype(key: str) -> torch.dtype:
     return torch.bfloat16
 
 
-# --------------------------------------------------------------------------------------------
-# quantisers (private: the e8m0 / MXFP4 helpers of deepinfer_core.conformance.checkpoints were not
-# there yet when this was written)
-
-
-def _pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
-    """Smallest power of two s with amax / s <= qmax (amax 0 -> 2^-126), float32."""
-    s = torch.exp2(torch.ceil(torch.log2(amax.clamp(min=2.0**-126) / qmax)))
-    return s.clamp(min=2.0**-127, max=2.0**127)
-
-
-def quantize_fp8_e8m0(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (float8_e4m3fn [N, K], float8_e8m0fnu scales [ceil(N/bn), ceil(K/bk)])."""
-    bn, bk = block
-    n, k = w.shape
-    gn, gk = -(-n // bn), -(-k // bk)
-    padded = torch.zeros(gn * bn, gk * bk, dtype=torch.float32)
-    padded[:n, :k] = w.float()
-    blocks = padded.view(gn, bn, gk, bk)
-    scale = _pow2_scale(blocks.abs().amax(dim=(1, 3)), FP8_MAX)
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(gn * bn, gk * bk)[:n, :k]
-    return q.to(torch.float8_e4m3fn).contiguous(), scale.to(torch.float8_e8m0fnu)
-
-
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    bn, bk = block
-    n, k = q.shape
-    s = scale.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return q.float() * s
-
-
-def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float (K % 32 == 0) -> (int8 [N, K/2] two E2M1 codes per byte, low nibble = even
-    element; float8_e8m0fnu scales [N, K/32]). Scale 2^ceil(log2(amax/6)) (no clipping);
-    round to the nearest E2M1 value, ties to the larger magnitude; negatives (-0 too) get the sign bit."""
-    n, k = w.shape
-    if k % FP4_GROUP:
-        raise ValueError(f"MXFP4 needs the input dimension to be a multiple of {FP4_GROUP}, got {k}")
-    groups = w.float().view(n, k // FP4_GROUP, FP4_GROUP)
-    scale = _pow2_scale(groups.abs().amax(dim=-1), 6.0)
-    x = (groups / scale[..., None]).view(n, k)
-    grid = torch.tensor(E2M1_VALUES)
-    # magnitude code 0..7: the number of midpoints between grid values at or below |x| (ties go up)
-    mag = (x.abs()[..., None] >= (grid[1:] + grid[:-1]) / 2).sum(dim=-1)
-    code = mag | ((x < 0).long() << 3)  # sign bit for every negative value (-0 included)
-    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8)
-    return packed.view(torch.int8), scale.to(torch.float8_e8m0fnu)
-
-
-def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    u8 = packed.view(torch.uint8).long()
-    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES))
-    vals = torch.stack([table[u8 & 0xF], table[u8 >> 4]], dim=-1).flatten(-2)  # [N, K]
-    return vals * scale.float().repeat_interleave(FP4_GROUP, dim=-1)
-
-
-def quantize_original(tensors: dict[str, torch.Tensor], quant: str, block: tuple[int, int]):
-    """Original-named float tensors -> (checkpoint tensors, the float32 values they hold)."""
+def quantize_original(
+    tensors: dict[str, torch.Tensor], quant: str, block: tuple[int, int], *, fp8=quantize_fp8_block_e8m0, cast: bool = True
+):
+    """Original-named float tensors -> (checkpoint tensors, the float32 values they hold). FP8
+    linears (and routed experts with ``"fp8"``) through ``fp8`` (e8m0 block scales by default),
+    routed experts MXFP4 with ``"fp8+fp4"``; ``cast``: the rest in DeepSeek's dtypes (else unchanged)."""
     if quant not in ("fp8", "fp8+fp4"):
         raise ValueError(f"quant must be None, 'fp8' or 'fp8+fp4', got {quant!r}")
     stored: dict[str, torch.Tensor] = {}
@@ -432,15 +315,29 @@ def quantize_original(tensors: dict[str, torch.Tensor], quant: str, block: tuple
         if is_routed_expert(key) and quant == "fp8+fp4":
             q, s = quantize_mxfp4(t)
             stored[key], stored[base + ".scale"] = q, s
-            values[key] = dequantize_mxfp4(q, s)
+            values[key] = dequantize_mxfp4(q, s, torch.float32)
         elif is_routed_expert(key) or is_fp8_linear_v4(key):
-            q, s = quantize_fp8_e8m0(t, block)
+            q, s = fp8(t, block)
             stored[key], stored[base + ".scale"] = q, s
-            values[key] = dequantize_fp8(q, s, block)
+            values[key] = dequantize_fp8_block(q, e8m0_to_float(s), block, torch.float32)
         else:
-            stored[key] = t.to(stored_dtype(key))
+            stored[key] = t.to(stored_dtype(key)) if cast else t
             values[key] = stored[key].float() if stored[key].is_floating_point() else stored[key]
     return stored, values
+
+
+def quant_config_v4(quant: str, block: tuple[int, int] = FP8_BLOCK) -> dict:
+    """config.json's ``expert_dtype`` and ``quantization_config`` of a ``quant`` checkpoint, as DeepSeek writes them."""
+    return {
+        "expert_dtype": "fp4" if quant == "fp8+fp4" else "fp8",
+        "quantization_config": {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "scale_fmt": "ue8m0",
+            "weight_block_size": list(block),
+            "activation_scheme": "dynamic",
+        },
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -476,22 +373,26 @@ class _MtpBlockV4(torch.nn.Module):
         self.norm = DeepseekV4RMSNorm(d, eps)
         self.hc_head = DeepseekV4HyperHead(config)
 
+    def params(self) -> dict[str, torch.Tensor]:
+        """The block's tensors under the V4 model's parameter names (``mtp.layers.0.*``)."""
+        return {"mtp.layers.0." + k.removeprefix("block."): v for k, v in self.state_dict().items()}
+
     def original_state(self) -> dict[str, torch.Tensor]:
-        block = {"model.layers.0." + k[len("block."):]: v for k, v in self.state_dict().items() if k.startswith("block.")}
-        out = {k[len("layers.0."):]: v for k, v in to_original_names(block).items()}
-        for k, v in self.state_dict().items():
-            if not k.startswith("block."):
-                out[k.replace("hc_head.hc_", "hc_head_")] = v
-        return out
+        return {k.removeprefix("mtp.0."): v for k, v in rename_v4_state(self.params()).items()}
 
     def load_original(self, tensors: dict[str, torch.Tensor]) -> None:
-        block = from_original_names({"layers.0." + k: v for k, v in tensors.items() if k.startswith(("attn", "ffn", "hc_attn", "hc_ffn"))},
-                                    self.block.mlp.experts.num_experts)
-        state = {"block." + k[len("model.layers.0."):]: v for k, v in block.items()}
-        for k, v in tensors.items():
-            if not k.startswith(("attn", "ffn", "hc_attn", "hc_ffn")):
-                state[k.replace("hc_head_", "hc_head.hc_")] = v
-        self.load_state_dict(state)
+        own = self.state_dict()
+
+        def param(target: str) -> str:
+            rest = target.removeprefix("mtp.layers.0.")
+            return rest if rest in own else "block." + rest
+
+        load_original_v4(self, {"mtp.0." + k: v for k, v in tensors.items()}, param)
+
+
+def mtp_params_v4(config) -> dict[str, torch.Tensor]:
+    """An (uninitialised) V4 MTP block of ``config``: its tensors under the model's names (``mtp.layers.0.*``)."""
+    return _MtpBlockV4(config).params()
 
 
 def random_mtp_tensors(config, seed: int = 1) -> dict[str, torch.Tensor]:
@@ -557,14 +458,7 @@ def _config_json(model, quant: str | None, block: tuple[int, int], with_mtp: boo
         out["rope_scaling"] = {"type": "yarn", **{k: compress_rope[k] for k in keys}}
     if quant is not None:
         out["dtype"] = "bfloat16"
-        out["expert_dtype"] = "fp4" if quant == "fp8+fp4" else "fp8"
-        out["quantization_config"] = {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "scale_fmt": "ue8m0",
-            "weight_block_size": list(block),
-            "activation_scheme": "dynamic",
-        }
+        out.update(quant_config_v4(quant, block))
     return out
 
 
@@ -602,13 +496,13 @@ def write_checkpoint_v4(
         golden = _eager(DeepseekV4ForCausalLM.from_pretrained(str(path), attn_implementation="eager", experts_implementation="eager"))
         return (golden, mtp) if with_mtp else golden
 
-    original = to_original_names(model.state_dict())
+    original = rename_v4_state(model.state_dict())
     stored, values = quantize_original({**original, **mtp}, quant, block)
     path.mkdir(parents=True, exist_ok=True)
     save_file(dict(sorted(stored.items())), str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(_config_json(model, quant, block, with_mtp), indent=2, sort_keys=True) + "\n")
     main = {k: v for k, v in values.items() if not k.startswith("mtp.")}
-    model.load_state_dict(from_original_names(main, model.config.n_routed_experts))
+    load_original_v4(model, main)
     if with_mtp:
         return model, {k: v for k, v in values.items() if k.startswith("mtp.")}
     return model
@@ -649,9 +543,9 @@ def read_checkpoint_dequantised(path) -> tuple[dict, dict[str, torch.Tensor]]:
         if scale is None:
             out[key] = t.float() if t.is_floating_point() else t
         elif t.dtype == torch.int8:
-            out[key] = dequantize_mxfp4(t, scale)
+            out[key] = dequantize_mxfp4(t, scale, torch.float32)
         else:
-            out[key] = dequantize_fp8(t, scale, block)
+            out[key] = dequantize_fp8_block(t, e8m0_to_float(scale), block, torch.float32)
     return config, out
 
 

@@ -12,6 +12,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from deepinfer_core.conformance.checkpoints import quantize_fp8_block_e8m0, quantize_mxfp4
+from deepinfer_core.loader import dequantize_mxfp4
+from deepinfer_core.ops.linear import dequantize_fp8_block
 from tests.hf_checkpoints_v4 import (
     CONFIGS_V4,
     CSA,
@@ -21,16 +24,12 @@ from tests.hf_checkpoints_v4 import (
     SWA,
     build_model_v4,
     compress_ratios,
-    dequantize_fp8,
-    dequantize_mxfp4,
     hf_cached_greedy,
     hf_config_v4,
     hf_greedy_goldens,
     hf_logprobs,
     hf_mtp_logits,
     load_golden_v4,
-    quantize_fp8_e8m0,
-    quantize_mxfp4,
     random_prompt,
     read_checkpoint_dequantised,
     write_checkpoint_v4,
@@ -205,17 +204,17 @@ def test_partial_fp8_blocks(tmp_path):
 def test_quantisers():
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(40, 64, generator=gen) * torch.logspace(-3, 1, 64)  # per-column magnitudes over 4 decades
-    q, s = quantize_fp8_e8m0(w, (16, 16))
+    q, s = quantize_fp8_block_e8m0(w, (16, 16))
     assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float8_e8m0fnu and s.shape == (3, 4)
     sf = s.float()
     assert torch.equal(sf, torch.exp2(torch.log2(sf).round()))  # powers of two
-    deq = dequantize_fp8(q, s, (16, 16))
+    deq = dequantize_fp8_block(q, s, (16, 16), torch.float32)
     assert ((deq - w).abs() <= 2.0**-4 * w.abs() + 1e-30 + sf.repeat_interleave(16, 0)[:40].repeat_interleave(16, 1) * 2.0**-9).all()
     assert torch.equal(deq, deq.bfloat16().float())  # e4m3 x 2^k is exact in bf16
 
     p, s4 = quantize_mxfp4(w)
     assert p.dtype == torch.int8 and p.shape == (40, 32) and s4.shape == (40, 2)
-    deq4 = dequantize_mxfp4(p, s4)
+    deq4 = dequantize_mxfp4(p, s4, torch.float32)
     # low nibble first: element 0 of row 0 is the low nibble of byte 0
     table = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
     b0 = int(p.view(torch.uint8)[0, 0])
@@ -228,7 +227,7 @@ def test_quantisers():
     x = torch.tensor([[6.0, -6.0, 0.7, -1.3, 2.6, 5.1, 0.2, -0.3, 0.25, -2.5, 5.0] + [0.0] * 21])
     q4, sc4 = quantize_mxfp4(x)
     assert float(sc4[0, 0].float()) == 1.0
-    assert dequantize_mxfp4(q4, sc4)[0, :11].tolist() == [6.0, -6.0, 0.5, -1.5, 3.0, 6.0, 0.0, -0.5, 0.5, -3.0, 6.0]  # ties up
+    assert dequantize_mxfp4(q4, sc4, torch.float32)[0, :11].tolist() == [6.0, -6.0, 0.5, -1.5, 3.0, 6.0, 0.0, -0.5, 0.5, -3.0, 6.0]  # ties up
     assert q4.view(torch.uint8)[0, 0].item() == 0x7 | (0xF << 4)  # 6 -> code 7 (low nibble), -6 -> code 15
 
 

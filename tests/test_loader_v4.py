@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,6 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer
 
 from deepinfer_core.checkpoint_v4 import (
     V4Checkpoint,
@@ -40,6 +38,7 @@ from deepinfer_core.loader import (
     load_model,
 )
 from deepinfer_core.ops.linear import dequantize_fp8_block
+from tests.hf_checkpoints_v4 import mtp_params_v4, quant_config_v4, quantize_original
 
 BLOCK = (16, 16)
 HF_CONFIG = {
@@ -64,9 +63,6 @@ HF_CONFIG = {
     "num_nextn_predict_layers": 1,
     "max_position_embeddings": 4096,
 }
-# The linears DeepSeek-V4 stores in block FP8 (original names); routed experts are FP4 or FP8.
-FP8_LINEAR = re.compile(r".*(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]|e_proj|h_proj)\.weight")
-EXPERT = re.compile(r".*ffn\.experts\.\d+\.w[123]\.weight")
 
 
 # ---------------------------------------------------------------- the stand-in model and its weights
@@ -117,17 +113,7 @@ def _random(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor
 
 def _mtp_state(seed: int) -> dict[str, torch.Tensor]:
     """An MTP block's tensors: a sliding-window, non-hash decoder layer plus the MTP extras."""
-    cfg = DeepseekV4Config(
-        **{**HF_CONFIG, "num_hidden_layers": 1, "layer_types": ["sliding_attention"], "mlp_layer_types": ["moe"]}
-    )
-    d, hc = cfg.hidden_size, cfg.hc_mult
-    layer = {k: v for k, v in DeepseekV4DecoderLayer(cfg, 0).state_dict().items()}
-    extras = {
-        "enorm.weight": torch.empty(d), "hnorm.weight": torch.empty(d), "norm.weight": torch.empty(d),
-        "e_proj.weight": torch.empty(d, d), "h_proj.weight": torch.empty(d, d),
-        "hc_head.hc_fn": torch.empty(hc, hc * d), "hc_head.hc_base": torch.empty(hc), "hc_head.hc_scale": torch.empty(1),
-    }
-    return _random({f"mtp.layers.0.{k}": v for k, v in {**layer, **extras}.items()}, seed)
+    return _random(mtp_params_v4(DeepseekV4Config(**HF_CONFIG)), seed)
 
 
 @pytest.fixture(scope="module")
@@ -160,30 +146,12 @@ def write(path: Path, config_dir: Path, tensors: dict[str, torch.Tensor], **conf
     return path
 
 
-def fp8_config(expert_dtype: str) -> dict:
-    return {
-        "quantization_config": {
-            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "scale_fmt": "ue8m0",
-            "weight_block_size": list(BLOCK),
-        },
-        "expert_dtype": expert_dtype,
-    }
-
-
-def quantized(tensors: dict[str, torch.Tensor], scales: str, expert_dtype: str) -> dict[str, torch.Tensor]:
-    """Original-naming float tensors -> DeepSeek-V4's storage: FP8 linears with ``scales`` (e8m0 /
-    float32) block scales; routed experts MXFP4 (``fp4``) or block FP8 (``fp8``)."""
+def quantized(tensors: dict[str, torch.Tensor], scales: str, quant: str) -> dict[str, torch.Tensor]:
+    """Original-naming float tensors -> DeepSeek-V4's storage (``quant`` "fp8" or "fp8+fp4", the
+    latter with MXFP4 routed experts), FP8 block scales ``scales`` (e8m0 / float32); the other
+    tensors unchanged."""
     fp8 = quantize_fp8_block_e8m0 if scales == "e8m0" else quantize_fp8_block
-    out = {}
-    for key, t in tensors.items():
-        base = key.removesuffix(".weight")
-        if EXPERT.fullmatch(key) and expert_dtype == "fp4":
-            out[key], out[base + ".scale"] = quantize_mxfp4(t)
-        elif FP8_LINEAR.fullmatch(key) or EXPERT.fullmatch(key):
-            out[key], out[base + ".scale"] = fp8(t, BLOCK)
-        else:
-            out[key] = t
-    return out
+    return quantize_original(tensors, quant, BLOCK, fp8=fp8, cast=False)[0]
 
 
 def new_model(path: Path, truth: dict[str, torch.Tensor], *, mtp: bool = True, keep: dict[str, torch.Tensor] | None = None):
@@ -336,17 +304,17 @@ def original(truth) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def fp4_tensors(original) -> dict[str, torch.Tensor]:
-    return quantized(original, "e8m0", "fp4")
+    return quantized(original, "e8m0", "fp8+fp4")
 
 
-def _fp8_case(original, tmp_path, saved, scales: str, expert_dtype: str, tensors=None):
-    tensors = dict(tensors or quantized(original, scales, expert_dtype))
-    return tensors, write(tmp_path / f"{scales}-{expert_dtype}", saved, tensors, **fp8_config(expert_dtype))
+def _fp8_case(original, tmp_path, saved, scales: str, quant: str, tensors=None):
+    tensors = dict(tensors or quantized(original, scales, quant))
+    return tensors, write(tmp_path / f"{scales}-{quant}", saved, tensors, **quant_config_v4(quant, BLOCK))
 
 
-@pytest.mark.parametrize("scales,expert_dtype", [("e8m0", "fp4"), ("float32", "fp8")])
-def test_quantized_checkpoint_dequantised_at_load(saved, truth, original, tmp_path, scales, expert_dtype):
-    tensors, path = _fp8_case(original, tmp_path, saved, scales, expert_dtype)
+@pytest.mark.parametrize("scales,quant", [("e8m0", "fp8+fp4"), ("float32", "fp8")])
+def test_quantized_checkpoint_dequantised_at_load(saved, truth, original, tmp_path, scales, quant):
+    tensors, path = _fp8_case(original, tmp_path, saved, scales, quant)
     assert tensors["layers.0.attn.wq_a.scale"].dtype == (torch.float8_e8m0fnu if scales == "e8m0" else torch.float32)
     model = load(path, truth)
     state = model.state_dict()
@@ -376,7 +344,7 @@ def test_quantized_checkpoint_dequantised_at_load(saved, truth, original, tmp_pa
 
 
 def test_kept_fp8_weights_and_scales(saved, truth, original, fp4_tensors, tmp_path):
-    tensors, path = _fp8_case(original, tmp_path, saved, "e8m0", "fp4", fp4_tensors)
+    tensors, path = _fp8_case(original, tmp_path, saved, "e8m0", "fp8+fp4", fp4_tensors)
     keep = {}
     for key, t in tensors.items():
         if t.dtype == torch.float8_e4m3fn:
@@ -416,7 +384,7 @@ def fp4_case(fp4_tensors) -> dict[str, torch.Tensor]:
 
 
 def _broken(tmp_path, saved, tensors, **config):
-    return write(tmp_path / "broken", saved, tensors, **(config or fp8_config("fp4")))
+    return write(tmp_path / "broken", saved, tensors, **(config or quant_config_v4("fp8+fp4", BLOCK)))
 
 
 def test_missing_tensor_is_named_in_the_checkpoints_naming(fp4_case, saved, truth, tmp_path):
@@ -478,7 +446,7 @@ def test_fp8_scale_wrong_grid(fp4_case, saved, truth, tmp_path):
 
 def test_fp4_experts_need_expert_dtype(fp4_case, saved, truth, tmp_path):
     tensors = fp4_case
-    quant = fp8_config("fp4")["quantization_config"]
+    quant = quant_config_v4("fp8+fp4", BLOCK)["quantization_config"]
     with pytest.raises(CheckpointError, match=r"layers\.\d\.ffn\.experts\.\d\.w\d\.weight is packed FP4 \(I8\) but "
                                               r"config\.json's expert_dtype is None"):
         load(_broken(tmp_path, saved, tensors, quantization_config=quant), truth)
@@ -544,7 +512,7 @@ def test_deepinfer_v4_model_loads(saved, truth, original, fp4_tensors, tmp_path,
     from deepinfer_core.ops import OpTable
 
     tensors = fp4_tensors if keep_fp8 else original
-    path = write(tmp_path / "ckpt", saved, tensors, **(fp8_config("fp4") if keep_fp8 else {}))
+    path = write(tmp_path / "ckpt", saved, tensors, **(quant_config_v4("fp8+fp4", BLOCK) if keep_fp8 else {}))
     config, reference = new_model(path, truth)
     load_model(path, config, reference, progress=False)
     model = get_model_class("deepseek_v4")(config, OpTable.reference(), torch.float32, torch.device("cpu"), keep_fp8=keep_fp8)

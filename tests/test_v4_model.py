@@ -157,3 +157,41 @@ def test_mtp_block_matches_an_implementation_of_the_spec(tmp_path):
     ours = model.compute_logits(hidden)
     want = hf_mtp_logits(golden, mtp, ids)
     assert torch.allclose(ours, want, atol=ATOL * 10), (ours - want).abs().max()
+
+
+def test_rejected_drafts_roll_back_rings_and_compressed_entries(checkpoints, monkeypatch):
+    """Verification rows of 1 + 3 tokens whose drafts are partly right (the golden continuation
+    with one token wrong): the rejected tokens' window keys, compressor rows and compressed
+    entries are written and must be rolled back. Output equals transformers' greedy tokens."""
+    path, golden = checkpoints("v4_flash_like")
+    prompt = random_prompt(45, seed=9)
+    want = hf_greedy_goldens(golden, prompt, 16)[0]
+
+    def propose_for(self, seq, max_model_len):
+        done = len(seq.output_token_ids)
+        drafts = list(want[done : done + 3])
+        if len(drafts) == 3 and done % 2:
+            drafts[1] = (drafts[1] + 1) % 160  # the second draft is wrong: the third is rejected with it
+        room = seq.params.max_tokens - done - 1
+        return drafts[: max(room, 0)]
+
+    from deepinfer_core.sampling.spec_decode.ngram import NgramProposer
+
+    monkeypatch.setattr(NgramProposer, "propose_for", propose_for)
+    llm = _llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0]
+    engine = llm.engine
+    assert out.outputs[0].token_ids == want
+    assert 0 < engine.num_accepted_tokens < engine.num_draft_tokens
+
+
+def test_sampling_features_run_on_v4_and_seeds_reproduce(checkpoints):
+    path, _ = checkpoints("v4_pro_like")
+    llm = _llm(path)
+    prompts = [random_prompt(40, seed=11), random_prompt(12, seed=12)]
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.01, repetition_penalty=1.1, n=2, seed=3,
+                            max_tokens=8, logprobs=2, stop_token_ids=[5])
+    a = llm.generate(prompts, params, use_tqdm=False)
+    b = llm.generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in a] == [[c.token_ids for c in o.outputs] for o in b]
+    assert all(len(c.logprobs) == len(c.token_ids) and all(len(lp) >= 2 for lp in c.logprobs) for o in a for c in o.outputs)

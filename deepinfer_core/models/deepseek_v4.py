@@ -344,6 +344,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp = nn.Module()
         self.mtp.layers = nn.ModuleList(MTPBlock(config, ops, alloc) for _ in range(min(1, config.num_nextn_predict_layers)))
+        self._all_groups: dict[str, CacheGroup] | None = None
         r, maxpos = config.qk_rope_head_dim, config.max_position_embeddings
         main = rope_cos_sin_table(r, config.rope_theta, {"rope_type": "default"}, maxpos)
         compress = rope_cos_sin_table(r, config.compress_rope_theta, config.compress_rope_parameters, maxpos)
@@ -360,6 +361,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def drop_mtp_layers(self) -> None:
         self.mtp.layers = nn.ModuleList()
+        self._all_groups = None
 
     @property
     def default_block_size(self) -> int:
@@ -408,7 +410,9 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     # ---- forward --------------------------------------------------------------------------------
     def _plan(self, positions: torch.Tensor, batch: BatchMeta, kv_caches: dict[str, torch.Tensor]) -> V4Batch:
-        groups = {g.name: g for g in self.cache_groups(with_mtp=True)}
+        if self._all_groups is None:  # every group, the MTP block's window included (what any forward may address)
+            self._all_groups = {g.name: g for g in self.cache_groups(with_mtp=True)}
+        groups = self._all_groups
         # the engine's block size, from a paged tensor [blocks, block_size // m, dim] (rings have their own)
         block_size = next((kv_caches[g.layers[0]].shape[1] * g.tokens_per_entry for g in groups.values()
                            if g.kind == "paged" and g.layers[0] in kv_caches), 0)

@@ -24,7 +24,7 @@ import torch
 
 from deepinfer_core.cli import main
 from deepinfer_core.hookspecs import SPEC_VERSION, StepStats
-from deepinfer_core.ops import OP_NAMES, REFERENCE_OPS
+from deepinfer_core.ops import OP_NAMES, REFERENCE_OPS, V4_OP_NAMES
 from deepinfer_core.plugins import BackendError, PluginManager
 
 from .installing import install
@@ -343,9 +343,7 @@ def test_nvidia_capability_gate_and_platform(tmp_path, monkeypatch, capability, 
     pytest.importorskip("triton", reason="the NVIDIA kernels need triton")
     ops = backend.deepinfer_ops(platform=platform, model_config=None)
     # no V2/V3 op falls back to the reference; the DeepSeek-V4 ops have no NVIDIA kernels yet
-    v4_ops = {"rms_norm_f32", "rms_normalize", "silu_and_mul_clamped", "moe_route_sqrtsoftplus", "moe_experts_clamped",
-              "mhc_pre", "mhc_post", "mhc_head", "write_cache", "compress_pool", "indexer_topk", "sparse_attention"}
-    assert set(ops) == set(OP_NAMES) - v4_ops
+    assert set(ops) == set(OP_NAMES) - set(V4_OP_NAMES)
     assert all(callable(fn) and fn.impl.startswith(("triton", "cublas", "torch")) for fn in ops.values()), {n: getattr(f, "impl", None) for n, f in ops.items()}
     limits = backend.deepinfer_scheduler_limits(platform=platform, model_config=None)
     assert limits.graph_batch_sizes and list(limits.graph_batch_sizes) == sorted(limits.graph_batch_sizes)

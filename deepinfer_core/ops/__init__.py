@@ -43,6 +43,8 @@ REFERENCE_OPS: dict[str, Callable] = {
 }
 
 OP_NAMES: tuple[str, ...] = tuple(REFERENCE_OPS)
+# The ops only DeepSeek-V4 uses (a V2/V3-only backend may leave them to the reference).
+V4_OP_NAMES: tuple[str, ...] = OP_NAMES[OP_NAMES.index("rms_norm_f32"):]
 
 
 class OpTable:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer_core import LLM, SamplingParams
-from deepinfer_core.ops import OpTable
+from deepinfer_core.ops import REFERENCE_OPS, V4_OP_NAMES, OpTable
 from tests.hf_checkpoints import write_checkpoint
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton): the NVIDIA kernels cannot run")
@@ -36,7 +36,8 @@ def use_kernels(monkeypatch, device):
             manager, backend, platform, _, limits = original("cpu", model_config)
             platform.fp8_weights = fp8
             impls = nvidia.deepinfer_ops(platform=platform, model_config=model_config)  # the plugin's own table
-            return manager, backend, platform, OpTable(impls, dict.fromkeys(impls, "nvidia")), limits
+            providers = {**dict.fromkeys(REFERENCE_OPS, "reference"), **dict.fromkeys(impls, "nvidia")}
+            return manager, backend, platform, OpTable({**REFERENCE_OPS, **impls}, providers), limits  # V4 ops: reference
 
         monkeypatch.setattr(plugins, "load_backend", load_backend)
 
@@ -50,7 +51,7 @@ def test_greedy_generation_matches_reference(tmp_path, use_kernels):
     expected = LLM(model=str(path), accelerator="cpu", dtype="float32", progress=False).generate(PROMPTS, params, use_tqdm=False)
     use_kernels()
     llm = LLM(model=str(path), accelerator="cpu", dtype="float32", max_num_batched_tokens=16, progress=False)
-    assert set(llm.engine.ops.providers.values()) == {"nvidia"}
+    assert {p for op, p in llm.engine.ops.providers.items() if op not in V4_OP_NAMES} == {"nvidia"}
     got = llm.generate(PROMPTS, params, use_tqdm=False)  # 16-token budget: chunked prefill beside decodes
     for a, b in zip(expected, got):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -14,7 +14,7 @@ import torch
 
 from deepinfer_core.ops.norm import rms_norm_f32
 
-# Queries processed at once by the reference attention (bounds its [chunk, K, d] gather).
+# Queries processed at once by the reference attention and indexer (bounds their [chunk, K, d] gathers).
 ATTENTION_CHUNK = 256
 
 
@@ -91,10 +91,14 @@ def indexer_topk(
     k = min(top_k, c)
     if k == 0 or t_all == 0:
         return candidates.new_full((t_all, k), -1)
-    valid = candidates >= 0
-    cand = _gather_rows(keys, candidates)  # [T, C, Di]
-    dots = torch.einsum("thd,tcd->thc", q.float(), cand).relu() * scale
-    scores = (dots * weights.float()[:, :, None]).sum(dim=1).masked_fill(~valid, float("-inf"))
-    best = scores.topk(k, dim=-1).indices
-    chosen = candidates.gather(1, best)
-    return torch.where(valid.gather(1, best), chosen, torch.full_like(chosen, -1))
+    out = candidates.new_empty((t_all, k))
+    for lo in range(0, t_all, ATTENTION_CHUNK):  # bounds the [chunk, C, Di] gather
+        cands = candidates[lo : lo + ATTENTION_CHUNK]
+        valid = cands >= 0
+        keys_c = _gather_rows(keys, cands)  # [t, C, Di]
+        dots = torch.einsum("thd,tcd->thc", q[lo : lo + ATTENTION_CHUNK].float(), keys_c).relu() * scale
+        scores = (dots * weights[lo : lo + ATTENTION_CHUNK].float()[:, :, None]).sum(dim=1).masked_fill(~valid, float("-inf"))
+        best = scores.topk(k, dim=-1).indices
+        chosen = cands.gather(1, best)
+        out[lo : lo + ATTENTION_CHUNK] = torch.where(valid.gather(1, best), chosen, torch.full_like(chosen, -1))
+    return out

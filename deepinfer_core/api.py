@@ -36,7 +36,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None
     outputs: list[CompletionOutput]
     finished: bool
-    num_cached_tokens: int | None = None  # prompt tokens taken from the prefix cache (first sample's, at admission)
+    num_cached_tokens: int | None = None  # prompt tokens not computed thanks to the prefix cache (first sample's, at admission)
 
 
 class GenerationError(RuntimeError):

@@ -229,6 +229,26 @@ def test_async_scheduling_env_turns_it_off(ckpt, monkeypatch):
 
 
 # ---- bounded replay of ring groups --------------------------------------------------------------
+def test_prefix_hit_no_longer_than_the_replay_is_not_taken():
+    """A hit the bounded replay would recompute entirely spares nothing: it is neither taken
+    (no shared blocks, computed from 0) nor counted as cached."""
+    groups = [CacheGroup("kv", "paged", ("a",), 8, torch.float32),
+              CacheGroup("swa", "ring", ("a.swa",), 8, torch.float32, window=6, replay_tokens=8)]
+    kv = KVCacheManager(groups, num_blocks=32, block_size=4, max_num_seqs=4)
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    first = Sequence(0, "a", 0, list(range(10)), SamplingParams(max_tokens=2), 0)
+    scheduler.add(first)
+    out = scheduler.schedule()
+    scheduler.update(out, {0: [99]}, lambda seq, toks: seq.output_token_ids.extend(toks) or False)
+    second = Sequence(1, "b", 0, list(range(8)) + [7, 7], SamplingParams(max_tokens=2), 0)
+    scheduler.add(second)
+    out = scheduler.schedule()
+    (s,) = out.prefills
+    assert out.num_cached_tokens == 0 and second.num_cached_tokens == 0 and s.start == 0
+    assert second.paged_write_from == 0 and not set(second.block_tables["kv"]) & set(first.block_tables["kv"])
+    assert kv.num_hit_tokens == 0
+
+
 def test_prefix_hit_replays_the_window_of_ring_groups():
     """A paged group is shared after a hit; a ring group is rebuilt by recomputing the last
     `window` tokens before the first uncached one, which write only the ring."""
@@ -244,7 +264,8 @@ def test_prefix_hit_replays_the_window_of_ring_groups():
     scheduler.add(second)
     out = scheduler.schedule()
     (s,) = out.prefills
-    assert out.num_cached_tokens == 16 and second.num_cached_tokens == 16  # 4 full blocks, shared
+    # 4 full blocks shared; the 6 replayed tokens are computed again, so 10 were spared
+    assert out.num_cached_tokens == 10 and second.num_cached_tokens == 10
     assert s.start == 10 and s.end == 20  # the 6 tokens before 16 replayed, then the 4 new ones
     assert second.block_tables["kv"][:4] == first.block_tables["kv"][:4]
     runner = ModelRunner.__new__(ModelRunner)

@@ -99,7 +99,8 @@ def test_preemption_and_prefix_caching_change_nothing(checkpoints):
     rest = llm.generate(prompts, params, use_tqdm=False)
     assert first[0].outputs[0].token_ids == want[0]
     assert [o.outputs[0].token_ids for o in rest] == want
-    assert [o.num_cached_tokens for o in rest][:3] == [64, 64, 64]
+    replay = llm.engine.model.replay_tokens  # 4 layers x (window 8 - 1): recomputed to rebuild the rings
+    assert [o.num_cached_tokens for o in rest][:3] == [64 - replay] * 3
 
     tight = _llm(path, num_kv_blocks=9, max_num_batched_tokens=24, enable_prefix_caching=False)
     outs = tight.generate(prompts, params, use_tqdm=False)

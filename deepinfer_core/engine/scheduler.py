@@ -50,7 +50,7 @@ class SchedulerOutput:
     # seq_id -> cache group -> blocks it gained this step (what a remote worker's tables need)
     new_blocks: dict[int, dict[str, list[int]]] = field(default_factory=dict)
     preempted: list[Sequence] = field(default_factory=list)
-    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache by sequences admitted now
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache spared computing for sequences admitted now
 
     @property
     def empty(self) -> bool:
@@ -112,17 +112,20 @@ class Scheduler:
                 if seq.num_pending or self._held_back(seq):
                     continue  # its newest token is still on the device / its sibling is caching their prompt
                 hit, cached = self.kv.find_cached(seq) if seq.num_computed_tokens == 0 else (0, {})
+                if hit and not self.kv.replay_start(hit):  # the bounded replay would recompute it all: no gain
+                    hit, cached = 0, {}
                 start = self.kv.replay_start(hit) if hit else seq.num_computed_tokens
+                saved = start if hit else 0  # tokens the prefix cache spares computing (hit minus the replay)
                 num_new = min(seq.num_tokens - start, budget)
                 if not self.kv.can_allocate(seq, start + num_new, cached):
                     break
                 admitted.append(seq)
                 seq.status = Status.RUNNING
                 self.running.append(seq)
-                self.kv.count_lookup(seq.num_tokens, hit)
+                self.kv.count_lookup(seq.num_tokens, saved)
                 if seq.num_cached_tokens is None:
-                    seq.num_cached_tokens = hit
-                out.num_cached_tokens += hit
+                    seq.num_cached_tokens = saved
+                out.num_cached_tokens += saved
                 seq.paged_write_from = hit
                 self._take(out, seq, start, num_new, 0, False, cached)
                 budget -= num_new

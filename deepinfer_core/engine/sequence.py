@@ -22,8 +22,8 @@ class Sequence:
     is prefilled again (recompute), so no output is lost.
 
     block_tables: {cache group: blocks}; block_hashes: chain hashes of the full blocks of the
-    known tokens (prefix caching); num_cached_tokens: prompt tokens found in the prefix cache at
-    first admission; draft_token_ids: tokens proposed for the next step to verify;
+    known tokens (prefix caching); num_cached_tokens: prompt tokens the prefix cache spared
+    computing at first admission (the hit less its bounded replay); draft_token_ids: tokens proposed for the next step to verify;
     num_pending: tokens sampled on the device whose ids the host has not seen yet (overlapped
     scheduling); paged_write_from: positions below it are already in shared paged blocks (a
     bounded replay recomputes them without writing); table_version: changes whenever a block

@@ -127,8 +127,8 @@ class ModelConfig(BaseModel):
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
 
-    def context_bytes_per_token(self, itemsize: int) -> int:
-        """Activation bytes a prefill needs per token of context (K and V of one layer expanded)."""
+    def context_bytes_per_token(self, itemsize: int, chunk_tokens: int) -> int:
+        """Activation bytes a prefill chunk needs per token of context (K and V of one layer expanded)."""
         return (self.latent_dim + self.num_attention_heads * (self.qk_nope_head_dim + self.v_head_dim + self.qk_head_dim)) * itemsize
 
     @classmethod
@@ -150,6 +150,8 @@ class ModelConfig(BaseModel):
                 f"{path}: model_type {model_type!r} is not supported; supported model types: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        if model_type == "deepseek_v4":
+            _check_v4_layer_kinds(raw, path)
         from transformers import AutoConfig
 
         try:
@@ -220,6 +222,25 @@ class ModelConfig(BaseModel):
             return cls(**fields)
         except ValidationError as e:
             raise ConfigError(f"not usable: {validation_problems(e)}") from e
+
+
+def _check_v4_layer_kinds(raw: dict, path: Path) -> None:
+    """A V4 config.json names each layer's kind: DeepSeek's ``compress_ratios`` (0, 4 or 128 per
+    layer, what transformers maps) or transformers' ``layer_types`` (with ``compress_rates``)."""
+    ratios = raw.get("compress_ratios")
+    if "layer_types" in raw:
+        return
+    if ratios is None:
+        raise ConfigError(
+            f"{path}: a deepseek_v4 config.json needs compress_ratios (DeepSeek's) or layer_types (transformers'): "
+            "transformers' default layer pattern does not match DeepSeek's checkpoints"
+        )
+    bad = sorted({r for r in ratios if r not in (0, 4, 128)} if isinstance(ratios, list) else {str(ratios)})
+    if bad:
+        raise ConfigError(
+            f"{path}: compress_ratios holds {bad}; transformers reads only 0, 4 and 128 there. For other rates give "
+            "layer_types (sliding_attention / compressed_sparse_attention / heavily_compressed_attention) and compress_rates"
+        )
 
 
 def _fp8_block(raw: dict) -> tuple[int, int] | None:
@@ -309,9 +330,12 @@ class V4ModelConfig(BaseModel):
             return ()
         return tuple(self.eos_token_id) if isinstance(self.eos_token_id, list) else (self.eos_token_id,)
 
-    def context_bytes_per_token(self, itemsize: int) -> int:
-        """Activation bytes a prefill needs per token of context: the gathered keys of one layer."""
-        return 2 * self.head_dim * itemsize
+    def context_bytes_per_token(self, itemsize: int, chunk_tokens: int) -> int:
+        """Activation bytes a prefill chunk of ``chunk_tokens`` needs per token of context: one
+        layer's gathered compressed entries and indexer keys, and the chunk's int64 index of the
+        HCA entries each query sees (the ops' own temporaries are bounded, see ops/sparse.py)."""
+        entries = (self.head_dim + self.index_head_dim) * itemsize / self.csa_ratio + self.head_dim * itemsize / self.hca_ratio
+        return math.ceil(2 * entries + 8 * chunk_tokens / self.hca_ratio)
 
     @classmethod
     def from_hf(cls, hf: Any, raw: dict | None = None) -> V4ModelConfig:
@@ -324,17 +348,7 @@ class V4ModelConfig(BaseModel):
         num_hash = sum(1 for t in mlp_types if t == "hash_moe")
         if mlp_types[:num_hash] != ["hash_moe"] * num_hash:
             raise ConfigError(f"mlp_layer_types {mlp_types}: hash_moe layers must come first")
-        raw_ratios = raw.get("compress_ratios")
-        if raw_ratios is not None and "layer_types" not in raw:
-            # transformers maps only 0 / 4 / 128; our layer kinds come from the ratio values
-            kinds = {0: "sliding_attention", rates.get("compressed_sparse_attention", 4): "compressed_sparse_attention",
-                     rates.get("heavily_compressed_attention", 128): "heavily_compressed_attention"}
-            bad = sorted({r for r in raw_ratios if r not in kinds})
-            if bad:
-                raise ConfigError(f"compress_ratios holds {bad}, which are neither 0, the CSA rate nor the HCA rate {rates}")
-            layer_types = [kinds[r] for r in raw_ratios[: hf.num_hidden_layers]]
-        else:
-            layer_types = list(hf.layer_types)
+        layer_types = list(hf.layer_types)  # transformers folds compress_ratios in (and drops the MTP tail)
         fields: dict[str, Any] = {
             "model_type": "deepseek_v4",
             "vocab_size": hf.vocab_size,

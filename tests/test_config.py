@@ -71,3 +71,28 @@ def test_settings_read_the_environment(monkeypatch):
     monkeypatch.setenv("DEEPINFER_HF_MODEL_DIR", "/models/x")
     s = settings()
     assert s.accelerator == "nvidia" and s.hf_model_dir == "/models/x" and s.log_level == "INFO"
+
+
+def _v4_dir(tmp_path, **changes):
+    from benchmarks.models import V4_FLASH
+
+    raw = {k: v for k, v in {**V4_FLASH, **changes}.items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return tmp_path
+
+
+def test_v4_flash_config_reads_its_layer_kinds(tmp_path):
+    config = ModelConfig.from_dir(_v4_dir(tmp_path))
+    assert config.model_type == "deepseek_v4" and config.num_hidden_layers == 43
+    assert config.compress_ratios == tuple([0, 0] + [4, 128] * 20 + [4])  # the MTP tail entry dropped
+    assert (config.csa_ratio, config.hca_ratio, config.num_hash_layers, config.expert_dtype) == (4, 128, 3, "fp4")
+    assert config.fp8_block == (128, 128)
+
+
+@pytest.mark.parametrize("changes,needle", [
+    (dict(compress_ratios=[0, 8] * 22), "transformers reads only 0, 4 and 128"),
+    (dict(compress_ratios=None), "needs compress_ratios"),
+])
+def test_v4_layer_kinds_must_be_given_as_transformers_reads_them(tmp_path, changes, needle):
+    with pytest.raises(ConfigError, match=needle):
+        ModelConfig.from_dir(_v4_dir(tmp_path, **changes))

@@ -99,7 +99,8 @@ def test_preemption_and_prefix_caching_change_nothing(checkpoints):
     rest = llm.generate(prompts, params, use_tqdm=False)
     assert first[0].outputs[0].token_ids == want[0]
     assert [o.outputs[0].token_ids for o in rest] == want
-    replay = llm.engine.model.replay_tokens  # 4 layers x (window 8 - 1): recomputed to rebuild the rings
+    replay = llm.engine.model.replay_tokens()  # 4 layers x (window 8 - 1): recomputed to rebuild the rings
+    assert replay == 28
     assert [o.num_cached_tokens for o in rest][:3] == [64 - replay] * 3
 
     tight = _llm(path, num_kv_blocks=9, max_num_batched_tokens=24, enable_prefix_caching=False)
@@ -196,3 +197,20 @@ def test_sampling_features_run_on_v4_and_seeds_reproduce(checkpoints):
     b = llm.generate(prompts, params, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in a] == [[c.token_ids for c in o.outputs] for o in b]
     assert all(len(c.logprobs) == len(c.token_ids) and all(len(lp) >= 2 for lp in c.logprobs) for o in a for c in o.outputs)
+
+
+def test_bounded_temporaries_chunk_queries_without_changing_results(checkpoints, monkeypatch):
+    """Long contexts: the indexer's candidate index and the reference ops' gathers are built
+    in chunks of queries within a byte budget; tiny budgets (a query or two per chunk) give the
+    same tokens and logprobs."""
+    import deepinfer_core.models.deepseek_v4 as v4
+    import deepinfer_core.ops.sparse as sparse
+
+    path, golden = checkpoints("v4_flash_like")
+    monkeypatch.setattr(v4, "CANDIDATE_BYTES", 64)
+    monkeypatch.setattr(sparse, "CHUNK_BYTES", 4096)
+    prompt = random_prompt(PROMPT_LEN_V4["v4_flash_like"], seed=13)
+    out = _llm(path).generate([prompt], SamplingParams(temperature=0, max_tokens=6, logprobs=0, ignore_eos=True), use_tqdm=False)[0]
+    tokens, chosen, _ = hf_greedy_goldens(golden, prompt, 6)
+    assert out.outputs[0].token_ids == tokens
+    assert torch.allclose(torch.tensor(_chosen_logprobs(out.outputs[0])), chosen, atol=ATOL)

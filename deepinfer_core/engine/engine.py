@@ -221,6 +221,8 @@ class Engine:
         fixed = KVCache.bytes_per_sequence(groups, block_size, lookahead) * self.max_num_seqs
         max_len = self.config.max_model_len or self.model_config.max_position_embeddings
         wanted = math.ceil(self.max_num_seqs * max_len / block_size)
+        if not per_block:  # no paged group (e.g. a sliding-window-only model): blocks cost nothing
+            return wanted
         self.platform.empty_cache()  # blocks the allocator cached while loading are free for the cache
         free, total = self.platform.memory_info()
         if self.device.type == "cpu":
@@ -256,7 +258,7 @@ class Engine:
         runner = cache = None  # freed before the allocator hands its blocks back
         self.platform.empty_cache()
         c = self.model_config
-        per_context_token = c.context_bytes_per_token(self.dtype.itemsize)
+        per_context_token = c.context_bytes_per_token(self.dtype.itemsize, tokens)
         long_context = max(0, max_len - tokens) * per_context_token
         logits = self.max_num_seqs * c.vocab_size * 4 * 3  # logits, sampler temporaries
         return int(peak + long_context + logits + 256 * 2**20)

@@ -153,7 +153,10 @@ class Scheduler:
         leader = seq.prefix_leader
         if leader is None or not self.kv.prefix_caching or not self.kv.paged or leader.is_finished or seq.wants_prompt_logprobs:
             return False
-        return leader.num_registered_blocks < (leader.num_prompt_tokens - 1) // self.kv.block_size
+        blocks = (leader.num_prompt_tokens - 1) // self.kv.block_size
+        if not self.kv.replay_start(blocks * self.kv.block_size):
+            return False  # a hit that short would be replayed entirely (and not taken): nothing to wait for
+        return leader.num_registered_blocks < blocks
 
     def update(self, output: SchedulerOutput, sampled: dict[int, list[int]], process: Callable[[Sequence, list[int]], bool]) -> None:
         """``sampled``: seq_id -> the tokens it accepted this step (verified drafts, then the token

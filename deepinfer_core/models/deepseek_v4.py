@@ -12,8 +12,8 @@ Caches (``cache_groups``): every layer's window keys in the ring group "window";
 compressed entries and indexer keys in paged groups "csa_kv" / "csa_index" (one entry per
 ``csa_ratio`` tokens), HCA layers' in "hca_kv"; each compressor's projected rows of its open
 window(s) in a small ring ("csa_state" / "hca_state", float32). Prefix caching reuses the
-paged groups; after a hit the rings are rebuilt by recomputing ``replay_tokens`` tokens, enough
-for every layer's window to be exact again (``layers * (sliding_window - 1)``).
+paged groups; after a hit the rings are rebuilt by recomputing ``replay_tokens()`` tokens, enough
+for every layer's window to be exact again (``layers * (sliding_window - 1)`` for real configs).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from deepinfer_core.ops.rope import rope_cos_sin_table
 CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 WINDOW, CSA_KV, CSA_INDEX, CSA_STATE, HCA_KV, HCA_STATE = "window", "csa_kv", "csa_index", "csa_state", "hca_kv", "hca_state"
 RING_BLOCK = 16  # tokens per block of the window and HCA-state rings
+CANDIDATE_BYTES = 128 * 2**20  # the indexer's candidate index is built in chunks of queries this large
 
 
 class Norm(nn.Module):
@@ -124,11 +125,18 @@ class Indexer(Compressor):
         self.scorer = nn.Module()
         self.scorer.weights_proj = Linear(config.hidden_size, self.num_heads, ops, Alloc(alloc.dtype, alloc.device, None))
 
-    def select(self, x, qr, positions, table, keys, candidates) -> torch.Tensor:
-        q = self.q_b_proj(qr).view(x.shape[0], self.num_heads, self.head_dim)
-        q = _rope(self.ops, q, positions, table)
+    def select(self, x, qr, plan: V4Batch, table, keys) -> torch.Tensor:
+        """[T, min(index_topk, C)] rows of the entry pool each query attends to (-1: none)."""
+        t = x.shape[0]
+        q = self.q_b_proj(qr).view(t, self.num_heads, self.head_dim)
+        q = _rope(self.ops, q, plan.positions, table)
         weights = self.scorer.weights_proj(x).float() * self.num_heads**-0.5
-        return self.ops.indexer_topk(q, weights, keys, candidates, self.top_k, self.head_dim**-0.5)
+        # the candidates index is [T, C] int64: built per chunk of queries, at most CANDIDATE_BYTES
+        width = max(1, keys.shape[0])
+        step = max(1, CANDIDATE_BYTES // (8 * width))
+        chosen = [self.ops.indexer_topk(q[lo : lo + step], weights[lo : lo + step], keys, plan.visible(CSA_KV, lo, lo + step),
+                                        self.top_k, self.head_dim**-0.5) for lo in range(0, t, step)]
+        return torch.cat(chosen) if chosen else q.new_zeros((0, 0), dtype=torch.int64)
 
 
 class Attention(nn.Module):
@@ -215,12 +223,12 @@ class Attention(nn.Module):
                 offset += part.row_dim
                 entries = part.pool(part_rows, valid, em.entry_positions, table, x.dtype)
                 self.ops.write_cache(caches[f"{name}.{cache_name}"], entries, em.slots)
-        slots, visible = plan.entries(kv_group)
+        slots = plan.entries(kv_group)
         entries = self.ops.gather_latent_cache(caches[f"{name}.compressed"], slots).to(x.dtype)
         if not csa:
-            return entries, visible
+            return entries, plan.visible(kv_group)
         keys = self.ops.gather_latent_cache(caches[f"{name}.indexer"], slots).to(x.dtype)
-        return entries, comp.indexer.select(x, qr, plan.positions, table, keys, visible)
+        return entries, comp.indexer.select(x, qr, plan, table, keys)
 
 
 class ClampedMLP(MLP):
@@ -368,11 +376,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         """A multiple of 16 and of every compression rate (paged entries never straddle blocks)."""
         return math.lcm(16, self.config.csa_ratio, self.config.hca_ratio)
 
-    @property
-    def replay_tokens(self) -> int:
-        """Tokens recomputed before the first uncached one after a prefix hit: each layer's window
-        depends on the previous layer's over another ``sliding_window - 1`` tokens."""
-        return (len(self.model.layers) + self.num_mtp_layers) * (self.config.sliding_window - 1)
+    def replay_tokens(self, with_mtp: bool = False) -> int:
+        """Tokens recomputed before the first uncached one after a prefix hit so that every ring
+        is exact again: each layer's window depends on the previous layer's over another
+        ``sliding_window - 1`` tokens, and the last CSA layer's compressor pools the ``csa_ratio``
+        rows before the hit (the MTP block, when it runs, is one more window)."""
+        c = self.config
+        layers = len(self.model.layers) + (self.num_mtp_layers if with_mtp else 0)
+        last = (c.sliding_window - 1, c.csa_ratio if CSA in c.layer_types else 0)
+        return (layers - 1) * (c.sliding_window - 1) + max(last)
 
     def cache_groups(self, with_mtp: bool = False) -> list[CacheGroup]:
         c, dt = self.config, self.dtype
@@ -382,7 +394,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         kinds = list(c.layer_types) + [SWA] * (len(names) - len(c.layer_types))
         csa = [n for n, k in zip(names, kinds) if k == CSA]
         hca = [n for n, k in zip(names, kinds) if k == HCA]
-        replay = self.replay_tokens
+        replay = self.replay_tokens(with_mtp)
         groups = [CacheGroup(WINDOW, "ring", tuple(f"{n}.window" for n in names), c.head_dim, dt,
                              window=c.sliding_window, replay_tokens=replay, ring_block=min(RING_BLOCK, c.sliding_window))]
         if csa:

@@ -49,7 +49,7 @@ class V4Batch:
         self.num_decodes = batch.num_decodes
         self.seq = torch.repeat_interleave(torch.arange(n.shape[0], device=device), n, output_size=t)
         self._ring_tables: dict[str, torch.Tensor] = {}
-        self._entries: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._entries: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
 
     def _token_order(self, per_seq: torch.Tensor) -> torch.Tensor:
         """Rows given decodes first, then prefills (the runner's ring order) -> token order."""
@@ -92,30 +92,33 @@ class V4Batch:
         m = self.groups[paged].tokens_per_entry
         return Emitters(tokens, slots[tokens], (pos // m) * m, self._rows(ring, seq, rows_pos))
 
-    def entries(self, paged: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slots [N] of every sequence's entries of paged group ``paged`` after this step, in
-        sequence and entry order; [T, C] index into them of the entries each query sees:
-        w < (p + 1) // m, -1 padded)."""
-        if paged in self._entries:
-            return self._entries[paged]
-        g, meta = self.groups[paged], self.batch.groups[paged]
-        m = g.tokens_per_entry
-        count = self.end // m
-        p = self.batch.num_prefills
-        per = self.block_size // m
-        tables = meta.block_tables.long()
-        width = int(count.max()) if count.numel() else 0
-        w = torch.arange(width, device=count.device)
-        dec = count[p:]
-        if dec.numel() and width:
-            dec_slots = tables.gather(1, (w // per).clamp(max=max(tables.shape[1] - 1, 0))[None, :].expand(dec.shape[0], -1)) * per + w % per
-            dec_slots = dec_slots[w[None, :] < dec[:, None]]
-        else:
-            dec_slots = meta.context_slots.new_zeros(0)
-        slots = torch.cat([meta.context_slots.long(), dec_slots])
-        first = torch.cumsum(count, 0) - count
-        visible = (self.positions + 1) // m
-        vis_w = w[None, :].expand(self.num_tokens, -1)
-        index = torch.where(vis_w < visible[:, None], first[self.seq][:, None] + vis_w, torch.full_like(vis_w, -1))
-        self._entries[paged] = (slots, index)
-        return slots, index
+    def entries(self, paged: str) -> torch.Tensor:
+        """Slots [N] of every sequence's entries of paged group ``paged`` after this step, in
+        sequence and entry order (the entry pool ``visible`` indexes)."""
+        if paged not in self._entries:
+            g, meta = self.groups[paged], self.batch.groups[paged]
+            m = g.tokens_per_entry
+            count = self.end // m
+            per = self.block_size // m
+            tables = meta.block_tables.long()
+            width = int(count.max()) if count.numel() else 0
+            w = torch.arange(width, device=count.device)
+            dec = count[self.batch.num_prefills:]
+            if dec.numel() and width:
+                blocks = (w // per).clamp(max=max(tables.shape[1] - 1, 0))[None, :].expand(dec.shape[0], -1)
+                dec_slots = (tables.gather(1, blocks) * per + w % per)[w[None, :] < dec[:, None]]
+            else:
+                dec_slots = meta.context_slots.new_zeros(0)
+            first = torch.cumsum(count, 0) - count
+            self._entries[paged] = (torch.cat([meta.context_slots.long(), dec_slots]), first, width)
+        return self._entries[paged][0]
+
+    def visible(self, paged: str, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """[hi - lo, C] index into ``entries(paged)`` of the entries queries lo..hi-1 see:
+        w < (p + 1) // m, -1 padded (C: the most entries any sequence of the batch has)."""
+        self.entries(paged)
+        _, first, width = self._entries[paged]
+        pos, seq = self.positions[lo:hi], self.seq[lo:hi]
+        w = torch.arange(width, device=pos.device)[None, :].expand(pos.shape[0], -1)
+        seen = (pos + 1) // self.groups[paged].tokens_per_entry
+        return torch.where(w < seen[:, None], first[seq][:, None] + w, torch.full_like(w, -1))

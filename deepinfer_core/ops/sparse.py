@@ -14,8 +14,14 @@ import torch
 
 from deepinfer_core.ops.norm import rms_norm_f32
 
-# Queries processed at once by the reference attention and indexer (bounds their [chunk, K, d] gathers).
+# The reference attention and indexer take queries in chunks of at most this many, fewer when
+# the keys per query are many: each chunk's float32 gather stays within CHUNK_BYTES.
 ATTENTION_CHUNK = 256
+CHUNK_BYTES = 256 * 2**20
+
+
+def _chunk(keys_per_query: int, floats_per_key: int) -> int:
+    return max(1, min(ATTENTION_CHUNK, CHUNK_BYTES // max(1, 4 * keys_per_query * floats_per_key)))
 
 
 def _gather_rows(pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -48,8 +54,9 @@ def sparse_attention(
     t_all, heads, d = q.shape
     out = torch.empty_like(q)
     sink = sinks.float()[None, :, None]
-    for lo in range(0, t_all, ATTENTION_CHUNK):
-        hi = min(lo + ATTENTION_CHUNK, t_all)
+    step = _chunk(indices.shape[1], d + 3 * heads)  # the [t, K, d] gather, scores and probabilities
+    for lo in range(0, t_all, step):
+        hi = min(lo + step, t_all)
         idx = indices[lo:hi]
         valid = idx >= 0
         keys = _gather_rows(kv, idx)  # [t, K, d]
@@ -92,13 +99,15 @@ def indexer_topk(
     if k == 0 or t_all == 0:
         return candidates.new_full((t_all, k), -1)
     out = candidates.new_empty((t_all, k))
-    for lo in range(0, t_all, ATTENTION_CHUNK):  # bounds the [chunk, C, Di] gather
-        cands = candidates[lo : lo + ATTENTION_CHUNK]
+    step = _chunk(c, q.shape[-1] + 2 * q.shape[1])  # the [t, C, Di] gather and the [t, Hi, C] dots
+    for lo in range(0, t_all, step):
+        hi = min(lo + step, t_all)
+        cands = candidates[lo:hi]
         valid = cands >= 0
         keys_c = _gather_rows(keys, cands)  # [t, C, Di]
-        dots = torch.einsum("thd,tcd->thc", q[lo : lo + ATTENTION_CHUNK].float(), keys_c).relu() * scale
-        scores = (dots * weights[lo : lo + ATTENTION_CHUNK].float()[:, :, None]).sum(dim=1).masked_fill(~valid, float("-inf"))
+        dots = torch.einsum("thd,tcd->thc", q[lo:hi].float(), keys_c).relu() * scale
+        scores = (dots * weights[lo:hi].float()[:, :, None]).sum(dim=1).masked_fill(~valid, float("-inf"))
         best = scores.topk(k, dim=-1).indices
         chosen = cands.gather(1, best)
-        out[lo : lo + ATTENTION_CHUNK] = torch.where(valid.gather(1, best), chosen, torch.full_like(chosen, -1))
+        out[lo:hi] = torch.where(valid.gather(1, best), chosen, torch.full_like(chosen, -1))
     return out

@@ -50,6 +50,12 @@ class V4Batch:
         self.seq = torch.repeat_interleave(torch.arange(n.shape[0], device=device), n, output_size=t)
         self._ring_tables: dict[str, torch.Tensor] = {}
         self._entries: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._built: dict[tuple, object] = {}  # window / emitters / visible results: the same for every layer
+
+    def _once(self, key: tuple, build):
+        if key not in self._built:
+            self._built[key] = build()
+        return self._built[key]
 
     def _token_order(self, per_seq: torch.Tensor) -> torch.Tensor:
         """Rows given decodes first, then prefills (the runner's ring order) -> token order."""
@@ -78,19 +84,25 @@ class V4Batch:
 
     def window(self, ring: str, window: int) -> torch.Tensor:
         """[T, window] pool indices of each query's window keys p - window + 1 .. p (-1: none)."""
-        pos = self.positions[:, None] - torch.arange(window, device=self.positions.device)[None, :]
-        return self._rows(ring, self.seq[:, None].expand_as(pos), pos)
+        def build() -> torch.Tensor:
+            pos = self.positions[:, None] - torch.arange(window, device=self.positions.device)[None, :]
+            return self._rows(ring, self.seq[:, None].expand_as(pos), pos)
+
+        return self._once(("window", ring, window), build)
 
     def emitters(self, paged: str, ring: str, span: int) -> Emitters:
         """Tokens that write an entry of paged group ``paged`` (tokens_per_entry m) and the pool
         indices of the ``span`` rows ending at them (m, or 2m for overlapping windows) in ``ring``."""
-        slots = self.batch.groups[paged].slot_mapping
-        tokens = torch.nonzero(slots >= 0).flatten()
-        pos = self.positions[tokens]
-        rows_pos = pos[:, None] - span + 1 + torch.arange(span, device=pos.device)[None, :]
-        seq = self.seq[tokens][:, None].expand_as(rows_pos)
-        m = self.groups[paged].tokens_per_entry
-        return Emitters(tokens, slots[tokens], (pos // m) * m, self._rows(ring, seq, rows_pos))
+        def build() -> Emitters:
+            slots = self.batch.groups[paged].slot_mapping
+            tokens = torch.nonzero(slots >= 0).flatten()
+            pos = self.positions[tokens]
+            rows_pos = pos[:, None] - span + 1 + torch.arange(span, device=pos.device)[None, :]
+            seq = self.seq[tokens][:, None].expand_as(rows_pos)
+            m = self.groups[paged].tokens_per_entry
+            return Emitters(tokens, slots[tokens], (pos // m) * m, self._rows(ring, seq, rows_pos))
+
+        return self._once(("emitters", paged, ring, span), build)
 
     def entries(self, paged: str) -> torch.Tensor:
         """Slots [N] of every sequence's entries of paged group ``paged`` after this step, in
@@ -116,9 +128,14 @@ class V4Batch:
     def visible(self, paged: str, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """[hi - lo, C] index into ``entries(paged)`` of the entries queries lo..hi-1 see:
         w < (p + 1) // m, -1 padded (C: the most entries any sequence of the batch has)."""
-        self.entries(paged)
-        _, first, width = self._entries[paged]
-        pos, seq = self.positions[lo:hi], self.seq[lo:hi]
-        w = torch.arange(width, device=pos.device)[None, :].expand(pos.shape[0], -1)
-        seen = (pos + 1) // self.groups[paged].tokens_per_entry
-        return torch.where(w < seen[:, None], first[seq][:, None] + w, torch.full_like(w, -1))
+        def build() -> torch.Tensor:
+            self.entries(paged)
+            _, first, width = self._entries[paged]
+            pos, seq = self.positions[lo:hi], self.seq[lo:hi]
+            w = torch.arange(width, device=pos.device)[None, :].expand(pos.shape[0], -1)
+            seen = (pos + 1) // self.groups[paged].tokens_per_entry
+            return torch.where(w < seen[:, None], first[seq][:, None] + w, torch.full_like(w, -1))
+
+        if (lo, hi) != (0, None):  # a chunk of queries (the CSA indexer's): built when asked, not kept
+            return build()
+        return self._once(("visible", paged), build)

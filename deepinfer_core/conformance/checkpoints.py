@@ -332,17 +332,23 @@ def is_fp8_linear(key: str) -> bool:
     return key.endswith(".weight") and len(parts) >= 2 and parts[-2] in FP8_LINEARS
 
 
-def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (float8_e4m3fn [N, K], float32 scales [ceil(N/bn), ceil(K/bk)]), amax/448 per block, on w's device."""
+def _fp8_blocks(w: torch.Tensor, block: tuple[int, int], scale_of) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (float8_e4m3fn [N, K], scales [ceil(N/bn), ceil(K/bk)]): ``scale_of`` maps
+    each block's amax (float32 [gn, gk]) to its scale; partial blocks are zero-padded."""
     bn, bk = block
     n, k = w.shape
     gn, gk = -(-n // bn), -(-k // bk)
     padded = torch.zeros(gn * bn, gk * bk, dtype=torch.float32, device=w.device)
     padded[:n, :k] = w.float()
     blocks = padded.view(gn, bn, gk, bk)
-    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
-    q = (blocks / scale[:, None, :, None]).view(gn * bn, gk * bk)[:n, :k].to(torch.float8_e4m3fn)
-    return q.contiguous(), scale.float()
+    scale = scale_of(blocks.abs().amax(dim=(1, 3)))
+    q = (blocks / scale.float()[:, None, :, None]).view(gn * bn, gk * bk)[:n, :k].to(torch.float8_e4m3fn)
+    return q.contiguous(), scale
+
+
+def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (float8_e4m3fn [N, K], float32 scales [ceil(N/bn), ceil(K/bk)]), amax/448 per block, on w's device."""
+    return _fp8_blocks(w, block, lambda amax: (amax / FP8_MAX).clamp(min=1e-12))
 
 
 def e8m0_from_exponent(exponent: torch.Tensor) -> torch.Tensor:
@@ -359,15 +365,7 @@ def _pow2_exponent(amax: torch.Tensor, top: float) -> torch.Tensor:
 def quantize_fp8_block_e8m0(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float -> (float8_e4m3fn [N, K], float8_e8m0fnu scales [ceil(N/bn), ceil(K/bk)]) with
     power-of-two block scales 2^ceil(log2(amax/448)), as DeepSeek-V4 stores its FP8 linears."""
-    bn, bk = block
-    n, k = w.shape
-    gn, gk = -(-n // bn), -(-k // bk)
-    padded = torch.zeros(gn * bn, gk * bk, dtype=torch.float32, device=w.device)
-    padded[:n, :k] = w.float()
-    blocks = padded.view(gn, bn, gk, bk)
-    scale = e8m0_from_exponent(_pow2_exponent(blocks.abs().amax(dim=(1, 3)), FP8_MAX))
-    q = (blocks / scale.float()[:, None, :, None]).view(gn * bn, gk * bk)[:n, :k].to(torch.float8_e4m3fn)
-    return q.contiguous(), scale
+    return _fp8_blocks(w, block, lambda amax: e8m0_from_exponent(_pow2_exponent(amax, FP8_MAX)))
 
 
 E2M1_MAX = 6.0

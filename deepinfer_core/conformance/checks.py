@@ -186,6 +186,13 @@ def route_selection(x, gate, bias, top_k, scoring_func, topk_method, n_group, to
 
 def check_moe_route(fn: Callable, case: OpCase) -> Outcome:
     """Run the backend's moe_route on ``case`` and judge it (``judge_moe_route``)."""
+    out = _route_output(fn, case)
+    return out if isinstance(out, Outcome) else judge_moe_route(*out, *case.args, case.kwargs, case.dtype)
+
+
+def _route_output(fn: Callable, case: OpCase) -> tuple | Outcome:
+    """A routing op's (weights, ids) on a copy of ``case``'s inputs, or the Outcome that fails it
+    (it changed its inputs, or returned something else)."""
     mine = case.clone()
     out = call_backend(fn, mine)
     untouched = _inputs_untouched(case, mine)
@@ -193,7 +200,7 @@ def check_moe_route(fn: Callable, case: OpCase) -> Outcome:
         return untouched
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         return Outcome(False, float("inf"), "must return (weights, ids)")
-    return judge_moe_route(*out, *case.args, case.kwargs, case.dtype)
+    return tuple(out)
 
 
 def judge_moe_route(weights, ids, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, route_kwargs: dict,
@@ -277,13 +284,9 @@ def sqrtsoftplus_selection(x, gate, bias, fixed_ids, top_k, norm_topk_prob, rout
 
 def check_moe_route_sqrtsoftplus(fn: Callable, case: OpCase) -> Outcome:
     """As ``check_moe_route``: id sets per token (ties within tie_eps free), then the weights."""
-    mine = case.clone()
-    out = call_backend(fn, mine)
-    untouched = _inputs_untouched(case, mine)
-    if not untouched.ok:
-        return untouched
-    if not isinstance(out, (tuple, list)) or len(out) != 2:
-        return Outcome(False, float("inf"), "must return (weights, ids)")
+    out = _route_output(fn, case)
+    if isinstance(out, Outcome):
+        return out
     weights, ids = out
     x, gate, bias, fixed_ids = case.args
     top_k, tokens = case.kwargs["top_k"], x.shape[0]

@@ -159,18 +159,30 @@ def _moe_experts(d: dict, dtype, r: _Draw):
     x = r.randn(t, hidden, dtype=dtype)
     w13 = torch.randn(e, 2 * inter, hidden, generator=r.gen) / math.sqrt(hidden)
     w2 = torch.randn(e, hidden, inter, generator=r.gen) / math.sqrt(inter)
+    w13, w2, s13, s2 = _expert_weights(d, w13, w2, dtype, r)
+    weights, ids = _expert_routes(t, e, k, r)
+    return (x, w13, w2, weights, ids, s13, s2, tuple(d["fp8_block"]) or None), {}
+
+
+def _expert_weights(d: dict, w13: torch.Tensor, w2: torch.Tensor, dtype, r: _Draw):
+    """(w13, w2, their scales or None) on the device: block-FP8 when the shape names a block."""
     block = tuple(d["fp8_block"]) or None
     if block:
         (w13, s13), (w2, s2) = quantize_block_fp8(w13, block), quantize_block_fp8(w2, block)
         s13, s2 = s13.to(r.device), s2.to(r.device)
     else:
         w13, w2, s13, s2 = w13.to(dtype), w2.to(dtype), None, None
-    # Some experts receive no token: ids come from a random subset of about 3/4 of them.
+    return w13.to(r.device), w2.to(r.device), s13, s2
+
+
+def _expert_routes(t: int, e: int, k: int, r: _Draw) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [t, k], ids [t, k]) on the device. Some experts receive no token: ids come from a
+    random subset of about 3/4 of them."""
     allowed = r.perm(e)[: max(k, e - max(1, e // 4))]
     rows = [allowed[r.perm(len(allowed))[:k]] for _ in range(t)]
     ids = torch.stack(rows) if rows else torch.empty(0, k, dtype=torch.int64)
     weights = torch.randn(t, k, generator=r.gen).softmax(dim=-1)
-    return (x, w13.to(r.device), w2.to(r.device), weights.to(r.device), ids.to(r.device), s13, s2, block), {}
+    return weights.to(r.device), ids.to(r.device)
 
 
 def _write_latent_cache(d: dict, dtype, r: _Draw):
@@ -315,17 +327,9 @@ def _moe_experts_clamped(d: dict, dtype, r: _Draw):
     # projection scaled by 1 / gate_up_std^2 keeps the outputs O(1)
     w13 = torch.randn(e, 2 * inter, hidden, generator=r.gen) * (std / math.sqrt(hidden))
     w2 = torch.randn(e, hidden, inter, generator=r.gen) / (math.sqrt(inter) * max(1.0, std) ** 2)
-    block = tuple(d["fp8_block"]) or None
-    if block:
-        (w13, s13), (w2, s2) = quantize_block_fp8(w13, block), quantize_block_fp8(w2, block)
-        s13, s2 = s13.to(r.device), s2.to(r.device)
-    else:
-        w13, w2, s13, s2 = w13.to(dtype), w2.to(dtype), None, None
-    allowed = r.perm(e)[: max(k, e - max(1, e // 4))]  # some experts receive no token
-    rows = [allowed[r.perm(len(allowed))[:k]] for _ in range(t)]
-    ids = torch.stack(rows) if rows else torch.empty(0, k, dtype=torch.int64)
-    weights = torch.randn(t, k, generator=r.gen).softmax(dim=-1)
-    return (x, w13.to(r.device), w2.to(r.device), weights.to(r.device), ids.to(r.device), float(d["limit"]), s13, s2, block), {}
+    w13, w2, s13, s2 = _expert_weights(d, w13, w2, dtype, r)
+    weights, ids = _expert_routes(t, e, k, r)
+    return (x, w13, w2, weights, ids, float(d["limit"]), s13, s2, tuple(d["fp8_block"]) or None), {}
 
 
 def _mhc_params(r: _Draw, outputs: int, fan_in: int, scales: int):

@@ -229,20 +229,27 @@ def test_async_scheduling_env_turns_it_off(ckpt, monkeypatch):
 
 
 # ---- bounded replay of ring groups --------------------------------------------------------------
-def test_prefix_hit_no_longer_than_the_replay_is_not_taken():
-    """A hit the bounded replay would recompute entirely spares nothing: it is neither taken
-    (no shared blocks, computed from 0) nor counted as cached."""
+def _second_after_a_hit(replay_tokens: int, first_len: int, shared: int):
+    """A paged group and a ring group (window 6, block size 4): a first sequence of ``first_len``
+    tokens runs a step, then a second sharing its first ``shared`` tokens is scheduled.
+    Returns (groups, kv, first, second, the second's step)."""
     groups = [CacheGroup("kv", "paged", ("a",), 8, torch.float32),
-              CacheGroup("swa", "ring", ("a.swa",), 8, torch.float32, window=6, replay_tokens=8)]
+              CacheGroup("swa", "ring", ("a.swa",), 8, torch.float32, window=6, replay_tokens=replay_tokens)]
     kv = KVCacheManager(groups, num_blocks=32, block_size=4, max_num_seqs=4)
     scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
-    first = Sequence(0, "a", 0, list(range(10)), SamplingParams(max_tokens=2), 0)
+    first = Sequence(0, "a", 0, list(range(first_len)), SamplingParams(max_tokens=2), 0)
     scheduler.add(first)
     out = scheduler.schedule()
     scheduler.update(out, {0: [99]}, lambda seq, toks: seq.output_token_ids.extend(toks) or False)
-    second = Sequence(1, "b", 0, list(range(8)) + [7, 7], SamplingParams(max_tokens=2), 0)
+    second = Sequence(1, "b", 0, list(range(shared)) + [7, 7], SamplingParams(max_tokens=2), 0)
     scheduler.add(second)
-    out = scheduler.schedule()
+    return groups, kv, first, second, scheduler.schedule()
+
+
+def test_prefix_hit_no_longer_than_the_replay_is_not_taken():
+    """A hit the bounded replay would recompute entirely spares nothing: it is neither taken
+    (no shared blocks, computed from 0) nor counted as cached."""
+    _, kv, first, second, out = _second_after_a_hit(replay_tokens=8, first_len=10, shared=8)
     (s,) = out.prefills
     assert out.num_cached_tokens == 0 and second.num_cached_tokens == 0 and s.start == 0
     assert second.paged_write_from == 0 and not set(second.block_tables["kv"]) & set(first.block_tables["kv"])
@@ -252,17 +259,7 @@ def test_prefix_hit_no_longer_than_the_replay_is_not_taken():
 def test_prefix_hit_replays_the_window_of_ring_groups():
     """A paged group is shared after a hit; a ring group is rebuilt by recomputing the last
     `window` tokens before the first uncached one, which write only the ring."""
-    groups = [CacheGroup("kv", "paged", ("a",), 8, torch.float32),
-              CacheGroup("swa", "ring", ("a.swa",), 8, torch.float32, window=6, replay_tokens=6)]
-    kv = KVCacheManager(groups, num_blocks=32, block_size=4, max_num_seqs=4)
-    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
-    first = Sequence(0, "a", 0, list(range(20)), SamplingParams(max_tokens=2), 0)
-    scheduler.add(first)
-    out = scheduler.schedule()
-    scheduler.update(out, {0: [99]}, lambda seq, toks: seq.output_token_ids.extend(toks) or False)
-    second = Sequence(1, "b", 0, list(range(18)) + [7, 7], SamplingParams(max_tokens=2), 0)
-    scheduler.add(second)
-    out = scheduler.schedule()
+    groups, kv, first, second, out = _second_after_a_hit(replay_tokens=6, first_len=20, shared=18)
     (s,) = out.prefills
     # 4 full blocks shared; the 6 replayed tokens are computed again, so 10 were spared
     assert out.num_cached_tokens == 10 and second.num_cached_tokens == 10

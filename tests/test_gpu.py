@@ -27,12 +27,16 @@ def test_nvidia_backend_matches_cpu_reference(checkpoint):
     gpu_llm = LLM(model=str(checkpoint), accelerator="nvidia", dtype="float32", progress=False)
     assert gpu_llm.engine.platform.name in ("nvidia-sm90", "nvidia-sm100")
     assert gpu_llm.engine.device.type == "cuda"
-    gpu = gpu_llm.generate(PROMPTS, params, use_tqdm=False)
+    _assert_same_greedy(cpu, gpu_llm.generate(PROMPTS, params, use_tqdm=False), 1e-3)  # TF32/cuBLAS vs CPU float32
+
+
+def _assert_same_greedy(cpu, gpu, atol: float) -> None:
+    """The same greedy tokens, and every logprob of the CPU run within ``atol`` on the GPU."""
     for a, b in zip(cpu, gpu):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             for t, v in la.items():
-                assert abs(v - lb[t]) < 1e-3  # TF32/cuBLAS vs CPU float32
+                assert abs(v - lb[t]) < atol
 
 
 def test_nvidia_backend_runs_bf16_and_sampling(checkpoint):
@@ -128,9 +132,5 @@ def test_v4_nvidia_matches_cpu_reference(tmp_path, quant):
     cpu = LLM(model=str(path), accelerator="cpu", dtype="float32", progress=False).generate(prompts, params, use_tqdm=False)
     gpu_llm = LLM(model=str(path), accelerator="nvidia", dtype="float32", progress=False)
     assert gpu_llm.engine.device.type == "cuda"
-    gpu = gpu_llm.generate(prompts, params, use_tqdm=False)
-    for a, b in zip(cpu, gpu):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            for t, v in la.items():
-                assert abs(v - lb[t]) < 2e-2 if quant else abs(v - lb[t]) < 1e-3  # W8A8-style FP8 GEMMs vs dequantised
+    # FP8 kept FP8 on the GPU (its GEMMs) against weights dequantised on the CPU
+    _assert_same_greedy(cpu, gpu_llm.generate(prompts, params, use_tqdm=False), 2e-2 if quant else 1e-3)

@@ -120,9 +120,7 @@ class ModelConfig(BaseModel):
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        if self.eos_token_id is None:
-            return ()
-        return tuple(self.eos_token_id) if isinstance(self.eos_token_id, list) else (self.eos_token_id,)
+        return _as_ids(self.eos_token_id)
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
@@ -222,6 +220,13 @@ class ModelConfig(BaseModel):
             return cls(**fields)
         except ValidationError as e:
             raise ConfigError(f"not usable: {validation_problems(e)}") from e
+
+
+def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    """config.json's ``eos_token_id``: none, one id or a list."""
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)
 
 
 def _check_v4_layer_kinds(raw: dict, path: Path) -> None:
@@ -326,9 +331,7 @@ class V4ModelConfig(BaseModel):
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        if self.eos_token_id is None:
-            return ()
-        return tuple(self.eos_token_id) if isinstance(self.eos_token_id, list) else (self.eos_token_id,)
+        return _as_ids(self.eos_token_id)
 
     def context_bytes_per_token(self, itemsize: int, chunk_tokens: int) -> int:
         """Activation bytes a prefill chunk of ``chunk_tokens`` needs per token of context: one

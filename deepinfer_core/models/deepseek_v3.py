@@ -119,7 +119,11 @@ class MLP(nn.Module):
             gate_up = self.gate_up_proj(x)
         else:
             gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
-        return self.down_proj(self.ops.silu_and_mul(gate_up))
+        return self.down_proj(self.activation(gate_up))
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[..., 2I] = [gate | up] -> [..., I]: SwiGLU."""
+        return self.ops.silu_and_mul(gate_up)
 
 
 class Router(nn.Module):

@@ -238,13 +238,8 @@ class ClampedMLP(MLP):
         super().__init__(hidden, intermediate, ops, alloc)
         self.limit = limit
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(x)
-        else:
-            gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
-        h = self.ops.silu_and_mul(gate_up) if self.limit is None else self.ops.silu_and_mul_clamped(gate_up, self.limit)
-        return self.down_proj(h)
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.ops.silu_and_mul(gate_up) if self.limit is None else self.ops.silu_and_mul_clamped(gate_up, self.limit)
 
 
 class MoE(nn.Module):

@@ -247,11 +247,15 @@ def rename_v4_state(state: dict[str, torch.Tensor], naming: str = "original") ->
 
 
 class V4Checkpoint:
-    """The checkpoint format of DeepSeek-V4 models (see the module docstring)."""
+    """The checkpoint format of DeepSeek-V4 models (see the module docstring). ``normalize`` /
+    ``checkpoint_key``: the key mapping (checkpoint_v41.V41Checkpoint brings V4.1's)."""
+
+    normalize = staticmethod(normalize_v4_key)
+    checkpoint_key = staticmethod(v4_checkpoint_key)
 
     def scale_keys(self, key: str) -> tuple[str, ...]:
         """Names the scale of quantised weight ``key`` may have; () for a key that is no weight."""
-        parsed = normalize_v4_key(key)
+        parsed = self.normalize(key)
         if parsed is None or parsed.scale:
             return ()
         if key.endswith(".weight"):
@@ -260,7 +264,7 @@ class V4Checkpoint:
 
     def resolve_mtp(self, model, config, key_file: dict[str, Path]) -> None:
         k = getattr(model, "num_mtp_layers", 0)
-        layers = {p.mtp for p in map(normalize_v4_key, key_file) if p is not None and p.mtp is not None}
+        layers = {p.mtp for p in map(self.normalize, key_file) if p is not None and p.mtp is not None}
         extra = sorted(i for i in layers if i >= k)
         if extra:
             logger.warning(
@@ -292,7 +296,7 @@ class V4Checkpoint:
         ignored: set[str] = set()
         namings: Counter[str] = Counter()
         for key, path in key_file.items():
-            p = normalize_v4_key(key)
+            p = self.normalize(key)
             if p is None:
                 continue  # reported as unexpected
             if p.mtp is not None and p.mtp >= k:
@@ -323,10 +327,10 @@ class V4Checkpoint:
                 if naming != "hf" or any((target, e, h, scale) in found for e, h in parts):
                     rows = tensor.shape[1] // len(halves)
                     for e, h in parts:
-                        key = found.get((target, e, h, scale)) or v4_checkpoint_key(target, naming, e, h, scale)
+                        key = found.get((target, e, h, scale)) or self.checkpoint_key(target, naming, e, h, scale)
                         expected[key] = Slot(name, e, None if h is None else slice(h * rows, (h + 1) * rows))
                     continue
-            key = found.get(whole) or v4_checkpoint_key(target, naming, scale=scale) or name
+            key = found.get(whole) or self.checkpoint_key(target, naming, scale=scale) or name
             expected[key] = Slot(name)
 
         companions = {}

@@ -15,8 +15,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # The model_type values (config.json) DeepInfer serves: the one list. models/registry.py maps each to
 # its class; it lives here because the registry imports this module (and the model code with it).
-SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "deepseek_v4")
-MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")  # served by ModelConfig; deepseek_v4 by V4ModelConfig
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "deepseek_v4", "deepseek_v41")
+MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")  # served by ModelConfig; deepseek_v4 by V4ModelConfig, deepseek_v41 by V41ModelConfig
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 
 
@@ -33,6 +33,9 @@ class Settings(BaseSettings):
     accelerator: str | None = Field(None, description="Backend name: cpu, nvidia, ascend or any installed backend; auto when unset.")
     dtype: str | None = Field(None, description="Compute dtype override: auto, float32, bfloat16, float16.")
     log_level: str = Field("INFO", description="Python logging level for the deepinfer logger.")
+    swa_bounded_replay: bool = Field(
+        True, description="DeepSeek-V4.1's SWA bounded replay (approximate; section 4.4 of the architecture notes): 0 off (exact), 1 on."
+    )
     async_scheduling: bool | None = Field(
         None, description="Overlapped scheduling (launch step N+1 while step N runs): 0 off, 1 on; unset: on where the platform supports it."
     )
@@ -130,9 +133,10 @@ class ModelConfig(BaseModel):
         return (self.latent_dim + self.num_attention_heads * (self.qk_nope_head_dim + self.v_head_dim + self.qk_head_dim)) * itemsize
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig | V4ModelConfig:
+    def from_dir(cls, model_dir: str | Path):
         """Read and validate ``model_dir/config.json`` through transformers' config classes
-        (a ``V4ModelConfig`` for model_type deepseek_v4)."""
+        (a ``V4ModelConfig`` for model_type deepseek_v4; deepseek_v41, which transformers lacks,
+        through ``config_v41.V41ModelConfig``)."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"{path} not found: a model directory must hold an HF config.json")
@@ -148,6 +152,13 @@ class ModelConfig(BaseModel):
                 f"{path}: model_type {model_type!r} is not supported; supported model types: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        if model_type == "deepseek_v41":  # transformers has no V4.1: read here
+            from deepinfer_core.config_v41 import V41ModelConfig
+
+            try:
+                return V41ModelConfig.from_raw(raw)
+            except ConfigError as e:
+                raise ConfigError(f"{path}: {e}") from e
         if model_type == "deepseek_v4":
             _check_v4_layer_kinds(raw, path)
         from transformers import AutoConfig

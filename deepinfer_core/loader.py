@@ -139,6 +139,10 @@ def checkpoint_format(model, config):
         from deepinfer_core.checkpoint_v4 import V4Checkpoint  # imports this module
 
         return V4Checkpoint()
+    if config.model_type == "deepseek_v41":
+        from deepinfer_core.checkpoint_v41 import V41Checkpoint
+
+        return V41Checkpoint()
     return V3Checkpoint()
 
 

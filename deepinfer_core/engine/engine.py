@@ -111,6 +111,8 @@ class Engine:
         else:
             load_model(model_dir, self.model_config, self.model, progress=progress)
         self.tokenizer = load_tokenizer(model_dir)
+        if hasattr(self.model, "set_tokenizer"):  # V4.1's Engram hashes read the compressed vocabulary
+            self.model.set_tokenizer(self.tokenizer)
         eos_ids = self._eos_ids()
 
         # A backend's limits cap what the user asked for; they never raise it.
@@ -128,6 +130,8 @@ class Engine:
             sc = self.speculative
             self.proposer = NgramProposer(sc.num_speculative_tokens, sc.prompt_lookup_max, sc.prompt_lookup_min)
         lookahead = self.speculative.num_speculative_tokens if self.speculative else 0
+        if hasattr(self.model, "set_lookahead"):
+            self.model.set_lookahead(lookahead)
         groups = self.model.cache_groups()
         block_size = engine_config.block_size or self.model.default_block_size
         self.cache_groups = groups
@@ -324,6 +328,12 @@ class Engine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"{label} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        image = getattr(self.model_config, "image_token_id", None)
+        if image is not None and image in prompt_token_ids:
+            raise RequestError(
+                f"{label} holds the image token id {image}: image input is not supported by DeepInfer (the vision tower "
+                "is not loaded); send text only"
+            )
         if n >= self.max_model_len:
             raise RequestError(
                 f"{label} is too long: {n} tokens, but max_model_len is {self.max_model_len} (the prompt plus at "

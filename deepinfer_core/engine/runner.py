@@ -51,6 +51,8 @@ class HostBatch:
     # (scheduled sequence, first index into logits_rows, number of rows) of every sampling sequence
     samples: list[tuple[ScheduledSeq, int, int]] = field(default_factory=list)
     prompt_rows: list[tuple[Sequence, int, int, int]] = field(default_factory=list)  # seq, first predicted position, row, count
+    lookback: list[list[int]] = field(default_factory=list)  # per sequence, the tokens before its new ones (-1: none)
+    exact_prefills: list[int] = field(default_factory=list)  # prefill sequences whose every row's logits are used
 
 
 @dataclass
@@ -75,6 +77,13 @@ class ModelRunner:
         self.groups: list[CacheGroup] = kv.groups
         self.block_size = kv.block_size
         self.max_position = model.config.max_position_embeddings - 1
+        self.lookback = getattr(model, "lookback_tokens", 0)  # tokens before each sequence's new ones the model reads
+
+    def _lookback(self, seq: Sequence, start: int) -> list[int]:
+        """The ids at positions start - n .. start - 1 (-1 before 0); all on the host: a decode
+        row's only token that may still be on the device is its newest, at ``start``."""
+        n = self.lookback
+        return [-1] * max(0, n - start) + list(seq.token_slice(max(0, start - n), start))
 
     def _tensor(self, values, dtype) -> torch.Tensor:
         return to_device(torch.as_tensor(values, dtype=dtype), self.device)
@@ -123,7 +132,10 @@ class ModelRunner:
                 hb.context[g.name].append(self._context(g, seq, s.start, s.end))
             hb.cu_q.append(hb.cu_q[-1] + s.num_tokens)
             hb.cu_k.append(hb.cu_k[-1] + s.end)
+            if self.lookback:
+                hb.lookback.append(self._lookback(seq, s.start))
             if seq.wants_prompt_logprobs:
+                hb.exact_prefills.append(len(hb.cu_q) - 2)
                 # logits at position p predict token p + 1; only prompt tokens need them here
                 count = min(s.end, seq.num_prompt_tokens - 1) - s.start
                 if count > 0:
@@ -147,6 +159,8 @@ class ModelRunner:
                 else:
                     hb.ids.append(seq.draft_token_ids[p - known])
             hb.positions.extend(range(s.start, s.end))
+            if self.lookback:
+                hb.lookback.append(self._lookback(seq, s.start))
             pad = max(0, pad_to - s.num_tokens)
             if pad:
                 hb.ids.extend([hb.ids[-1]] * pad)
@@ -192,6 +206,9 @@ class ModelRunner:
             decode_seq_lens=self._tensor(hb.seq_lens, torch.int32),
             decode_query_start_loc=self._tensor(hb.query_start, torch.int32),
             groups=groups,
+            lookback_ids=self._tensor(np.asarray(hb.lookback, dtype=np.int64).reshape(-1, self.lookback), torch.int64)
+            if self.lookback else None,
+            exact_prefills=tuple(hb.exact_prefills),
         )
         return self._tensor(hb.ids, torch.int64), self._tensor(hb.positions, torch.int64), meta
 

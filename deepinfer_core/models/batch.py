@@ -105,6 +105,11 @@ class BatchMeta:
     decode_query_start_loc: [D+1] int32, boundaries of the decode rows among the decode tokens
         (row b is tokens num_prefill_tokens + [start[b], start[b+1])).
     groups: {cache group name: GroupMeta}.
+    lookback_ids: [P + D, n] int64 or None (models with ``lookback_tokens = n > 0``): per
+        sequence (prefills, then decodes) the ids of the n tokens before its first new one,
+        oldest first, -1 before position 0.
+    exact_prefills: indices of the prefill sequences whose every row's output is used (prompt
+        logprobs): approximations that skip rows (V4.1's bounded replay) must not skip theirs.
     """
 
     num_prefill_tokens: int
@@ -113,6 +118,8 @@ class BatchMeta:
     decode_seq_lens: torch.Tensor
     decode_query_start_loc: torch.Tensor
     groups: dict[str, GroupMeta] = field(default_factory=dict)
+    lookback_ids: torch.Tensor | None = None
+    exact_prefills: tuple[int, ...] = ()
 
     @property
     def num_prefills(self) -> int:

@@ -26,7 +26,7 @@ from torch import nn
 from deepinfer_core.config import V4ModelConfig
 from deepinfer_core.models.batch import BatchMeta, CacheGroup
 from deepinfer_core.models.deepseek_v3 import MLP, Alloc, Experts, Linear, _param
-from deepinfer_core.models.deepseek_v4_batch import V4Batch
+from deepinfer_core.models.deepseek_v4_batch import V4Batch, plan_for
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.rope import rope_cos_sin_table
 
@@ -71,6 +71,35 @@ def _rope(ops: OpTable, x: torch.Tensor, positions: torch.Tensor, table: torch.T
     r = table.shape[-1]
     rotated = ops.rotary_embedding(x[..., -r:], x[:, 0, -r:], positions, table, True)[0]
     return torch.cat([x[..., :-r], rotated], dim=-1)
+
+
+def grouped_o_a(ops: OpTable, proj: Linear, x: torch.Tensor) -> torch.Tensor:
+    """Group g of heads through rows [g R, (g + 1) R) of ``proj``; [T, G, H d / G] -> [T, G R]."""
+    groups = x.shape[1]
+    rows = proj.weight.shape[0] // groups
+    outs = []
+    for g in range(groups):
+        w = proj.weight[g * rows : (g + 1) * rows]
+        if proj.weight_scale_inv is None:
+            outs.append(ops.linear(x[:, g], w))
+        else:
+            bn = proj.block[0]
+            s = proj.weight_scale_inv[g * rows // bn : (g + 1) * rows // bn]
+            outs.append(ops.fp8_block_linear(x[:, g], w, s, proj.block))
+    return torch.cat(outs, dim=-1)
+
+
+def rope_tables(r: int, main_theta: float, compress_theta: float, compress_parameters: dict, max_positions: int,
+                device: torch.device, round_to: torch.dtype | None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{"main", "compress"} -> (cos/sin table, its inverse with -sin) on ``device``; ``round_to``:
+    the dtype cos/sin are first rounded to (transformers rounds them to the model dtype)."""
+    main = rope_cos_sin_table(r, main_theta, {"rope_type": "default"}, max_positions)
+    compress = rope_cos_sin_table(r, compress_theta, compress_parameters, max_positions)
+    tables = {}
+    for kind, t in (("main", main), ("compress", compress)):
+        t = (t if round_to is None else t.to(round_to).float()).to(device)
+        tables[kind] = (t, torch.cat([t[:, : r // 2], -t[:, r // 2 :]], dim=-1))
+    return tables
 
 
 class Compressor(nn.Module):
@@ -176,7 +205,7 @@ class Attention(nn.Module):
 
         window = caches[f"{name}.window"]
         pool = torch.cat([kv, window.view(-1, self.head_dim).to(kv.dtype)])  # read before this step's writes
-        ops.write_cache(window, kv, plan.batch.groups[WINDOW].slot_mapping)
+        ops.write_cache(window, kv, plan.slots(WINDOW))
         index = plan.window(WINDOW, c.sliding_window)
         if self.compressor is not None:
             entries, chosen = self._compressed(x, qr, plan, caches, name, table)
@@ -184,22 +213,7 @@ class Attention(nn.Module):
             pool = torch.cat([pool, entries])
         out = ops.sparse_attention(q, pool, index, self.sinks, self.head_dim**-0.5)
         out = _rope(ops, out, positions, inverse)  # undo the values' rotation at the query position
-        return self.o_b_proj(self._grouped_o_a(out.view(t, c.o_groups, -1)))
-
-    def _grouped_o_a(self, x: torch.Tensor) -> torch.Tensor:
-        """Group g of heads through rows [g R, (g + 1) R) of o_a_proj; [T, G, H d / G] -> [T, G R]."""
-        proj, groups = self.o_a_proj, x.shape[1]
-        rows = proj.weight.shape[0] // groups
-        outs = []
-        for g in range(groups):
-            w = proj.weight[g * rows : (g + 1) * rows]
-            if proj.weight_scale_inv is None:
-                outs.append(self.ops.linear(x[:, g], w))
-            else:
-                bn = proj.block[0]
-                s = proj.weight_scale_inv[g * rows // bn : (g + 1) * rows // bn]
-                outs.append(self.ops.fp8_block_linear(x[:, g], w, s, proj.block))
-        return torch.cat(outs, dim=-1)
+        return self.o_b_proj(grouped_o_a(ops, self.o_a_proj, out.view(t, c.o_groups, -1)))
 
     def _compressed(self, x, qr, plan: V4Batch, caches, name: str, table) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's compressed entries; return (every sequence's entries [N, d], the
@@ -211,7 +225,7 @@ class Attention(nn.Module):
         rows = torch.cat([p.rows(x, plan.positions) for p in parts], dim=-1)
         state = caches[f"{name}.compressor_state"]
         state_pool = torch.cat([rows, state.view(-1, state.shape[-1])])
-        self.ops.write_cache(state, rows, plan.batch.groups[state_group].slot_mapping)
+        self.ops.write_cache(state, rows, plan.slots(state_group))
         span = 2 * comp.ratio if comp.overlap else comp.ratio
         em = plan.emitters(kv_group, state_group, span)
         if em.tokens.numel():
@@ -348,14 +362,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.mtp = nn.Module()
         self.mtp.layers = nn.ModuleList(MTPBlock(config, ops, alloc) for _ in range(min(1, config.num_nextn_predict_layers)))
         self._all_groups: dict[str, CacheGroup] | None = None
-        r, maxpos = config.qk_rope_head_dim, config.max_position_embeddings
-        main = rope_cos_sin_table(r, config.rope_theta, {"rope_type": "default"}, maxpos)
-        compress = rope_cos_sin_table(r, config.compress_rope_theta, config.compress_rope_parameters, maxpos)
-        # transformers rounds cos/sin to the model dtype before rotating; the inverse uses -sin.
-        self.tables = {}
-        for kind, t in (("main", main), ("compress", compress)):
-            t = t.to(dtype).float().to(self.device)
-            self.tables[kind] = (t, torch.cat([t[:, : r // 2], -t[:, r // 2 :]], dim=-1))
+        # transformers rounds cos/sin to the model dtype before rotating
+        self.tables = rope_tables(config.qk_rope_head_dim, config.rope_theta, config.compress_rope_theta,
+                                  config.compress_rope_parameters, config.max_position_embeddings, self.device, dtype)
 
     # ---- layout ---------------------------------------------------------------------------------
     @property
@@ -419,11 +428,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     def _plan(self, positions: torch.Tensor, batch: BatchMeta, kv_caches: dict[str, torch.Tensor]) -> V4Batch:
         if self._all_groups is None:  # every group, the MTP block's window included (what any forward may address)
             self._all_groups = {g.name: g for g in self.cache_groups(with_mtp=True)}
-        groups = self._all_groups
-        # the engine's block size, from a paged tensor [blocks, block_size // m, dim] (rings have their own)
-        block_size = next((kv_caches[g.layers[0]].shape[1] * g.tokens_per_entry for g in groups.values()
-                           if g.kind == "paged" and g.layers[0] in kv_caches), 0)
-        return V4Batch(positions, batch, groups, block_size)
+        return plan_for(self._all_groups, positions, batch, kv_caches)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens.weight[input_ids]

@@ -48,9 +48,35 @@ class V4Batch:
         self.start = self.end - n  # first new position
         self.num_decodes = batch.num_decodes
         self.seq = torch.repeat_interleave(torch.arange(n.shape[0], device=device), n, output_size=t)
+        self.rows: torch.Tensor | None = None  # a tail's rows of the whole batch (see ``tail``)
+        self.skipped_from = self.start  # positions [skipped_from, start) were not computed (a tail)
         self._ring_tables: dict[str, torch.Tensor] = {}
         self._entries: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._built: dict[tuple, object] = {}  # window / emitters / visible results: the same for every layer
+
+    def tail(self, keep: torch.Tensor) -> V4Batch:
+        """The same batch restricted to each sequence's newest ``keep[seq]`` new tokens (bounded
+        replay, §4.4): positions, slot mappings and window indices of those rows only; the
+        skipped rows' positions read as no key (-1). Entries (paged groups) are shared."""
+        sub = object.__new__(V4Batch)
+        sub.__dict__.update(self.__dict__)
+        n = self.end - self.start
+        kept = torch.minimum(n, keep)
+        new_start = self.end - kept
+        pos_in_seq = torch.arange(self.num_tokens, device=self.positions.device) - self.base[self.seq]
+        mask = pos_in_seq >= (n - kept)[self.seq]
+        rows = torch.nonzero(mask).flatten()
+        sub.rows = rows if self.rows is None else self.rows[rows]
+        sub.positions, sub.seq, sub.num_tokens = self.positions[rows], self.seq[rows], rows.shape[0]
+        sub.base = torch.cumsum(kept, 0) - kept
+        sub.start, sub.skipped_from = new_start, self.skipped_from
+        sub._built = {}
+        return sub
+
+    def slots(self, group: str) -> torch.Tensor:
+        """This batch's (or tail's) rows of group ``group``'s slot mapping."""
+        mapping = self.batch.groups[group].slot_mapping
+        return mapping if self.rows is None else mapping[self.rows]
 
     def _once(self, key: tuple, build):
         if key not in self._built:
@@ -80,7 +106,8 @@ class V4Batch:
         blocks = table[seq.reshape(-1), ((pos.clamp(min=0) // rb) % table.shape[1]).reshape(-1)].view(pos.shape)
         cached = self.num_tokens + blocks * rb + pos.clamp(min=0) % rb
         out = torch.where(pos >= start, new, cached)
-        return torch.where((pos >= lo) & (pos >= 0), out, torch.full_like(out, -1))
+        skipped = (pos >= self.skipped_from[seq]) & (pos < start)  # rows a tail did not compute
+        return torch.where((pos >= lo) & (pos >= 0) & ~skipped, out, torch.full_like(out, -1))
 
     def window(self, ring: str, window: int) -> torch.Tensor:
         """[T, window] pool indices of each query's window keys p - window + 1 .. p (-1: none)."""
@@ -94,7 +121,7 @@ class V4Batch:
         """Tokens that write an entry of paged group ``paged`` (tokens_per_entry m) and the pool
         indices of the ``span`` rows ending at them (m, or 2m for overlapping windows) in ``ring``."""
         def build() -> Emitters:
-            slots = self.batch.groups[paged].slot_mapping
+            slots = self.slots(paged)
             tokens = torch.nonzero(slots >= 0).flatten()
             pos = self.positions[tokens]
             rows_pos = pos[:, None] - span + 1 + torch.arange(span, device=pos.device)[None, :]
@@ -139,3 +166,11 @@ class V4Batch:
         if (lo, hi) != (0, None):  # a chunk of queries (the CSA indexer's): built when asked, not kept
             return build()
         return self._once(("visible", paged), build)
+
+
+def plan_for(groups: dict[str, CacheGroup], positions: torch.Tensor, batch: BatchMeta, kv_caches: dict[str, torch.Tensor]) -> V4Batch:
+    """The V4Batch of one forward; the engine's block size is read off a paged tensor
+    [blocks, block_size // m, dim] (rings have their own block size)."""
+    block_size = next((kv_caches[g.layers[0]].shape[1] * g.tokens_per_entry for g in groups.values()
+                       if g.kind == "paged" and g.layers[0] in kv_caches), 0)
+    return V4Batch(positions, batch, groups, block_size)

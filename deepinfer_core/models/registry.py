@@ -5,8 +5,13 @@ from __future__ import annotations
 from deepinfer_core.config import MLA_MODEL_TYPES, SUPPORTED_MODEL_TYPES, ConfigError
 from deepinfer_core.models.deepseek_v3 import DeepseekV3ForCausalLM
 from deepinfer_core.models.deepseek_v4 import DeepseekV4ForCausalLM
+from deepinfer_core.models.deepseek_v41 import DeepseekV41ForCausalLM
 
-MODEL_CLASSES: dict[str, type] = {**dict.fromkeys(MLA_MODEL_TYPES, DeepseekV3ForCausalLM), "deepseek_v4": DeepseekV4ForCausalLM}
+MODEL_CLASSES: dict[str, type] = {
+    **dict.fromkeys(MLA_MODEL_TYPES, DeepseekV3ForCausalLM),
+    "deepseek_v4": DeepseekV4ForCausalLM,
+    "deepseek_v41": DeepseekV41ForCausalLM,
+}
 assert set(MODEL_CLASSES) == set(SUPPORTED_MODEL_TYPES)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from deepinfer_core.ops import activation, attention, hyper, linear, moe, norm, rope, sampling, sparse
+from deepinfer_core.ops import activation, attention, engram, hyper, linear, moe, norm, rope, sampling, sparse
 
 # name -> reference implementation. The order is the order ``deepinfer backends`` prints.
 REFERENCE_OPS: dict[str, Callable] = {
@@ -40,11 +40,18 @@ REFERENCE_OPS: dict[str, Callable] = {
     "compress_pool": sparse.compress_pool,
     "indexer_topk": sparse.indexer_topk,
     "sparse_attention": sparse.sparse_attention,
+    # DeepSeek-V4.1
+    "mhc_pre_delayed": hyper.mhc_pre_delayed,
+    "mhc_collapse": hyper.mhc_collapse,
+    "indexer_block_candidates": sparse.indexer_block_candidates,
+    "engram_hash_ids": engram.engram_hash_ids,
+    "engram_gate": engram.engram_gate,
 }
 
 OP_NAMES: tuple[str, ...] = tuple(REFERENCE_OPS)
-# The ops only DeepSeek-V4 uses (a V2/V3-only backend may leave them to the reference).
+# The ops only DeepSeek-V4 and V4.1 use (a V2/V3-only backend may leave them to the reference).
 V4_OP_NAMES: tuple[str, ...] = OP_NAMES[OP_NAMES.index("rms_norm_f32"):]
+V41_OP_NAMES: tuple[str, ...] = OP_NAMES[OP_NAMES.index("mhc_pre_delayed"):]  # V4.1's own
 
 
 class OpTable:

@@ -17,6 +17,22 @@ def _mixes(x: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> torch.Tensor:
     return F.linear(flat, fn.float())
 
 
+def _coefficients(x, fn, base, scale, hc_eps: float, rms_eps: float, sinkhorn_iters: int):
+    """(pre [T, hc], post [T, hc], comb [T, hc, hc]) float32, as ``mhc_pre`` documents."""
+    hc = x.shape[1]
+    m = _mixes(x, fn, rms_eps)
+    b = base.float()
+    s = scale.float()
+    pre = torch.sigmoid(m[:, :hc] * s[0] + b[:hc]) + hc_eps
+    post = 2 * torch.sigmoid(m[:, hc : 2 * hc] * s[1] + b[hc : 2 * hc])
+    comb = torch.softmax(m[:, 2 * hc :].view(-1, hc, hc) * s[2] + b[2 * hc :].view(hc, hc), dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    return pre, post, comb
+
+
 def mhc_pre(
     x: torch.Tensor,
     fn: torch.Tensor,
@@ -38,19 +54,36 @@ def mhc_pre(
     comb[t, j, k] = weight of input stream j in output stream k, collapsed = sum_j pre_j x_j
     [T, D] in x's dtype, summed in float32).
     """
-    hc = x.shape[1]
-    m = _mixes(x, fn, rms_eps)
-    b = base.float()
-    s = scale.float()
-    pre = torch.sigmoid(m[:, :hc] * s[0] + b[:hc]) + hc_eps
-    post = 2 * torch.sigmoid(m[:, hc : 2 * hc] * s[1] + b[hc : 2 * hc])
-    comb = torch.softmax(m[:, 2 * hc :].view(-1, hc, hc) * s[2] + b[2 * hc :].view(hc, hc), dim=-1) + hc_eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    collapsed = (pre[:, :, None] * x.float()).sum(dim=1).to(x.dtype)
-    return post, comb, collapsed
+    pre, post, comb = _coefficients(x, fn, base, scale, hc_eps, rms_eps, sinkhorn_iters)
+    return post, comb, mhc_collapse(x, pre)
+
+
+def mhc_pre_delayed(
+    x: torch.Tensor,
+    pre_in: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    hc_eps: float,
+    rms_eps: float,
+    sinkhorn_iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4.1's delayed hyper-connection (§4.2): this sublayer's coefficients from the
+    streams, the block input collapsed with the previous sublayer's ``pre``.
+
+    x: [T, hc, D]; pre_in: [T, hc] float32 (the previous sublayer's pre; one-hot stream 0 for the
+    first layer); fn, base, scale as ``mhc_pre``. Returns (pre, post, comb as ``mhc_pre`` defines
+    them, float32; collapsed = sum_j pre_in_j x_j [T, D] in x's dtype, summed in float32).
+    """
+    pre, post, comb = _coefficients(x, fn, base, scale, hc_eps, rms_eps, sinkhorn_iters)
+    return pre, post, comb, mhc_collapse(x, pre_in)
+
+
+def mhc_collapse(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_j weights[t, j] * x[t, j]: x [T, hc, D], weights [T, hc] float32 -> [T, D] in x's
+    dtype, summed in float32 (V4.1's final collapse with the last sublayer's pre)."""
+    return (weights.float()[:, :, None] * x.float()).sum(dim=1).to(x.dtype)
 
 
 def mhc_post(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

@@ -82,6 +82,13 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor, norm_weight: torch.Tens
     return rms_norm_f32(pooled, norm_weight, eps)
 
 
+def _scores(q, weights, keys, cands, scale) -> torch.Tensor:
+    """The indexer's float32 scores [t, C] of candidates ``cands`` [t, C] (-inf where -1)."""
+    keys_c = _gather_rows(keys, cands)  # [t, C, Di]
+    dots = torch.einsum("thd,tcd->thc", q.float(), keys_c).relu() * scale
+    return (dots * weights.float()[:, :, None]).sum(dim=1).masked_fill(cands < 0, float("-inf"))
+
+
 def indexer_topk(
     q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor, top_k: int, scale: float
 ) -> torch.Tensor:
@@ -104,10 +111,45 @@ def indexer_topk(
         hi = min(lo + step, t_all)
         cands = candidates[lo:hi]
         valid = cands >= 0
-        keys_c = _gather_rows(keys, cands)  # [t, C, Di]
-        dots = torch.einsum("thd,tcd->thc", q[lo:hi].float(), keys_c).relu() * scale
-        scores = (dots * weights[lo:hi].float()[:, :, None]).sum(dim=1).masked_fill(~valid, float("-inf"))
+        scores = _scores(q[lo:hi], weights[lo:hi], keys, cands, scale)
         best = scores.topk(k, dim=-1).indices
         chosen = cands.gather(1, best)
         out[lo:hi] = torch.where(valid.gather(1, best), chosen, torch.full_like(chosen, -1))
     return out
+
+
+def indexer_block_candidates(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor, scale: float,
+    block_size: int, top_blocks: int,
+) -> torch.Tensor:
+    """DeepSeek-V4.1's first indexer level (§4.3): the candidate blocks each query keeps.
+
+    q, weights, keys, scale: as ``indexer_topk``; candidates: [T, C] int64, column c is the
+    sequence's compressed entry c (its row of keys, -1 where the query does not see it). Columns
+    form blocks of ``block_size`` (block b: columns [b * block_size, (b + 1) * block_size)); a
+    block's score is the highest score of its valid columns (blocks with none are never kept).
+    The block holding the query's newest valid column is always kept and takes one of the
+    ``top_blocks`` places; the others go to the best scores, ties to the lower block. Returns
+    [T, ceil(C / block_size)] bool, True for the kept blocks (all True where a query's blocks
+    number at most ``top_blocks``).
+    """
+    t_all, c = candidates.shape
+    nb = -(-c // block_size)
+    kept = torch.ones((t_all, nb), dtype=torch.bool, device=candidates.device)
+    if t_all == 0 or nb <= top_blocks:
+        return kept
+    cols = torch.arange(c, device=candidates.device)
+    step = _chunk(c, q.shape[-1] + 2 * q.shape[1])
+    for lo in range(0, t_all, step):
+        hi = min(lo + step, t_all)
+        cands = candidates[lo:hi]
+        padded = torch.full((hi - lo, nb * block_size), float("-inf"), device=candidates.device)
+        padded[:, :c] = _scores(q[lo:hi], weights[lo:hi], keys, cands, scale)
+        block = padded.view(hi - lo, nb, block_size).amax(dim=-1)
+        newest = torch.where(cands >= 0, cols, torch.full_like(cands, -1)).amax(dim=-1)
+        has = torch.nonzero(newest >= 0).flatten()
+        block[has, newest[has] // block_size] = float("inf")
+        order = torch.sort(block, dim=-1, descending=True, stable=True).indices[:, :top_blocks]  # ties: lower block first
+        top = torch.zeros_like(block, dtype=torch.bool).scatter_(1, order, True)
+        kept[lo:hi] = top & (block > float("-inf"))
+    return kept

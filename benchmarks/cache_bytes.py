@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--model", action="append", default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    results = {name: group_bytes(name) for name in (args.model or ["v4-flash", "v4-pro", "v3"])}
+    results = {name: group_bytes(name) for name in (args.model or ["v41-flash", "v4-flash", "v4-pro", "v3"])}
     print("| model | cache group | layers | " + " | ".join(f"{n // 1024}k tokens" if n < 2**20 else "1M tokens" for n in CONTEXTS) + " |")
     print("|---|---|---|" + "---|" * len(CONTEXTS))
     for name, r in results.items():

@@ -6,6 +6,8 @@ top-6 + 2 shared, MLA without q_lora, ~15.7B parameters, bf16): it fits one 141 
 layer, block-FP8 weights as DeepSeek ships them: every per-layer shape is the real one.
 ``v3``, ``v4-flash``, ``v4-pro``: the full configs (cache sizing; too large to run on one GPU).
 ``v4-flash-slice``: DeepSeek-V4-Flash's config.json with its first 4 layers and no MTP block.
+``v41-flash``: DeepSeek-V4.1-Flash's config.json (§4.9); ``v41-flash-slice``: its per-layer shapes
+in 6 layers (see below).
 """
 
 from __future__ import annotations
@@ -67,7 +69,30 @@ V4_PRO = {
 V4_FLASH_SLICE = {**V4_FLASH, "num_hidden_layers": 4, "compress_ratios": [0, 0, 4, 128, 0], "num_nextn_predict_layers": 0}
 V3_FULL = {**V3_SLICE, "num_hidden_layers": 61}
 
-MODELS = {"v2-lite": V2_LITE, "v3-slice": V3_SLICE, "v3": V3_FULL, "v4-flash": V4_FLASH, "v4-pro": V4_PRO, "v4-flash-slice": V4_FLASH_SLICE}
+
+def _v41() -> dict:
+    from tests.v41_official import OFFICIAL_CONFIG
+
+    return json.loads(json.dumps(OFFICIAL_CONFIG))
+
+
+V41_FLASH = _v41()
+# V4.1-Flash's per-layer shapes in 6 layers: window-only, two ratio-2 (a KV source, a REUSE), three
+# ratio-1 (a KV source that is also the candidate source, a REUSE, a REINDEX that filters by its
+# candidate blocks); Engram in layer 1 with a 1M-row hash space (the real 16M would need 98 GB of
+# table) and 128 routed experts instead of 384 (bf16 experts: 384 of them are 27 GB a layer).
+V41_FLASH_SLICE = _v41()
+V41_FLASH_SLICE["text_config"].update(
+    num_hidden_layers=6, compress_ratios=[0, 2, 2, 1, 1, 1], kv_source_layer_ids=[1, 3], index_source_layer_ids=[1, 3, 5],
+    candidate_source_layer_id=3, engram_layer_ids=[1], engram_num_embeddings=[], engram_vocab_size=1000000,
+    engram_compressed_vocab_size=1420, n_routed_experts=128, num_nextn_predict_layers=0, dspark_target_layer_ids=[],
+)
+del V41_FLASH_SLICE["image_token_id"]  # benchmarks draw random prompts over the whole vocabulary
+
+MODELS = {"v2-lite": V2_LITE, "v3-slice": V3_SLICE, "v3": V3_FULL, "v4-flash": V4_FLASH, "v4-pro": V4_PRO, "v4-flash-slice": V4_FLASH_SLICE,
+          "v41-flash": V41_FLASH, "v41-flash-slice": V41_FLASH_SLICE}
+# Engram hashes read a tokenizer: V4.1 slices get the conformance tokenizer (1420 compressed ids).
+NEEDS_TOKENIZER = ("v41-flash-slice",)
 
 
 def write_config(name: str, directory: Path) -> Path:
@@ -75,4 +100,9 @@ def write_config(name: str, directory: Path) -> Path:
     path = Path(directory) / name
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(MODELS[name], indent=1))
+    if name in NEEDS_TOKENIZER:
+        import shutil
+
+        for f in (Path(__file__).parent.parent / "deepinfer_core" / "conformance" / "tokenizer").iterdir():
+            shutil.copy(f, path / f.name)
     return path

@@ -37,14 +37,14 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def build(max_num_seqs: int, max_model_len: int, accelerator: str, model_dir: Path | None = None):
+def build(max_num_seqs: int, max_model_len: int, accelerator: str, model_dir: Path | None = None, **kwargs):
     from deepinfer_core import LLM
 
     model_dir = model_dir or write_config("v4-flash-slice", Path(tempfile.mkdtemp(prefix="deepinfer-v4-")))
     t0 = time.perf_counter()
     blocks = max_num_seqs * (-(-max_model_len // 16) + 1)  # every sequence at full length, whatever the block size (>= 16)
     llm = LLM(model=str(model_dir), accelerator=accelerator, dtype="bfloat16", load_format="dummy",
-              max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_kv_blocks=blocks, progress=False)
+              max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_kv_blocks=blocks, progress=False, **kwargs)
     return llm, time.perf_counter() - t0
 
 

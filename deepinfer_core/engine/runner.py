@@ -68,6 +68,8 @@ class StepOutput:
 class ModelRunner:
     """``graphs``: when given, decode-only steps that fit its buckets replay captured graphs."""
 
+    lookback = 0  # tokens before each sequence's new ones the model reads (set from the model)
+
     def __init__(self, model, kv_cache: KVCache, kv: KVCacheManager, device: torch.device, graphs: DecodeGraphs | None = None):
         self.model = model
         self.kv_cache = kv_cache
@@ -77,7 +79,7 @@ class ModelRunner:
         self.groups: list[CacheGroup] = kv.groups
         self.block_size = kv.block_size
         self.max_position = model.config.max_position_embeddings - 1
-        self.lookback = getattr(model, "lookback_tokens", 0)  # tokens before each sequence's new ones the model reads
+        self.lookback = getattr(model, "lookback_tokens", 0)
 
     def _lookback(self, seq: Sequence, start: int) -> list[int]:
         """The ids at positions start - n .. start - 1 (-1 before 0); all on the host: a decode

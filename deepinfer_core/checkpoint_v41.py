@@ -5,7 +5,7 @@ where V4.1 reuses a V4 module), and the checkpoint format ``V41Checkpoint``.
 Beyond V4's original keys (``checkpoint_v4``): the stand-alone indexer of index sources
 (``layers.L.attn.indexer.{wq_b,weights_proj}``; KV sources also ``wk`` and ``k_norm``), Engram
 (``layers.L.engram.{embed,wkv}.{weight,scale}``, ``engram.{q_weight,k_weight}``) and the DSpark
-stages ``mtp.{0,1,2}.*``. The vision tower (``vision.*``, ``aligner.*``, ``image_*``) is skipped
+stages ``mtp.{0,1,2}.*`` (``mtp.layers.i.*`` in the model). The vision tower (``vision.*``, ``aligner.*``, ``image_*``) is skipped
 with a logged note: image input is not supported.
 """
 
@@ -41,6 +41,7 @@ _LINEAR_BY_PARAM = dict(V41_LINEARS)
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _MTP = re.compile(r"mtp\.(\d+)\.(.+)")
 _PARAM = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_STAGE_PARAM = re.compile(r"mtp\.layers\.(\d+)\.(.+)")
 _SCALE_SUFFIX = "_scale_inv"
 
 
@@ -56,8 +57,10 @@ def normalize_v41_key(key: str) -> V4Key | None:
     parsed = normalize_v4_key(key)
     if parsed is not None and parsed.naming in (None, "original"):
         return parsed
-    if m := _MTP.fullmatch(key):  # a DSpark stage's own tensors (the stages are not modelled yet)
-        return V4Key(f"mtp.layers.{m[1]}.{m[2]}", naming="original", mtp=int(m[1]))
+    if m := _MTP.fullmatch(key):  # a DSpark stage's own tensors: main_proj / main_norm, the heads
+        rest, scale = m[2], m[2].endswith(".scale")
+        return V4Key(f"mtp.layers.{m[1]}.{rest.removesuffix('.scale') + '.weight' if scale else rest}", scale=scale,
+                     naming="original", mtp=int(m[1]))
     return None
 
 
@@ -71,7 +74,10 @@ def v41_checkpoint_key(target: str, naming: str = "original", expert: int | None
         module = rest.removesuffix(".weight")
         if module in _LINEAR_BY_PARAM:
             return f"layers.{m[1]}.{_LINEAR_BY_PARAM[module]}.{'scale' if scale else 'weight'}"
-    return v4_checkpoint_key(target, "original", expert, half, scale)
+    key = v4_checkpoint_key(target, "original", expert, half, scale)
+    if key is None and (m := _STAGE_PARAM.fullmatch(target)):  # DSpark's own tensors keep their names
+        key = f"mtp.{m[1]}.{m[2].removesuffix('.weight') + '.scale' if scale else m[2]}"
+    return key
 
 
 def rename_v41_state(state: dict) -> dict:

@@ -51,6 +51,13 @@ CONFIGS_V41 = {
         index_source_layer_ids=[2, 5, 7], candidate_source_layer_id=5, candidate_block_size=2, candidate_topk_blocks=3,
         engram_layer_ids=[1, 3], num_nextn_predict_layers=1,
     ),
+    # v41-tiny with three DSpark stages (taps from layers 5-7, blocks of 3, 4 experts top-2)
+    "v41-dspark": dict(
+        num_hidden_layers=8, compress_ratios=[0, 0, 2, 2, 2, 1, 1, 1, 0, 0, 0], kv_source_layer_ids=[2, 5],
+        index_source_layer_ids=[2, 5, 7], candidate_source_layer_id=5, candidate_block_size=2, candidate_topk_blocks=3,
+        engram_layer_ids=[1, 3], num_nextn_predict_layers=3, dspark_target_layer_ids=[5, 6, 7], dspark_block_size=3,
+        dspark_noise_token_id=2040, dspark_markov_rank=8, dspark_n_routed_experts=4, dspark_num_experts_per_tok=2,
+    ),
     # two ratio-2 sources, a REINDEX layer without candidates, a window-only layer last, no Engram
     "v41-sources": dict(
         num_hidden_layers=6, compress_ratios=[0, 2, 2, 2, 1, 0], kv_source_layer_ids=[1, 2, 4],
@@ -60,7 +67,7 @@ CONFIGS_V41 = {
 QUANT_V41 = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [32, 32],
              "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
 FP8_MODULES = ("q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_proj", "shared_experts.gate_proj",
-               "shared_experts.up_proj", "shared_experts.down_proj", "engram.kv_proj", "engram.embed")
+               "shared_experts.up_proj", "shared_experts.down_proj", "engram.kv_proj", "engram.embed", "main_proj")
 
 
 def config_json(name: str, quant: str | None = "fp8+fp4", **overrides) -> dict:
@@ -105,7 +112,7 @@ def quantize_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tens
         elif k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
             w, s = quantize_mxfp4(v)
             stored[k], stored[k + "_scale_inv"] = w, s
-        elif k.endswith(("sinks", "_hc.fn", "_hc.base", "_hc.scale", "e_score_correction_bias")):
+        elif k.endswith(("sinks", "_hc.fn", "_hc.base", "_hc.scale", "e_score_correction_bias", "confidence_head.proj.weight")):
             stored[k] = v.float()
         else:
             stored[k] = v.to(torch.bfloat16)

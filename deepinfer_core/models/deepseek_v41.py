@@ -31,6 +31,7 @@ from deepinfer_core.config_v41 import FULL, REINDEX, REUSE, WINDOW, V41ModelConf
 from deepinfer_core.models.batch import BatchMeta, CacheGroup
 from deepinfer_core.models.deepseek_v3 import MLP, Alloc, Linear, _param
 from deepinfer_core.models.deepseek_v4 import CANDIDATE_BYTES, RING_BLOCK, HyperConnection, MoE, Norm, _rope, grouped_o_a, rope_tables
+from deepinfer_core.models import dspark
 from deepinfer_core.models.deepseek_v4_batch import V4Batch, plan_for
 from deepinfer_core.models.engram import Engram, ngram_ids
 from deepinfer_core.ops import OpTable
@@ -131,16 +132,20 @@ class Attention(nn.Module):
         self.compressor = Compressor(config, ops, alloc, self.ratio) if self.mode == FULL else None
         self.indexer = Indexer(config, ops, alloc, owner=self.mode == FULL) if self.mode in (FULL, REINDEX) else None
 
-    def forward(self, x, plan: V4Batch, caches, name: str, tables, state: ForwardState, q_rows: torch.Tensor | None = None):
+    def forward(self, x, plan: V4Batch, caches, name: str, tables, state: ForwardState, q_rows: torch.Tensor | None = None,
+                window_index: torch.Tensor | None = None):
         """x: [T, D] normed block inputs of ``plan``'s rows; keys (window, compressed entries) are
-        written for all of them, queries are ``q_rows`` (None: all). Returns [Tq, D]."""
+        written for all of them, queries are ``q_rows`` (None: all). ``window_index``: the pool
+        rows each query reads instead of its sliding window, nothing written (DSpark blocks).
+        Returns [Tq, D]."""
         ops, c = self.ops, self.config
         table, inverse = tables
         kv = ops.rms_norm_f32(self.kv_proj(x), self.kv_norm.weight, self.kv_norm.eps)
         kv = _rope(ops, kv[:, None], plan.positions, table)[:, 0]
         window = caches[f"{name}.window"]
         pool = torch.cat([kv, window.view(-1, self.head_dim).to(kv.dtype)])  # read before this step's writes
-        ops.write_cache(window, kv, plan.slots(WINDOW_GROUP))
+        if window_index is None:
+            ops.write_cache(window, kv, plan.slots(WINDOW_GROUP))
 
         def rows(t: torch.Tensor) -> torch.Tensor:
             return t if q_rows is None else t[q_rows]
@@ -148,7 +153,7 @@ class Attention(nn.Module):
         xq, positions = rows(x), rows(plan.positions)
         qr = ops.rms_norm_f32(self.q_a_proj(xq), self.q_a_norm.weight, self.q_a_norm.eps)
         q = _rope(ops, self.q_b_proj(qr).view(xq.shape[0], self.num_heads, self.head_dim), positions, table)
-        index = rows(plan.window(WINDOW_GROUP, c.sliding_window))
+        index = rows(plan.window(WINDOW_GROUP, c.sliding_window)) if window_index is None else window_index
         if self.mode != WINDOW:
             if self.mode == FULL:
                 self._compress(x, plan, caches, name, table)
@@ -241,7 +246,8 @@ class DecoderLayer(nn.Module):
         return self.ops.mhc_pre_delayed(x, pre_in, hc.fn, hc.base, hc.scale, hc_eps=c.hc_eps, rms_eps=c.rms_norm_eps,
                                         sinkhorn_iters=c.hc_sinkhorn_iters)
 
-    def forward(self, x, pre_in, ngram, plan: V4Batch, caches, name: str, tables, state: ForwardState, q_rows=None):
+    def forward(self, x, pre_in, ngram, plan: V4Batch, caches, name: str, tables, state: ForwardState, q_rows=None,
+                window_index=None):
         """x: [T, hc, D] streams, pre_in: [T, hc] the previous sublayer's pre -> (streams, this
         layer's FFN pre) of the query rows ``q_rows`` (None: all)."""
         ops = self.ops
@@ -249,7 +255,7 @@ class DecoderLayer(nn.Module):
             x = self.engram(x, ngram)
         pre, post, comb, y = self._mix(self.attn_hc, x, pre_in)
         y = ops.rms_norm_f32(y, self.input_layernorm.weight, self.input_layernorm.eps)
-        a = self.self_attn(y, plan, caches, name, tables, state, q_rows)
+        a = self.self_attn(y, plan, caches, name, tables, state, q_rows, window_index)
         if q_rows is not None:
             x, pre, post, comb = x[q_rows], pre[q_rows], post[q_rows], comb[q_rows]
         x = ops.mhc_post(a, x, post, comb)
@@ -285,6 +291,16 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, ops, Alloc(dtype, self.device, None))
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp = nn.Module()
+        self.mtp.layers = nn.ModuleList()
+        if config.num_nextn_predict_layers and config.dspark_target_layer_ids:  # DSpark's stages (models/dspark.py)
+            stage_moe = config.model_copy(update={
+                "n_routed_experts": config.dspark_n_routed_experts or config.n_routed_experts,
+                "num_experts_per_tok": config.dspark_num_experts_per_tok or config.num_experts_per_tok})
+            for i in range(config.num_nextn_predict_layers):
+                stage = DecoderLayer(config, ops, alloc, None, stage_moe)
+                dspark.add_stage_extras(stage, i, config, ops, alloc)
+                self.mtp.layers.append(stage)
         self._all_groups: dict[str, CacheGroup] | None = None
         self.tables = rope_tables(config.qk_rope_head_dim, config.rope_theta, config.compress_rope_theta,
                                   config.compress_rope_parameters, config.max_position_embeddings, self.device, None)
@@ -319,10 +335,14 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.lookahead = lookahead
 
     # ---- layout ---------------------------------------------------------------------------------
-    num_mtp_layers = 0
+    @property
+    def num_mtp_layers(self) -> int:
+        """DSpark stages loaded (``mtp.layers.i``)."""
+        return len(self.mtp.layers)
 
     def drop_mtp_layers(self) -> None:
-        pass
+        self.mtp.layers = nn.ModuleList()
+        self._all_groups = None
 
     @property
     def default_block_size(self) -> int:
@@ -346,7 +366,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         c, dt = self.config, self.dtype
         names = [layer_name(i) for i in range(c.num_hidden_layers)]
         replay = self.replay_tokens(with_mtp)
-        groups = [CacheGroup(WINDOW_GROUP, "ring", tuple(f"{n}.window" for n in names), c.head_dim, dt,
+        stages = [dspark.stage_name(i) for i in range(self.num_mtp_layers)] if with_mtp else []
+        groups = [CacheGroup(WINDOW_GROUP, "ring", tuple(f"{n}.window" for n in names + stages), c.head_dim, dt,
                              window=c.sliding_window, replay_tokens=replay, ring_block=min(RING_BLOCK, c.sliding_window))]
         for r in sorted({c.compress_ratios[s] for s in c.kv_source_layer_ids}):
             src = [names[s] for s in c.kv_source_layer_ids if c.compress_ratios[s] == r]
@@ -406,11 +427,19 @@ class DeepseekV41ForCausalLM(nn.Module):
         pre[:, 0] = 1.0  # layer 0 collapses to the embedding copy
         tail = self._tail_plan(plan, batch)
         state = ForwardState()
+        # DSpark's taps, when its stages' windows are among the caches (cache_groups(with_mtp=True))
+        tapping = self.num_mtp_layers and f"{dspark.stage_name(0)}.window" in kv_caches
+        taps: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
+            if tapping and i in c.dspark_target_layer_ids:
+                taps[i] = x.float().mean(dim=1)
             q_rows = tail.rows if tail is not None and i == c.last_kv_source else None
             x, pre = layer(x, pre, ngram, plan, kv_caches, layer_name(i), self._layer_tables(i), state, q_rows)
             if q_rows is not None:
                 plan, ngram = tail, None if ngram is None else ngram[q_rows]
+                taps = {k: v[q_rows] for k, v in taps.items()}
+        if tapping:
+            dspark.write_context(self, torch.stack([taps[t] for t in c.dspark_target_layer_ids], dim=1), plan, kv_caches)
         return x, pre, None if tail is None else tail.rows
 
     @torch.no_grad()
@@ -427,3 +456,13 @@ class DeepseekV41ForCausalLM(nn.Module):
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def forward_dspark(self, anchor_ids, positions, batch: BatchMeta, kv_caches) -> dspark.Draft:
+        """DSpark's block draft (models/dspark.py): ``batch`` holds one decode row of
+        ``dspark_block_size`` tokens per sequence at positions P .. P + N - 1 (the anchor, the
+        newest token, at P); the stages' windows (cache_groups(with_mtp=True)) hold the context
+        the target forwards wrote. Nothing is written."""
+        if not self.num_mtp_layers:
+            raise ValueError("DSpark requested but the model has no DSpark stages loaded (mtp.0-2.*)")
+        return dspark.draft(self, anchor_ids, self._plan(positions, batch, kv_caches), kv_caches)

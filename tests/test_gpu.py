@@ -134,3 +134,18 @@ def test_v4_nvidia_matches_cpu_reference(tmp_path, quant):
     assert gpu_llm.engine.device.type == "cuda"
     # FP8 kept FP8 on the GPU (its GEMMs) against weights dequantised on the CPU
     _assert_same_greedy(cpu, gpu_llm.generate(prompts, params, use_tqdm=False), 2e-2 if quant else 1e-3)
+
+
+@pytest.mark.parametrize("name", ["v41-tiny", "v41-sources"])
+def test_v41_nvidia_matches_cpu_reference(tmp_path, name):
+    """DeepSeek-V4.1 (original layout, FP8 32x32 + MXFP4; bounded replay on, its default) on the
+    nvidia backend gives the CPU reference's greedy tokens."""
+    from tests.v41_checkpoints import write_checkpoint_v41
+
+    path = write_checkpoint_v41(name, tmp_path / name)
+    prompts = [[(7 * i + 3) % 1990 + 3 for i in range(n)] for n in (70, 9)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    cpu = LLM(model=str(path), accelerator="cpu", dtype="float32", progress=False).generate(prompts, params, use_tqdm=False)
+    gpu_llm = LLM(model=str(path), accelerator="nvidia", dtype="float32", progress=False)
+    assert gpu_llm.engine.device.type == "cuda"
+    _assert_same_greedy(cpu, gpu_llm.generate(prompts, params, use_tqdm=False), 2e-2)

@@ -20,7 +20,7 @@ import torch
 
 from deepinfer_core.cli import main
 from deepinfer_core.conformance import jsonsafe, ops_suite
-from deepinfer_core.conformance.checks import chi_square_pvalue
+from deepinfer_core.conformance.checks import block_scores, chi_square_pvalue
 from deepinfer_core.conformance.inputs import BUILDERS, make_case
 from deepinfer_core.conformance.ops_suite import OpReport, ReplayCase, SuiteReport, format_report, replay_case, run_op, run_suite, write_json
 from deepinfer_core.conformance.spec import shapes, specs_dir, tolerance
@@ -47,7 +47,10 @@ def test_every_op_has_a_generator_and_a_spec():
                                 # DeepSeek-V4 (moe_experts_clamped's real shapes are slow: below)
                                 "rms_norm_f32", "rms_normalize", "silu_and_mul_clamped", "moe_route_sqrtsoftplus",
                                 "mhc_pre", "mhc_post", "mhc_head", "write_cache", "compress_pool", "indexer_topk",
-                                "sparse_attention"])
+                                "sparse_attention",
+                                # DeepSeek-V4.1
+                                "mhc_pre_delayed", "mhc_collapse", "indexer_block_candidates", "engram_hash_ids",
+                                "engram_gate"])
 def test_reference_passes_itself(op):
     report = check(op, REFERENCE_OPS[op], examples=3)
     assert report.result == "PASS", report.detail()
@@ -621,3 +624,192 @@ def test_v4_index_inputs_are_valid():
     assert (case.args[0].abs() > case.args[1]).float().mean() > 0.2
     hashed = [make_case("moe_route_sqrtsoftplus", d, F32, "cpu") for d in shapes("moe_route_sqrtsoftplus") if d["hash"] and d["tokens"]]
     assert hashed and all(c.args[3] is not None and c.args[3].shape == (c.args[0].shape[0], c.kwargs["top_k"]) for c in hashed)
+
+
+# ---- DeepSeek-V4.1 ops: the kit catches wrong ones ----------------------------------------------
+
+
+def _delayed_collapsing_with_own_pre(x, pre_in, fn, base, scale, **kw):
+    """V4's same-sublayer collapse: the block input collapsed with this sublayer's pre, not pre_in."""
+    pre, post, comb, _ = REFERENCE_OPS["mhc_pre_delayed"](x, pre_in, fn, base, scale, **kw)
+    return pre, post, comb, REFERENCE_OPS["mhc_collapse"](x, pre)
+
+
+def _collapse_normalising_weights(x, weights):
+    """A weighted mean instead of the weighted sum."""
+    return REFERENCE_OPS["mhc_collapse"](x, weights / weights.sum(dim=-1, keepdim=True))
+
+
+def _choose_blocks(q, weights, keys, candidates, scale, block_size, top_blocks, *, forced="newest", ties="lower",
+                   drop_empty=True, noise=0.0):
+    """The block rule written out on the kit's block scores, with one part of it switchable:
+    ``forced`` "newest" (the block of the newest valid column), "largest_row" (of the column
+    holding the largest key row) or None; ``ties`` to the "lower" or "higher" block; blocks without
+    a valid column dropped or not; ``noise``: scores scaled by 1 + noise * U(-1, 1) first (another
+    summation order; exact zeros stay zeros)."""
+    t, c = candidates.shape
+    score = block_scores(q, weights, keys, candidates, scale, block_size)
+    nb = score.shape[1]
+    if nb <= top_blocks:
+        return torch.ones(t, nb, dtype=torch.bool)
+    if noise:
+        score = score * (1 + noise * (2 * torch.rand(score.shape, generator=torch.Generator().manual_seed(0)) - 1))
+    cols = torch.arange(c).expand(t, c)
+    if forced == "newest":
+        col = torch.where(candidates >= 0, cols, -1).amax(dim=1)
+    else:  # the column of the largest row id (columns are entry ordinals, not rows: wrong)
+        col = torch.where(candidates.amax(dim=1) >= 0, candidates.argmax(dim=1), -1)
+    rank = score.clone()
+    if forced:
+        has = torch.nonzero(col >= 0).flatten()
+        rank[has, col[has] // block_size] = float("inf")
+    if ties == "lower":
+        order = rank.sort(dim=1, descending=True, stable=True).indices
+    else:
+        order = nb - 1 - rank.flip(-1).sort(dim=1, descending=True, stable=True).indices
+    kept = torch.zeros(t, nb, dtype=torch.bool).scatter_(1, order[:, :top_blocks], True)
+    return kept & (score > float("-inf")) if drop_empty else kept
+
+
+def _blocks_without_the_newest(*args):
+    return _choose_blocks(*args, forced=None)
+
+
+def _blocks_ties_to_higher(*args):
+    return _choose_blocks(*args, ties="higher")
+
+
+def _blocks_newest_by_row_id(*args):
+    return _choose_blocks(*args, forced="largest_row")
+
+
+def _blocks_keeping_empty_blocks(*args):
+    return _choose_blocks(*args, drop_empty=False)
+
+
+def _hash_with_pad_0(ngram_ids, multipliers, primes, offsets, pad_id):
+    return REFERENCE_OPS["engram_hash_ids"](ngram_ids, multipliers, primes, offsets, 0)
+
+
+def _hash_shifts_reversed(ngram_ids, multipliers, primes, offsets, pad_id):
+    """The n-gram read oldest token first (column n - 1 as shift 0)."""
+    return REFERENCE_OPS["engram_hash_ids"](ngram_ids.flip(-1), multipliers, primes, offsets, pad_id)
+
+
+def _hash_python(ngram_ids, multipliers, primes, offsets, pad_id):
+    """The hash in python integers, one token at a time (a correct other implementation)."""
+    mult, pr, offs = multipliers.tolist(), primes.tolist(), offsets.tolist()
+    heads = len(pr[0]) if pr else 0
+    rows = []
+    for ids in ngram_ids.tolist():
+        roll, row = 0, []
+        for s, v in enumerate(ids):
+            roll ^= (pad_id if v < 0 else v) * mult[s]
+            row += [roll % pr[s - 1][h] + offs[(s - 1) * heads + h] for h in range(heads)] if s else []
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.int64).view(ngram_ids.shape[0], (ngram_ids.shape[1] - 1) * heads)
+
+
+def _gate(x, kv, q_weight, k_weight, eps, squash, dtype=torch.float32):
+    """The Engram gate with the squash of dot_k given (the contract's: sign(dot) sqrt(max(|dot|, 1e-6)))."""
+    t, hc, d = x.shape
+    x32, kv32 = x.to(dtype), kv.to(dtype)
+    key, value = kv32[:, : hc * d].view(t, hc, d), kv32[:, hc * d :].view(t, 1, d)
+    dot = (x32 * q_weight.to(dtype) * k_weight.to(dtype) * key).sum(-1)
+    dot = dot * torch.rsqrt(x32.pow(2).mean(-1) + eps) * torch.rsqrt(key.pow(2).mean(-1) + eps) * d**-0.5
+    return (x32 + torch.sigmoid(squash(dot))[..., None] * value).to(x.dtype)
+
+
+def _gate_without_floor(*args):
+    return _gate(*args, squash=lambda dot: dot.sign() * dot.abs().sqrt())
+
+
+def _gate_sigmoid_of_dot(*args):
+    return _gate(*args, squash=lambda dot: dot)
+
+
+def _gate_sign_of_zero_positive(*args):
+    return _gate(*args, squash=lambda dot: torch.where(dot >= 0, 1.0, -1.0) * dot.abs().clamp_min(1e-6).sqrt())
+
+
+def _gate_float64(*args):
+    return _gate(*args, squash=lambda dot: dot.sign() * dot.abs().clamp_min(1e-6).sqrt(), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("op, wrong, says", [
+    ("mhc_pre_delayed", _delayed_collapsing_with_own_pre, "collapsed:"),
+    ("mhc_collapse", _collapse_normalising_weights, "y:"),
+    ("indexer_block_candidates", _blocks_without_the_newest, "newest valid column (always kept)"),
+    ("indexer_block_candidates", _blocks_newest_by_row_id, "newest valid column (always kept)"),
+    ("indexer_block_candidates", _blocks_ties_to_higher, "ties go to the lower block"),
+    ("indexer_block_candidates", _blocks_keeping_empty_blocks, "has no valid column"),
+    ("engram_hash_ids", _hash_with_pad_0, "ids:"),
+    ("engram_hash_ids", _hash_shifts_reversed, "ids:"),
+    ("engram_gate", _gate_without_floor, "streams:"),
+    ("engram_gate", _gate_sigmoid_of_dot, "streams:"),
+    ("engram_gate", _gate_sign_of_zero_positive, "streams:"),
+], ids=lambda v: v.__name__.strip("_") if callable(v) else None)  # fmt: skip
+def test_a_wrong_v41_op_fails_for_the_right_reason(op, wrong, says):
+    report = check(op, wrong, examples=0)
+    assert report.result == "FAIL" and says in report.message, report.detail()
+    assert replay_case(report.failing_case, wrong, "cpu").result == "FAIL"
+    assert replay_case(report.failing_case, REFERENCE_OPS[op], "cpu").result == "PASS"
+
+
+@pytest.mark.parametrize("op, fn", [
+    ("indexer_block_candidates", _choose_blocks),
+    ("indexer_block_candidates", lambda *a: _choose_blocks(*a, noise=1e-5)),  # near ties resolved otherwise
+    ("engram_hash_ids", _hash_python),
+    ("engram_gate", _gate_float64),
+])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_correct_other_v41_implementation_passes(op, fn, dtype):
+    report = check(op, fn, examples=2, dtype=dtype)
+    assert report.result == "PASS", report.detail()
+
+
+def test_v41_inputs_are_valid():
+    """The inputs the kit builds for V4.1's ops meet their preconditions and reach their edge cases."""
+    from deepinfer_core.models import engram_tables as et
+
+    # Engram ids: below the compressed vocabulary, -1 only as tails, products below 2^63; a dead
+    # token and a position-0 token; the real shapes use the model's primes and multipliers
+    for dims in shapes("engram_hash_ids"):
+        ids, mult, primes, offsets, pad = make_case("engram_hash_ids", dims, F32, "cpu", seed=1).args
+        vocab, n = dims["compressed_vocab"], dims["max_ngram"]
+        assert ((ids >= -1) & (ids < vocab)).all() and 0 <= pad < vocab
+        blocked = ids < 0
+        assert not (blocked[:, :-1] & ~blocked[:, 1:]).any(), dims  # once -1, -1 after
+        assert all(max(max(row), pad) * m < 2**63 for row in ids.tolist() for m in mult.tolist() if row)
+        assert mult.tolist() == et.engram_multipliers(dims["layer"], vocab, n) and all(m % 2 for m in mult.tolist())
+        assert primes.tolist() == et.engram_primes(dims["engram_vocab"], dims["layers"], n, dims["heads"])[dims["layer"]]
+        depth = (~blocked).sum(1).tolist()
+        if dims["blocked_tokens"] >= 2:
+            assert 0 in depth and 1 in depth and vocab - 1 in ids.flatten().tolist(), dims
+    # block candidates: visible prefixes that differ; blocks dropped; rows of at most top blocks
+    # all kept; with one head, ties at the top-block boundary that the lower-block rule decides
+    dropped = all_kept = tie_decides = False
+    for dims in shapes("indexer_block_candidates"):
+        case = make_case("indexer_block_candidates", dims, F32, "cpu", seed=0)
+        q, weights, keys, candidates, scale, bs, top = case.args
+        valid = candidates >= 0
+        lengths = valid.sum(1)
+        assert (valid == (torch.arange(candidates.shape[1]) < lengths[:, None])).all()  # prefixes
+        assert dims["tokens"] < 3 or lengths.unique().numel() >= 3, dims
+        kept = REFERENCE_OPS["indexer_block_candidates"](*case.args)
+        nonempty = block_scores(q, weights, keys, candidates, scale, bs) > float("-inf")
+        dropped |= bool((nonempty & ~kept).any())
+        all_kept |= kept.shape[1] <= top and bool(kept.all()) and bool((~nonempty).any())
+        if dims["heads"] == 1:
+            tie_decides |= not torch.equal(kept, _blocks_ties_to_higher(*case.args))
+    assert dropped and all_kept and tie_decides
+    # Engram gate: the tiny streams' dots lie below the floor (or are 0), with both signs
+    dots = []
+    for dims in shapes("engram_gate"):
+        x, kv, qw, kw, eps = make_case("engram_gate", dims, F32, "cpu", seed=0).args
+        t, hc, d = x.shape
+        key = kv[:, : hc * d].view(t, hc, d)
+        dot = (x * qw * kw * key).sum(-1) * torch.rsqrt(x.pow(2).mean(-1) + eps) * torch.rsqrt(key.pow(2).mean(-1) + eps) * d**-0.5
+        dots += dot[dot.abs() < 1e-6].tolist()
+        assert int((dot.abs() < 1e-6).sum()) == dims["tiny_streams"], dims
+    assert min(dots) < 0 < max(dots) and 0.0 in dots

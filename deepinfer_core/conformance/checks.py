@@ -373,6 +373,122 @@ def check_indexer_topk(fn: Callable, case: OpCase) -> Outcome:
     return Outcome(True)
 
 
+def block_scores(q, weights, keys, candidates, scale, block_size: int) -> torch.Tensor:
+    """[T, ceil(C / block_size)] float32: each candidate block's score, the highest indexer score
+    of its valid columns (-inf for a block with none); the kit's ``indexer_scores`` per column."""
+    scores = indexer_scores(q, weights, keys, candidates, scale)
+    t, c = scores.shape
+    nb = -(-c // block_size)
+    padded = torch.full((t, nb * block_size), float("-inf"), device=scores.device)
+    padded[:, :c] = scores
+    return padded.view(t, nb, block_size).amax(dim=-1)
+
+
+def _block_choice_error(kept: torch.Tensor, score: torch.Tensor, forced: int, top_blocks: int, tie_eps: float) -> str | None:
+    """What is wrong with one query's kept blocks ``kept`` [nb] bool under the block rule (None:
+    nothing): ``score`` [nb] the block scores (-inf: no valid column), ``forced`` the block of
+    the newest valid column (-1: none). Blocks without a valid column are never kept; the forced
+    one always is; min(top_blocks, blocks with a valid column) are kept; no dropped block scores
+    more than tie_eps above a kept one (the forced block aside); at exactly equal scores the lower
+    block is kept."""
+    nonempty = score > float("-inf")
+    extra = (kept & ~nonempty).nonzero().flatten()
+    if extra.numel():
+        return f"keeps block {int(extra[0])}, which has no valid column (never kept)"
+    if forced >= 0 and not bool(kept[forced]):
+        return f"drops block {forced}, which holds the query's newest valid column (always kept)"
+    want = min(top_blocks, int(nonempty.sum()))
+    if int(kept.sum()) != want:
+        return f"keeps {int(kept.sum())} blocks, expected {want} (of {int(nonempty.sum())} with a valid column, top {top_blocks})"
+    free = nonempty.clone()
+    if forced >= 0:
+        free[forced] = False
+    chosen, left = (kept & free).nonzero().flatten(), (free & ~kept).nonzero().flatten()
+    if not chosen.numel() or not left.numel():
+        return None
+    worst, best = int(chosen[score[chosen].argmin()]), int(left[score[left].argmax()])
+    if float(score[best]) > float(score[worst]) + tie_eps:
+        return (f"drops block {best} (score {float(score[best]):.6g}) but keeps block {worst} (score "
+                f"{float(score[worst]):.6g}), without a tie")
+    same = (score[chosen][:, None] == score[left][None, :]) & (left[None, :] < chosen[:, None])
+    if same.any():
+        a, b = (int(i) for i in same.nonzero()[0])
+        return (f"keeps block {int(chosen[a])} but drops block {int(left[b])} of exactly the same score "
+                f"{float(score[chosen[a]]):.6g}: ties go to the lower block")
+    return None
+
+
+def check_indexer_block_candidates(fn: Callable, case: OpCase) -> Outcome:
+    """Per query, the kept blocks under the rule ``_block_choice_error`` states, on the kit's block
+    scores: the reference's choice, up to near ties (scores within the spec's tie_eps are free,
+    exactly equal ones go to the lower block). All blocks kept where there are at most top_blocks."""
+    mine = case.clone()
+    out = call_backend(fn, mine)
+    untouched = _inputs_untouched(case, mine)
+    if not untouched.ok:
+        return untouched
+    q, weights, keys, candidates, scale, block_size, top_blocks = case.args
+    tokens, c = candidates.shape
+    nb = -(-c // block_size)
+    wrong = _expect("blocks", out, (tokens, nb), torch.bool)
+    if wrong:
+        return wrong
+    kept = out.cpu()
+    if tokens == 0 or nb == 0:
+        return Outcome(True)
+    if nb <= top_blocks:
+        if not kept.all():
+            t = int((~kept).any(1).nonzero()[0])
+            return Outcome(False, float("inf"), f"query {t}: {nb} blocks, at most top_blocks {top_blocks}: all must be kept, "
+                           f"got {kept[t].int().tolist()[:32]}")
+        return Outcome(True)
+    tie_eps = float(ops_spec()["indexer_block_candidates"].get("tie_eps", 0.0))
+    ref = REFERENCE_OPS["indexer_block_candidates"](*case.clone().args).cpu()
+    score = block_scores(q, weights, keys, candidates, scale, block_size).cpu()
+    cand = candidates.cpu()
+    newest = torch.where(cand >= 0, torch.arange(c), torch.full_like(cand, -1)).amax(dim=1)
+    for t in range(tokens):
+        forced = int(newest[t]) // block_size if int(newest[t]) >= 0 else -1
+        where = f"query {t} (newest valid column {int(newest[t])}, {int((score[t] > float('-inf')).sum())} of {nb} blocks with one)"
+        # the kit's block scores stand in for the reference's: its choice must pass them
+        kit_error = _block_choice_error(ref[t], score[t], forced, top_blocks, tie_eps)
+        if kit_error:
+            return Outcome(False, float("inf"), f"conformance kit error, not the backend's: the reference's blocks for {where} "
+                           f"fail the kit's rule: {kit_error}")
+        if torch.equal(kept[t], ref[t]):
+            continue
+        error = _block_choice_error(kept[t], score[t], forced, top_blocks, tie_eps)
+        if error:
+            return Outcome(False, float("inf"), f"{where} {error}")
+    return Outcome(True)
+
+
+def check_engram_hash_ids(fn: Callable, case: OpCase) -> Outcome:
+    """Integer ids: exactly the reference's, int64 (compared as integers: float32 would merge ids
+    above 2^24)."""
+    mine = case.clone()
+    out = call_backend(fn, mine)
+    untouched = _inputs_untouched(case, mine)
+    if not untouched.ok:
+        return untouched
+    ngram_ids, multipliers, primes, offsets, pad_id = case.args
+    ref = REFERENCE_OPS["engram_hash_ids"](*case.clone().args)
+    wrong = _expect("ids", out, tuple(ref.shape), torch.int64)
+    if wrong:
+        return wrong
+    got, ref = out.cpu(), ref.cpu()
+    if torch.equal(got, ref):
+        return Outcome(True)
+    bad = got != ref
+    t, col = (int(i) for i in bad.nonzero()[0])
+    lo, size = int(offsets.cpu()[col]), int(primes.cpu().flatten()[col])
+    inside = "inside" if lo <= int(got[t, col]) < lo + size else "outside"
+    return Outcome(False, float("inf"), f"ids: {int(bad.sum())} of {got.numel()} differ; first at token {t}, column {col} "
+                   f"(n-gram size {col // primes.shape[1] + 2}, head {col % primes.shape[1]}): {int(got[t, col])} ({inside} "
+                   f"its segment [{lo}, {lo + size})) vs reference {int(ref[t, col])}; the token's n-gram ids "
+                   f"{ngram_ids[t].tolist()}")
+
+
 def reference_distribution(logits, temperature, top_k, top_p, min_p) -> torch.Tensor:
     """float64 probabilities the reference samples each row from (temperature > 0 rows)."""
     t = torch.where(temperature > 0, temperature, 1.0)[:, None]
@@ -470,6 +586,8 @@ CHECKERS: dict[str, Callable[[Callable, OpCase], Outcome]] = {
     "sample_tokens": check_sample_tokens,
     "moe_route_sqrtsoftplus": check_moe_route_sqrtsoftplus,
     "indexer_topk": check_indexer_topk,
+    "indexer_block_candidates": check_indexer_block_candidates,
+    "engram_hash_ids": check_engram_hash_ids,
 }
 
 

@@ -18,6 +18,7 @@ import torch
 
 from deepinfer_core.conformance.checkpoints import quantize_fp8_block
 from deepinfer_core.dtypes import dtype_from_name
+from deepinfer_core.models.engram_tables import engram_multipliers, engram_offsets, engram_primes
 from deepinfer_core.ops.rope import rope_cos_sin_table
 
 NORM_EPS = 1e-6
@@ -436,6 +437,123 @@ def _sparse_attention(d: dict, dtype, r: _Draw):
     return (q, kv, indices.to(r.device), sinks, dim**-0.5), {}
 
 
+# ---- DeepSeek-V4.1 ops --------------------------------------------------------------------------
+
+V41_RMS_EPS = 1e-20  # V4.1-Flash's rms_norm_eps: mHC's mixes and the Engram gate use it
+ENGRAM_TINY = 2.0**-22  # the one shared channel of a tiny-dot stream: x 1, key +-2^-22 (exact in every dtype)
+
+
+def _pre_weights(r: _Draw, t: int, hc: int, one_hot: int) -> torch.Tensor:
+    """[t, hc] float32 collapse weights as a sublayer's pre comes out of mHC (sigmoid(N(0, 1)) +
+    hc_eps), ``one_hot`` random tokens one-hot on stream 0 (what the first layer collapses with)."""
+    if one_hot > t:
+        raise ValueError(f"{one_hot} one-hot tokens of {t}")
+    w = torch.sigmoid(torch.randn(t, hc, generator=r.gen)) + HC_EPS
+    rows = r.perm(t)[:one_hot]
+    w[rows] = 0.0
+    w[rows, 0] = 1.0
+    return w.to(r.device)
+
+
+def _mhc_pre_delayed(d: dict, dtype, r: _Draw):
+    t, hc, hidden = d["tokens"], d["hc"], d["hidden"]
+    x = r.randn(t, hc, hidden, dtype=dtype)
+    pre_in = _pre_weights(r, t, hc, d["one_hot_tokens"])
+    fn, base, scale = _mhc_params(r, (2 + hc) * hc, hc * hidden, 3)
+    return (x, pre_in, fn, base, scale), {"hc_eps": HC_EPS, "rms_eps": V41_RMS_EPS, "sinkhorn_iters": d["sinkhorn_iters"]}
+
+
+def _mhc_collapse(d: dict, dtype, r: _Draw):
+    t, hc, hidden = d["tokens"], d["hc"], d["hidden"]
+    x = r.randn(t, hc, hidden, dtype=dtype)
+    return (x, _pre_weights(r, t, hc, d["one_hot_tokens"])), {}
+
+
+def _visible_prefixes(r: _Draw, t: int, empty: int, c: int, bs: int, top: int) -> list[int]:
+    """How many entries each of t queries sees (a prefix of the C columns): ``empty`` random
+    queries none, the others first the lengths where the block rule changes (all C; exactly
+    ``top`` blocks; one entry past them; a random block boundary; one entry; each once, those
+    within C), then uniform in [1, C]."""
+    nb = -(-c // bs)
+    special = [c, top * bs, top * bs + 1, bs * int(r.integers(1, nb + 1)), 1]
+    special = list(dict.fromkeys(min(max(n, 1), c) for n in special))  # in order, once each
+    lengths = [0] * t
+    order = r.perm(t).tolist()
+    for j, i in enumerate(order[empty:]):
+        lengths[i] = special[j] if j < len(special) else int(r.integers(1, c + 1))
+    return lengths
+
+
+def _indexer_block_candidates(d: dict, dtype, r: _Draw):
+    t, h, di, pool, c = (d[n] for n in ("tokens", "heads", "head_dim", "pool", "candidates"))
+    bs, top, empty = d["candidate_block_size"], d["candidate_topk_blocks"], d["empty_queries"]
+    if not 0 < c <= pool or empty > t or bs < 1 or top < 1:
+        raise ValueError(f"indexer_block_candidates: need 0 < candidates <= pool, empty_queries <= tokens and block size, top blocks >= 1, got {d}")
+    lengths = _visible_prefixes(r, t, empty, c, bs, top)
+    q = r.randn(t, h, di, dtype=dtype)
+    weights = r.randn(t, h, scale=h**-0.5)  # as indexer_topk's: both signs (one head: many exact-0 block scores)
+    keys = r.randn(pool, di, dtype=dtype)
+    # column j = the query's entry j, held at a random row of the pool (its own sequence's
+    # layout); the query sees its first lengths[i] entries, -1 after them
+    candidates = torch.full((t, c), -1, dtype=torch.int64)
+    for i, n in enumerate(lengths):
+        candidates[i, :n] = r.perm(pool)[:n]
+    return (q, weights, keys, candidates.to(r.device), di**-0.5, bs, top), {}
+
+
+@functools.lru_cache(maxsize=8)
+def _engram_tables(engram_vocab: int, layers: tuple[int, ...], layer: int, max_ngram: int, heads: int,
+                   compressed_vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(multipliers [n], primes [n-1, H], offsets [(n-1) H]) int64 of one Engram layer, as the model builds them."""
+    if layer not in layers:
+        raise ValueError(f"engram layer {layer} is not one of the engram layers {list(layers)}")
+    primes = engram_primes(engram_vocab, layers, max_ngram, heads)[layer]
+    return (torch.tensor(engram_multipliers(layer, compressed_vocab, max_ngram), dtype=torch.int64),
+            torch.tensor(primes, dtype=torch.int64), torch.tensor(engram_offsets(primes), dtype=torch.int64))
+
+
+def _engram_hash_ids(d: dict, dtype, r: _Draw):
+    t, n, vocab, pad, blocked = d["tokens"], d["max_ngram"], d["compressed_vocab"], d["pad_id"], d["blocked_tokens"]
+    if n < 2 or not 0 <= pad < vocab or blocked > t:
+        raise ValueError(f"engram_hash_ids: need max_ngram >= 2, 0 <= pad_id < compressed_vocab, blocked_tokens <= tokens, got {d}")
+    mult, primes, offsets = _engram_tables(d["engram_vocab"], tuple(d["layers"]), d["layer"], n, d["heads"], vocab)
+    # ids < the compressed vocabulary (the multipliers' precondition), the extremes included: one
+    # token of the largest id throughout (products just below 2^63), one of id 0
+    ids = r.integers(0, vocab, t, n)
+    rows = r.perm(t)
+    ids[rows[:1]] = vocab - 1
+    ids[rows[1:2]] = 0
+    # blocked tokens keep their first `depth` columns, -1 after (first a token at position 0:
+    # depth 1, then a dead token: depth 0, then any depth < n)
+    for j, i in enumerate(r.perm(t)[:blocked].tolist()):
+        depth = (1, 0)[j] if j < 2 else int(r.integers(0, n))
+        ids[i, depth:] = -1
+    dev = r.device  # copies: the cached tables are never handed out themselves
+    return (ids.to(dev), *(table.clone().to(dev) for table in (mult, primes, offsets)), pad), {}
+
+
+def _engram_gate(d: dict, dtype, r: _Draw):
+    t, hc, hidden, tiny = d["tokens"], d["hc"], d["hidden"], d["tiny_streams"]
+    if tiny > t * hc or (tiny and hidden < 3):
+        raise ValueError(f"engram_gate: {tiny} tiny streams of {t} tokens x {hc} streams (hidden >= 3 for them)")
+    x = torch.randn(t, hc, hidden, generator=r.gen)
+    kv = torch.randn(t, (hc + 1) * hidden, generator=r.gen)  # W_ekv's output: hc keys | the value
+    q_weight, k_weight = (1 + torch.randn(hc, hidden, generator=r.gen) * 0.1 for _ in range(2))
+    # Tiny streams: x_k and key_k share one channel (x 1, key +-2^-22 or 0) and are exactly 0
+    # on each other's other channels, so dot_k is exact in any summation order: below the 1e-6
+    # floor with a sure sign, or exactly 0 (gate 1/2)
+    for j, p in enumerate(r.perm(t * hc)[:tiny].tolist()):
+        i, k = divmod(p, hc)
+        ch = r.perm(hidden)
+        key = kv[i, k * hidden : (k + 1) * hidden]
+        x[i, k, ch[1::2]] = 0.0
+        key[ch[2::2]] = 0.0
+        x[i, k, ch[0]] = 1.0
+        key[ch[0]] = (ENGRAM_TINY, -ENGRAM_TINY, 0.0)[j % 3]
+    dev = r.device
+    return (x.to(dev, dtype), kv.to(dev, dtype), q_weight.to(dev, dtype), k_weight.to(dev, dtype), V41_RMS_EPS), {}
+
+
 BUILDERS: dict[str, Callable[[dict, torch.dtype, _Draw], tuple[tuple, dict]]] = {
     "rms_norm": _rms_norm,
     "add_rms_norm": _add_rms_norm,
@@ -462,6 +580,11 @@ BUILDERS: dict[str, Callable[[dict, torch.dtype, _Draw], tuple[tuple, dict]]] = 
     "compress_pool": _compress_pool,
     "indexer_topk": _indexer_topk,
     "sparse_attention": _sparse_attention,
+    "mhc_pre_delayed": _mhc_pre_delayed,
+    "mhc_collapse": _mhc_collapse,
+    "indexer_block_candidates": _indexer_block_candidates,
+    "engram_hash_ids": _engram_hash_ids,
+    "engram_gate": _engram_gate,
 }
 INPLACE = {"write_latent_cache": (0,), "write_cache": (0,)}
 
@@ -489,11 +612,17 @@ COUNT_DIMS = {
     "mhc_post": ("tokens",), "mhc_head": ("tokens",), "write_cache": ("tokens", "padding_tokens"),
     "compress_pool": ("windows", "empty_windows"), "indexer_topk": ("tokens", "short_queries"),
     "sparse_attention": ("tokens", "empty_queries"),
+    "mhc_pre_delayed": ("tokens", "one_hot_tokens"), "mhc_collapse": ("tokens", "one_hot_tokens"),
+    "indexer_block_candidates": ("tokens", "empty_queries"), "engram_hash_ids": ("tokens", "blocked_tokens"),
+    "engram_gate": ("tokens", "tiny_streams"),
 }
 # a count that may not exceed another (both redrawn): the smaller one is cut to the larger
 BOUNDED_COUNTS = {"sample_tokens": ("greedy_rows", "rows"), "write_latent_cache": ("padding_tokens", "tokens"),
                   "write_cache": ("padding_tokens", "tokens"), "compress_pool": ("empty_windows", "windows"),
-                  "indexer_topk": ("short_queries", "tokens"), "sparse_attention": ("empty_queries", "tokens")}
+                  "indexer_topk": ("short_queries", "tokens"), "sparse_attention": ("empty_queries", "tokens"),
+                  "mhc_pre_delayed": ("one_hot_tokens", "tokens"), "mhc_collapse": ("one_hot_tokens", "tokens"),
+                  "indexer_block_candidates": ("empty_queries", "tokens"), "engram_hash_ids": ("blocked_tokens", "tokens"),
+                  "engram_gate": ("tiny_streams", "tokens")}
 
 
 def shape_strategy(op: str, declared: list[dict]):

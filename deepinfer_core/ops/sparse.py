@@ -127,11 +127,11 @@ def indexer_block_candidates(
     q, weights, keys, scale: as ``indexer_topk``; candidates: [T, C] int64, column c is the
     sequence's compressed entry c (its row of keys, -1 where the query does not see it). Columns
     form blocks of ``block_size`` (block b: columns [b * block_size, (b + 1) * block_size)); a
-    block's score is the highest score of its valid columns (blocks with none are never kept).
-    The block holding the query's newest valid column is always kept and takes one of the
-    ``top_blocks`` places; the others go to the best scores, ties to the lower block. Returns
-    [T, ceil(C / block_size)] bool, True for the kept blocks (all True where a query's blocks
-    number at most ``top_blocks``).
+    block's score is the highest score of its valid columns. When there are more blocks than
+    ``top_blocks``: the block holding the query's newest valid column is always kept and takes one
+    of the places, the others go to the best scores, ties to the lower block, and blocks without a
+    valid column are never kept. Returns [T, ceil(C / block_size)] bool, True for the kept blocks
+    (all True when there are at most ``top_blocks`` blocks: nothing is filtered).
     """
     t_all, c = candidates.shape
     nb = -(-c // block_size)

@@ -185,3 +185,15 @@ def test_engram_reads_the_tokens_before_each_chunk(checkpoint, exact):
     llm.engine.model.lookback_tokens = 0
     blind = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert any(torch.tensor(_chosen(a)).sub(torch.tensor(_chosen(b))).abs().max() > 1e-3 for a, b in zip(blind, whole))
+
+
+def test_indexer_chunks_of_queries_change_nothing(checkpoint, monkeypatch):
+    """The indexers build their [queries, entries] candidate index a chunk of queries at a time
+    (CANDIDATE_BYTES), on the whole batch and on bounded replay's tail rows alike."""
+    import deepinfer_core.models.deepseek_v41 as v41
+
+    path = checkpoint("v41-tiny")
+    prompts = _prompts()
+    whole = _llm(path, enable_prefix_caching=False).generate(prompts, GREEDY, use_tqdm=False)
+    monkeypatch.setattr(v41, "CANDIDATE_BYTES", 8 * 40 * 3)  # 3 queries a chunk at 40 entries
+    _same(_llm(path, enable_prefix_caching=False).generate(prompts, GREEDY, use_tqdm=False), whole)

@@ -214,8 +214,8 @@ class Attention(nn.Module):
         chosen, blocks = [], []
         for lo in range(0, t, step):
             hi = min(lo + step, t)
-            rows = torch.arange(lo, hi, device=xq.device) if q_rows is None else q_rows[lo:hi]
-            cand = plan.visible(kv_group(r))[rows]
+            # each chunk's [t, C] index is built when needed, never the whole batch's
+            cand = plan.visible(kv_group(r), lo, hi) if q_rows is None else plan.visible(kv_group(r), rows=q_rows[lo:hi])
             if candidate_source:
                 blocks.append(self.ops.indexer_block_candidates(q[lo:hi], weights[lo:hi], keys, cand, scale,
                                                                 c.candidate_block_size, c.candidate_topk_blocks))

@@ -152,18 +152,20 @@ class V4Batch:
             self._entries[paged] = (torch.cat([meta.context_slots.long(), dec_slots]), first, width)
         return self._entries[paged][0]
 
-    def visible(self, paged: str, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-        """[hi - lo, C] index into ``entries(paged)`` of the entries queries lo..hi-1 see:
-        w < (p + 1) // m, -1 padded (C: the most entries any sequence of the batch has)."""
+    def visible(self, paged: str, lo: int = 0, hi: int | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[hi - lo, C] index into ``entries(paged)`` of the entries queries lo..hi-1 (or the
+        queries ``rows``) see: w < (p + 1) // m, -1 padded (C: the most entries any sequence of
+        the batch has)."""
         def build() -> torch.Tensor:
             self.entries(paged)
             _, first, width = self._entries[paged]
-            pos, seq = self.positions[lo:hi], self.seq[lo:hi]
+            pick = slice(lo, hi) if rows is None else rows
+            pos, seq = self.positions[pick], self.seq[pick]
             w = torch.arange(width, device=pos.device)[None, :].expand(pos.shape[0], -1)
             seen = (pos + 1) // self.groups[paged].tokens_per_entry
             return torch.where(w < seen[:, None], first[seq][:, None] + w, torch.full_like(w, -1))
 
-        if (lo, hi) != (0, None):  # a chunk of queries (the CSA indexer's): built when asked, not kept
+        if (lo, hi) != (0, None) or rows is not None:  # a chunk of queries (the indexers'): built when asked, not kept
             return build()
         return self._once(("visible", paged), build)
 

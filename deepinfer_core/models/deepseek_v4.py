@@ -342,31 +342,32 @@ class DeepseekV4Backbone(nn.Module):
         self.hc_head = HyperHead(config, alloc)
 
 
-class DeepseekV4ForCausalLM(nn.Module):
-    """DeepSeek-V4 causal LM over the cache groups of ``cache_groups`` (``forward`` has the same
-    batch contract as DeepseekV3ForCausalLM's). Decode steps are not captured as graphs: the
-    index tensors' sizes depend on each batch's context lengths."""
+class V4FamilyLM(nn.Module):
+    """What the DeepSeek-V4 and V4.1 causal LMs share: FP8 allocation, the LM head, the draft
+    layers under ``mtp.layers``, the per-forward V4Batch, and post-load fusing. Subclasses build
+    ``self.model`` (embed_tokens, layers, norm), then call ``_add_head`` and set ``self.mtp``.
+    Decode steps are not captured as graphs: the index tensors' sizes depend on each batch's
+    context lengths."""
 
     supports_graphs = False
 
-    def __init__(self, config: V4ModelConfig, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False):
+    def __init__(self, config, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool):
         super().__init__()
         self.config, self.ops, self.dtype = config, ops, dtype
         self.device = torch.device(device)
         self.keep_fp8 = keep_fp8 and config.fp8_block is not None
-        alloc = Alloc(dtype, self.device, tuple(config.fp8_block) if self.keep_fp8 else None)
-        self.model = DeepseekV4Backbone(config, ops, alloc)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, ops, Alloc(dtype, self.device, None))
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.mtp = nn.Module()
-        self.mtp.layers = nn.ModuleList(MTPBlock(config, ops, alloc) for _ in range(min(1, config.num_nextn_predict_layers)))
         self._all_groups: dict[str, CacheGroup] | None = None
-        # transformers rounds cos/sin to the model dtype before rotating
-        self.tables = rope_tables(config.qk_rope_head_dim, config.rope_theta, config.compress_rope_theta,
-                                  config.compress_rope_parameters, config.max_position_embeddings, self.device, dtype)
 
-    # ---- layout ---------------------------------------------------------------------------------
+    def _alloc(self) -> Alloc:
+        """Where and in which dtypes the layers' parameters go (block FP8 kept when keep_fp8)."""
+        return Alloc(self.dtype, self.device, tuple(self.config.fp8_block) if self.keep_fp8 else None)
+
+    def _add_head(self) -> None:
+        c = self.config
+        self.lm_head = Linear(c.hidden_size, c.vocab_size, self.ops, Alloc(self.dtype, self.device, None))
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
     @property
     def num_mtp_layers(self) -> int:
         return len(self.mtp.layers)
@@ -375,6 +376,38 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.mtp.layers = nn.ModuleList()
         self._all_groups = None
 
+    @torch.no_grad()
+    def post_load(self) -> None:
+        for module in self.modules():
+            if isinstance(module, MLP):
+                module.fuse()
+
+    def _plan(self, positions: torch.Tensor, batch: BatchMeta, kv_caches: dict[str, torch.Tensor]) -> V4Batch:
+        if self._all_groups is None:  # every group, the draft layers' windows included (what any forward may address)
+            self._all_groups = {g.name: g for g in self.cache_groups(with_mtp=True)}
+        return plan_for(self._all_groups, positions, batch, kv_caches)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+class DeepseekV4ForCausalLM(V4FamilyLM):
+    """DeepSeek-V4 causal LM over the cache groups of ``cache_groups`` (``forward`` has the same
+    batch contract as DeepseekV3ForCausalLM's)."""
+
+    def __init__(self, config: V4ModelConfig, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False):
+        super().__init__(config, ops, dtype, device, keep_fp8)
+        alloc = self._alloc()
+        self.model = DeepseekV4Backbone(config, ops, alloc)
+        self._add_head()
+        self.mtp = nn.Module()
+        self.mtp.layers = nn.ModuleList(MTPBlock(config, ops, alloc) for _ in range(min(1, config.num_nextn_predict_layers)))
+        # transformers rounds cos/sin to the model dtype before rotating
+        self.tables = rope_tables(config.qk_rope_head_dim, config.rope_theta, config.compress_rope_theta,
+                                  config.compress_rope_parameters, config.max_position_embeddings, self.device, dtype)
+
+    # ---- layout ---------------------------------------------------------------------------------
     @property
     def default_block_size(self) -> int:
         """A multiple of 16 and of every compression rate (paged entries never straddle blocks)."""
@@ -418,18 +451,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             ]
         return groups
 
-    @torch.no_grad()
-    def post_load(self) -> None:
-        for module in self.modules():
-            if isinstance(module, MLP):
-                module.fuse()
-
     # ---- forward --------------------------------------------------------------------------------
-    def _plan(self, positions: torch.Tensor, batch: BatchMeta, kv_caches: dict[str, torch.Tensor]) -> V4Batch:
-        if self._all_groups is None:  # every group, the MTP block's window included (what any forward may address)
-            self._all_groups = {g.name: g for g in self.cache_groups(with_mtp=True)}
-        return plan_for(self._all_groups, positions, batch, kv_caches)
-
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens.weight[input_ids]
 
@@ -457,10 +479,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         every layer of cache_groups(), by layer name. Returns the hidden states after the final
         collapse and norm, [T, D]."""
         return self.head_hidden(self.forward_streams(input_ids, positions, batch, kv_caches))
-
-    @torch.no_grad()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
 
     @torch.no_grad()
     def forward_mtp(self, depth, input_ids, positions, prev_streams, batch: BatchMeta, kv_caches) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,11 +28,12 @@ from torch import nn
 
 from deepinfer_core.config import settings
 from deepinfer_core.config_v41 import FULL, REINDEX, REUSE, WINDOW, V41ModelConfig
-from deepinfer_core.models.batch import BatchMeta, CacheGroup
-from deepinfer_core.models.deepseek_v3 import MLP, Alloc, Linear, _param
-from deepinfer_core.models.deepseek_v4 import CANDIDATE_BYTES, RING_BLOCK, HyperConnection, MoE, Norm, _rope, grouped_o_a, rope_tables
 from deepinfer_core.models import dspark
-from deepinfer_core.models.deepseek_v4_batch import V4Batch, plan_for
+from deepinfer_core.models.batch import BatchMeta, CacheGroup
+from deepinfer_core.models.deepseek_v3 import Alloc, Linear, _param
+from deepinfer_core.models.deepseek_v4 import (CANDIDATE_BYTES, RING_BLOCK, HyperConnection, MoE, Norm, V4FamilyLM, _rope,
+                                               grouped_o_a, rope_tables)
+from deepinfer_core.models.deepseek_v4_batch import V4Batch
 from deepinfer_core.models.engram import Engram, ngram_ids
 from deepinfer_core.ops import OpTable
 
@@ -273,24 +274,17 @@ class DeepseekV41Backbone(nn.Module):
         self.norm = Norm(config.hidden_size, config.rms_norm_eps, alloc)
 
 
-class DeepseekV41ForCausalLM(nn.Module):
+class DeepseekV41ForCausalLM(V4FamilyLM):
     """DeepSeek-V4.1 causal LM over the cache groups of ``cache_groups`` (the batch contract of
     DeepseekV3ForCausalLM.forward; ``BatchMeta.lookback_ids`` carries the tokens before each
     sequence's new ones for Engram). ``set_tokenizer`` must be called before a forward when the
     model has Engram layers (their hashes read the tokenizer's compressed vocabulary)."""
 
-    supports_graphs = False
-
     def __init__(self, config: V41ModelConfig, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False):
-        super().__init__()
-        self.config, self.ops, self.dtype = config, ops, dtype
-        self.device = torch.device(device)
-        self.keep_fp8 = keep_fp8 and config.fp8_block is not None
-        alloc = Alloc(dtype, self.device, tuple(config.fp8_block) if self.keep_fp8 else None)
+        super().__init__(config, ops, dtype, device, keep_fp8)
+        alloc = self._alloc()
         self.model = DeepseekV41Backbone(config, ops, alloc)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, ops, Alloc(dtype, self.device, None))
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self._add_head()
         self.mtp = nn.Module()
         self.mtp.layers = nn.ModuleList()
         if config.num_nextn_predict_layers and config.dspark_target_layer_ids:  # DSpark's stages (models/dspark.py)
@@ -301,7 +295,6 @@ class DeepseekV41ForCausalLM(nn.Module):
                 stage = DecoderLayer(config, ops, alloc, None, stage_moe)
                 dspark.add_stage_extras(stage, i, config, ops, alloc)
                 self.mtp.layers.append(stage)
-        self._all_groups: dict[str, CacheGroup] | None = None
         self.tables = rope_tables(config.qk_rope_head_dim, config.rope_theta, config.compress_rope_theta,
                                   config.compress_rope_parameters, config.max_position_embeddings, self.device, None)
         self.bounded_replay = settings().swa_bounded_replay
@@ -335,15 +328,6 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.lookahead = lookahead
 
     # ---- layout ---------------------------------------------------------------------------------
-    @property
-    def num_mtp_layers(self) -> int:
-        """DSpark stages loaded (``mtp.layers.i``)."""
-        return len(self.mtp.layers)
-
-    def drop_mtp_layers(self) -> None:
-        self.mtp.layers = nn.ModuleList()
-        self._all_groups = None
-
     @property
     def default_block_size(self) -> int:
         return 16
@@ -380,18 +364,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                                          torch.float32, window=r, replay_tokens=replay, ring_block=r))
         return groups
 
-    @torch.no_grad()
-    def post_load(self) -> None:
-        for module in self.modules():
-            if isinstance(module, MLP):
-                module.fuse()
-
     # ---- forward --------------------------------------------------------------------------------
-    def _plan(self, positions, batch: BatchMeta, kv_caches) -> V4Batch:
-        if self._all_groups is None:
-            self._all_groups = {g.name: g for g in self.cache_groups(with_mtp=True)}
-        return plan_for(self._all_groups, positions, batch, kv_caches)
-
     def _tail_plan(self, plan: V4Batch, batch: BatchMeta) -> V4Batch | None:
         """The rows bounded replay keeps after the last KV source, or None when it keeps all."""
         if not self.bounded_replay or self.config.last_kv_source < 0 or not batch.num_prefills:
@@ -452,10 +425,6 @@ class DeepseekV41ForCausalLM(nn.Module):
         out = hidden.new_zeros((input_ids.shape[0], hidden.shape[-1]))
         out[rows] = hidden
         return out
-
-    @torch.no_grad()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
 
     @torch.no_grad()
     def forward_dspark(self, anchor_ids, positions, batch: BatchMeta, kv_caches) -> dspark.Draft:

@@ -271,15 +271,12 @@ def _fp8_block(raw: dict) -> tuple[int, int] | None:
     return tuple(quant["weight_block_size"])
 
 
-class V4ModelConfig(BaseModel):
-    """The fields of a DeepSeek-V4 config.json (as transformers' DeepseekV4Config reads it:
-    legacy ``compress_ratios`` / ``num_hash_layers`` folded into ``layer_types`` /
-    ``mlp_layer_types``), validated. ``compress_ratios`` is per layer: 0 (sliding window only),
-    the CSA rate or the HCA rate."""
+class V4FamilyConfig(BaseModel):
+    """The config.json fields DeepSeek-V4 and V4.1 share (attention with sinks over a sliding
+    window and compressed entries, mHC streams, sqrt-softplus MoE), and their checks."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    model_type: Literal["deepseek_v4"]
     vocab_size: int = Field(gt=0)
     hidden_size: int = Field(gt=0)
     num_hidden_layers: int = Field(gt=0)
@@ -289,9 +286,6 @@ class V4ModelConfig(BaseModel):
     q_lora_rank: int = Field(gt=0)
     o_groups: int = Field(gt=0)
     o_lora_rank: int = Field(gt=0)
-    layer_types: tuple[Literal["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"], ...]
-    csa_ratio: int = Field(gt=0)
-    hca_ratio: int = Field(gt=0)
     index_n_heads: int = Field(gt=0)
     index_head_dim: int = Field(gt=0)
     index_topk: int = Field(gt=0)
@@ -300,10 +294,7 @@ class V4ModelConfig(BaseModel):
     n_shared_experts: int = Field(ge=0)
     moe_intermediate_size: int = Field(gt=0)
     num_experts_per_tok: int = Field(gt=0)
-    norm_topk_prob: bool
     routed_scaling_factor: float = Field(gt=0)
-    scoring_func: Literal["sqrtsoftplus"]
-    num_hash_layers: int = Field(ge=0)
     swiglu_limit: float | None = None
     hc_mult: int = Field(gt=0)
     hc_sinkhorn_iters: int = Field(gt=0)
@@ -322,9 +313,7 @@ class V4ModelConfig(BaseModel):
     expert_dtype: Literal["fp4", "fp8", "bf16"] | None = None
 
     @model_validator(mode="after")
-    def _check(self) -> V4ModelConfig:
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+    def _check_shared(self):
         if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.head_dim:
             raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even and at most head_dim={self.head_dim}")
         if self.num_attention_heads % self.o_groups:
@@ -336,13 +325,34 @@ class V4ModelConfig(BaseModel):
         return self
 
     @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return _as_ids(self.eos_token_id)
+
+
+class V4ModelConfig(V4FamilyConfig):
+    """The fields of a DeepSeek-V4 config.json (as transformers' DeepseekV4Config reads it:
+    legacy ``compress_ratios`` / ``num_hash_layers`` folded into ``layer_types`` /
+    ``mlp_layer_types``), validated. ``compress_ratios`` is per layer: 0 (sliding window only),
+    the CSA rate or the HCA rate."""
+
+    model_type: Literal["deepseek_v4"]
+    layer_types: tuple[Literal["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"], ...]
+    csa_ratio: int = Field(gt=0)
+    hca_ratio: int = Field(gt=0)
+    norm_topk_prob: bool
+    scoring_func: Literal["sqrtsoftplus"]
+    num_hash_layers: int = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> V4ModelConfig:
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        return self
+
+    @property
     def compress_ratios(self) -> tuple[int, ...]:
         rate = {"sliding_attention": 0, "compressed_sparse_attention": self.csa_ratio, "heavily_compressed_attention": self.hca_ratio}
         return tuple(rate[t] for t in self.layer_types)
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return _as_ids(self.eos_token_id)
 
     def context_bytes_per_token(self, itemsize: int, chunk_tokens: int) -> int:
         """Activation bytes a prefill chunk of ``chunk_tokens`` needs per token of context: one

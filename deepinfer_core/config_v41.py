@@ -15,57 +15,31 @@ only the entries of the candidate blocks that layer keeps.
 
 from __future__ import annotations
 
+import logging
 import math
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
+
+from deepinfer_core.config import ConfigError, V4FamilyConfig, _fp8_block, validation_problems
 
 FULL, REINDEX, REUSE, WINDOW = "full", "reindex", "reuse", "window"
 MODEL_TYPE = "deepseek_v41"
 
 
-class V41ModelConfig(BaseModel):
+class V41ModelConfig(V4FamilyConfig):
     """The fields of a DeepSeek-V4.1 config.json the engine uses, validated (names as in the
-    official ``text_config``)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    official ``text_config``; ``num_nextn_predict_layers`` counts the DSpark stages)."""
 
     model_type: Literal["deepseek_v41"]
-    vocab_size: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
-    num_hidden_layers: int = Field(gt=0)
-    num_attention_heads: int = Field(gt=0)
-    head_dim: int = Field(gt=0)
-    qk_rope_head_dim: int = Field(gt=0)
-    q_lora_rank: int = Field(gt=0)
-    o_groups: int = Field(gt=0)
-    o_lora_rank: int = Field(gt=0)
     compress_ratios: tuple[int, ...]  # per layer: 0 (window only), 1 or 2; the DSpark tail is dropped
     kv_source_layer_ids: tuple[int, ...]
     index_source_layer_ids: tuple[int, ...]
     candidate_source_layer_id: int | None = None
     candidate_block_size: int = Field(8, gt=0)
     candidate_topk_blocks: int = Field(2048, gt=0)
-    index_n_heads: int = Field(gt=0)
-    index_head_dim: int = Field(gt=0)
-    index_topk: int = Field(gt=0)
-    sliding_window: int = Field(gt=1)
-    n_routed_experts: int = Field(gt=0)
-    n_shared_experts: int = Field(ge=0)
-    moe_intermediate_size: int = Field(gt=0)
-    num_experts_per_tok: int = Field(gt=0)
     norm_topk_prob: bool = True
-    routed_scaling_factor: float = Field(gt=0)
     scoring_func: Literal["sqrtsoftplus"] = "sqrtsoftplus"
-    swiglu_limit: float | None = None
-    hc_mult: int = Field(gt=0)
-    hc_sinkhorn_iters: int = Field(gt=0)
-    hc_eps: float = Field(ge=0)
-    rms_norm_eps: float = Field(gt=0)
-    rope_theta: float = Field(gt=0)
-    compress_rope_theta: float = Field(gt=0)
-    compress_rope_parameters: dict[str, Any]
-    max_position_embeddings: int = Field(gt=0)
     engram_layer_ids: tuple[int, ...] = ()
     engram_num_embeddings: tuple[int, ...] = ()
     engram_max_ngram_size: int = Field(4, gt=1)
@@ -74,20 +48,13 @@ class V41ModelConfig(BaseModel):
     engram_vocab_size: int = Field(16000000, gt=1)
     engram_compressed_vocab_size: int = Field(0, ge=0)
     engram_pad_token_id: int = Field(2, ge=0)
-    num_nextn_predict_layers: int = Field(0, ge=0)  # DSpark stages
     dspark_block_size: int = Field(5, gt=0)
     dspark_noise_token_id: int | None = None
     dspark_target_layer_ids: tuple[int, ...] = ()
     dspark_markov_rank: int = Field(256, gt=0)
     dspark_n_routed_experts: int | None = None
     dspark_num_experts_per_tok: int | None = None
-    tie_word_embeddings: bool = False
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
     image_token_id: int | None = None
-    torch_dtype: str | None = None
-    fp8_block: tuple[int, int] | None = None
-    expert_dtype: Literal["fp4", "fp8", "bf16"] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> V41ModelConfig:
@@ -96,14 +63,6 @@ class V41ModelConfig(BaseModel):
             raise ValueError(f"compress_ratios has {len(self.compress_ratios)} entries for {n} layers (after the DSpark tail)")
         if bad := sorted({r for r in self.compress_ratios if r not in (0, 1, 2)}):
             raise ValueError(f"compress_ratios holds {bad}; V4.1 layers have ratio 0, 1 or 2")
-        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.head_dim:
-            raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even and at most head_dim={self.head_dim}")
-        if self.index_head_dim < self.qk_rope_head_dim:
-            raise ValueError(f"index_head_dim={self.index_head_dim} is smaller than qk_rope_head_dim={self.qk_rope_head_dim}")
-        if self.num_attention_heads % self.o_groups:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not divisible by o_groups={self.o_groups}")
-        if self.num_experts_per_tok > self.n_routed_experts:
-            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds n_routed_experts={self.n_routed_experts}")
         for name in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids"):
             ids = getattr(self, name)
             if list(ids) != sorted(set(ids)) or any(not 0 <= i < n for i in ids):
@@ -164,12 +123,6 @@ class V41ModelConfig(BaseModel):
     def last_kv_source(self) -> int:
         return max(self.kv_source_layer_ids, default=-1)
 
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        from deepinfer_core.config import _as_ids
-
-        return _as_ids(self.eos_token_id)
-
     def context_bytes_per_token(self, itemsize: int, chunk_tokens: int) -> int:
         """Activation bytes a prefill chunk needs per token of context: one owner's gathered
         entries and index keys (ratio 1, the densest), and the chunk's int64 candidate index."""
@@ -180,8 +133,6 @@ class V41ModelConfig(BaseModel):
     def from_raw(cls, raw: dict) -> V41ModelConfig:
         """From config.json's contents: ``text_config`` (or the top level) for the model, the top
         level for ``quantization_config`` / ``image_token_id``."""
-        from deepinfer_core.config import ConfigError, _fp8_block, validation_problems
-
         text = dict(raw.get("text_config") or raw)
         for key in ("text_config", "vision_config", "architectures", "auto_map", "transformers_version"):
             text.pop(key, None)
@@ -215,8 +166,6 @@ class V41ModelConfig(BaseModel):
         except ValidationError as e:
             raise ConfigError(f"not usable: {validation_problems(e)}") from e
         if unused:
-            import logging
-
             logging.getLogger("deepinfer").debug("config.json keys not used by DeepSeek-V4.1: %s", unused)
         return config
 

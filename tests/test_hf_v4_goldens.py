@@ -39,13 +39,7 @@ NAMES = list(CONFIGS_V4)
 NEW_TOKENS = 12
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matmuls: on a busy machine torch's thread pool costs 10-50x more than the work.
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -285,14 +279,18 @@ def test_greedy_goldens_and_cached_generate(name, models):
     torch.testing.assert_close(cached_logprobs, full, atol=1e-4, rtol=0)
 
 
-def _capture(model, cls_name):
-    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as M
-
-    out, hooks = [], []
-    for mod in model.modules():
-        if type(mod).__name__ == cls_name:
-            hooks.append(mod.register_forward_hook(lambda m, a, o: out.append((m, a, o))))
-    return out, hooks, M
+def _run_capturing(model, prompt, *cls_names) -> list[list[tuple]]:
+    """One transformers forward over ``prompt``; per class name, the (module, args, output) of
+    every call of a module of that class, in call order."""
+    outs = [[] for _ in cls_names]
+    hooks = [mod.register_forward_hook(lambda m, a, o, out=out: out.append((m, a, o)))
+             for mod in model.modules() for name, out in zip(cls_names, outs) if type(mod).__name__ == name]
+    try:
+        hf_logprobs(model, prompt)
+    finally:
+        for h in hooks:
+            h.remove()
+    return outs
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -301,13 +299,7 @@ def test_indexer_selects(name, models):
     c = model.config
     rate, topk = c.compress_rates[CSA], c.index_topk
     prompt = random_prompt(PROMPT_LEN_V4[name])
-    picks, hooks, _ = _capture(model, "DeepseekV4Indexer")
-    scores, hooks2, _ = _capture(model, "DeepseekV4IndexerScorer")
-    try:
-        hf_logprobs(model, prompt)
-    finally:
-        for h in hooks + hooks2:
-            h.remove()
+    picks, scores = _run_capturing(model, prompt, "DeepseekV4Indexer", "DeepseekV4IndexerScorer")
     assert len(picks) == sum(t == CSA for t in c.layer_types) and picks
     T = len(prompt)
     for (_, _, sel), (_, _, sc) in zip(picks, scores):
@@ -336,12 +328,7 @@ def test_indexer_selects(name, models):
 def test_routing_spread(name, models):
     model = models[name]
     c = model.config
-    picks, hooks, _ = _capture(model, "DeepseekV4TopKRouter")
-    try:
-        hf_logprobs(model, random_prompt(PROMPT_LEN_V4[name]))
-    finally:
-        for h in hooks:
-            h.remove()
+    (picks,) = _run_capturing(model, random_prompt(PROMPT_LEN_V4[name]), "DeepseekV4TopKRouter")
     assert len(picks) == sum(t == "moe" for t in c.mlp_layer_types)
     for _, _, (_, weights, idx) in picks:
         counts = torch.bincount(idx.flatten(), minlength=c.n_routed_experts).float()
@@ -373,12 +360,7 @@ def test_bf16_golden_keeps_fp32_modules(tmp_path):
 @pytest.mark.parametrize("name", NAMES)
 def test_mhc_not_degenerate(name, models):
     model = models[name]
-    outs, hooks, _ = _capture(model, "DeepseekV4HyperConnection")
-    try:
-        hf_logprobs(model, random_prompt(PROMPT_LEN_V4[name]))
-    finally:
-        for h in hooks:
-            h.remove()
+    (outs,) = _run_capturing(model, random_prompt(PROMPT_LEN_V4[name]), "DeepseekV4HyperConnection")
     post = torch.stack([o[0] for _, _, o in outs])
     comb = torch.stack([o[1] for _, _, o in outs])
     hc = model.config.hc_mult

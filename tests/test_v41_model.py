@@ -22,12 +22,7 @@ NEW = 8
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

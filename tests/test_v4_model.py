@@ -23,13 +23,7 @@ CASES = [("v4_flash_like", None), ("v4_pro_like", None), ("v4_swa_nohash", None)
          ("v4_flash_like", "fp8"), ("v4_flash_like", "fp8+fp4")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny matmuls: on CI's two cores torch's thread pool costs far more than the work.
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

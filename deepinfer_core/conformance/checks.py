@@ -124,6 +124,13 @@ def call_backend(fn: Callable, case: OpCase):
         return fn(*case.args, **case.kwargs)
 
 
+def _call_on_copy(fn: Callable, case: OpCase) -> tuple[object, Outcome]:
+    """The backend's output on a copy of ``case``'s inputs, and whether it left them untouched."""
+    mine = case.clone()
+    out = call_backend(fn, mine)
+    return out, _inputs_untouched(case, mine)
+
+
 def _device_of(case: OpCase) -> torch.device:
     for a in case.args:
         if isinstance(a, torch.Tensor):
@@ -193,9 +200,7 @@ def check_moe_route(fn: Callable, case: OpCase) -> Outcome:
 def _route_output(fn: Callable, case: OpCase) -> tuple | Outcome:
     """A routing op's (weights, ids) on a copy of ``case``'s inputs, or the Outcome that fails it
     (it changed its inputs, or returned something else)."""
-    mine = case.clone()
-    out = call_backend(fn, mine)
-    untouched = _inputs_untouched(case, mine)
+    out, untouched = _call_on_copy(fn, case)
     if not untouched.ok:
         return untouched
     if not isinstance(out, (tuple, list)) or len(out) != 2:
@@ -320,9 +325,7 @@ def check_indexer_topk(fn: Callable, case: OpCase) -> Outcome:
     """Per query, the chosen rows as a set: the reference's, except where its k-th and (k+1)-th
     scores tie within the spec's tie_eps (then any k distinct candidates whose scores reach the
     k-th); as many -1 as the query has fewer valid candidates than the output is wide."""
-    mine = case.clone()
-    out = call_backend(fn, mine)
-    untouched = _inputs_untouched(case, mine)
+    out, untouched = _call_on_copy(fn, case)
     if not untouched.ok:
         return untouched
     q, weights, keys, candidates, top_k, scale = case.args
@@ -422,9 +425,7 @@ def check_indexer_block_candidates(fn: Callable, case: OpCase) -> Outcome:
     """Per query, the kept blocks under the rule ``_block_choice_error`` states, on the kit's block
     scores: the reference's choice, up to near ties (scores within the spec's tie_eps are free,
     exactly equal ones go to the lower block). All blocks kept where there are at most top_blocks."""
-    mine = case.clone()
-    out = call_backend(fn, mine)
-    untouched = _inputs_untouched(case, mine)
+    out, untouched = _call_on_copy(fn, case)
     if not untouched.ok:
         return untouched
     q, weights, keys, candidates, scale, block_size, top_blocks = case.args
@@ -466,9 +467,7 @@ def check_indexer_block_candidates(fn: Callable, case: OpCase) -> Outcome:
 def check_engram_hash_ids(fn: Callable, case: OpCase) -> Outcome:
     """Integer ids: exactly the reference's, int64 (compared as integers: float32 would merge ids
     above 2^24)."""
-    mine = case.clone()
-    out = call_backend(fn, mine)
-    untouched = _inputs_untouched(case, mine)
+    out, untouched = _call_on_copy(fn, case)
     if not untouched.ok:
         return untouched
     ngram_ids, multipliers, primes, offsets, pad_id = case.args
@@ -523,9 +522,7 @@ def check_sample_tokens(fn: Callable, case: OpCase) -> Outcome:
     the reference support; on the declared shapes (``case.extra["statistical"]``) also drawn from
     the reference distribution: a few rows are each drawn many times at steps 0.. and their token
     counts tested by chi-square (``statistical`` in specs/ops.toml)."""
-    mine = case.clone()
-    tokens = call_backend(fn, mine)
-    untouched = _inputs_untouched(case, mine)
+    tokens, untouched = _call_on_copy(fn, case)
     if not untouched.ok:
         return untouched
     logits, temperature, top_k, top_p, min_p, seeds, steps = case.args

@@ -225,10 +225,12 @@ def v4_checkpoint_key(
     return None
 
 
-def rename_v4_state(state: dict[str, torch.Tensor], naming: str = "original") -> dict[str, torch.Tensor]:
+def rename_v4_state(state: dict[str, torch.Tensor], naming: str = "original", checkpoint_key=v4_checkpoint_key,
+                    family: str = "DeepSeek-V4") -> dict[str, torch.Tensor]:
     """A state dict in parameter names (fused experts, ``*_scale_inv`` scales) -> checkpoint keys
     in ``naming`` (original / hf_save: experts one by one, scales ``.scale``), for writing test
-    checkpoints. Raises ValueError for a name that is no V4 parameter."""
+    checkpoints; ``checkpoint_key``: the family's key mapping (checkpoint_v41 passes V4.1's).
+    Raises ValueError for a name that is no parameter of ``family``."""
     out = {}
     for name, tensor in state.items():
         scale = name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in state
@@ -239,9 +241,9 @@ def rename_v4_state(state: dict[str, torch.Tensor], naming: str = "original") ->
             rows = tensor.shape[1] // len(halves)
             parts = [(e, h, tensor[e, (h or 0) * rows : ((h or 0) + 1) * rows]) for e in range(tensor.shape[0]) for h in halves]
         for expert, half, part in parts:
-            key = v4_checkpoint_key(target, naming, expert, half, scale)
+            key = checkpoint_key(target, naming, expert, half, scale)
             if key is None:
-                raise ValueError(f"{name} is not a DeepSeek-V4 parameter name")
+                raise ValueError(f"{name} is not a {family} parameter name")
             out[key] = part.clone().contiguous()
     return out
 

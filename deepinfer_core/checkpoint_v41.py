@@ -15,7 +15,7 @@ import logging
 import re
 from pathlib import Path
 
-from deepinfer_core.checkpoint_v4 import V4Checkpoint, V4Key, normalize_v4_key, v4_checkpoint_key
+from deepinfer_core.checkpoint_v4 import V4Checkpoint, V4Key, normalize_v4_key, rename_v4_state, v4_checkpoint_key
 from deepinfer_core.loader import LoadPlan
 
 logger = logging.getLogger("deepinfer.loader")
@@ -42,7 +42,6 @@ _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _MTP = re.compile(r"mtp\.(\d+)\.(.+)")
 _PARAM = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _STAGE_PARAM = re.compile(r"mtp\.layers\.(\d+)\.(.+)")
-_SCALE_SUFFIX = "_scale_inv"
 
 
 def normalize_v41_key(key: str) -> V4Key | None:
@@ -81,23 +80,9 @@ def v41_checkpoint_key(target: str, naming: str = "original", expert: int | None
 
 
 def rename_v41_state(state: dict) -> dict:
-    """A state dict in parameter names (fused experts, ``*_scale_inv`` scales) -> original
-    checkpoint keys (experts one by one, scales ``.scale``), for writing test checkpoints."""
-    out = {}
-    for name, tensor in state.items():
-        scale = name.endswith(_SCALE_SUFFIX) and name[: -len(_SCALE_SUFFIX)] in state
-        target = name[: -len(_SCALE_SUFFIX)] if scale else name
-        parts = [(None, None, tensor)]
-        if target.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
-            halves = (0, 1) if target.endswith("gate_up_proj") else (None,)
-            rows = tensor.shape[1] // len(halves)
-            parts = [(e, h, tensor[e, (h or 0) * rows : ((h or 0) + 1) * rows]) for e in range(tensor.shape[0]) for h in halves]
-        for expert, half, part in parts:
-            key = v41_checkpoint_key(target, "original", expert, half, scale)
-            if key is None:
-                raise ValueError(f"{name} is not a DeepSeek-V4.1 parameter name")
-            out[key] = part.clone().contiguous()
-    return out
+    """A state dict in parameter names -> original checkpoint keys (``rename_v4_state`` with
+    V4.1's mapping), for writing test checkpoints."""
+    return rename_v4_state(state, "original", v41_checkpoint_key, "DeepSeek-V4.1")
 
 
 class V41Checkpoint(V4Checkpoint):

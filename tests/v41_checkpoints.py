@@ -66,8 +66,10 @@ CONFIGS_V41 = {
 }
 QUANT_V41 = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [32, 32],
              "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
-FP8_MODULES = ("q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_proj", "shared_experts.gate_proj",
-               "shared_experts.up_proj", "shared_experts.down_proj", "engram.kv_proj", "engram.embed", "main_proj")
+# The linears (module names) DeepSeek ships in FP8; the compressors, indexer keys and weights stay bf16.
+FP8_MODULES = ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_proj", "self_attn.o_a_proj", "self_attn.o_b_proj",
+               "indexer.q_b_proj", "shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj",
+               "engram.kv_proj", "engram.embed", "main_proj")
 
 
 def config_json(name: str, quant: str | None = "fp8+fp4", **overrides) -> dict:
@@ -80,9 +82,7 @@ def config_json(name: str, quant: str | None = "fp8+fp4", **overrides) -> dict:
 
 
 def _is_fp8(name: str) -> bool:
-    module = name.removesuffix(".weight")
-    return name.endswith(".weight") and module.endswith(FP8_MODULES) and "compressor" not in name and "indexer.k_proj" not in name \
-        and "weights_proj" not in name and (".indexer." not in name or name.endswith("indexer.q_b_proj.weight"))
+    return name.endswith(".weight") and name.removesuffix(".weight").endswith(FP8_MODULES)
 
 
 def random_state(config: V41ModelConfig, seed: int) -> dict[str, torch.Tensor]:

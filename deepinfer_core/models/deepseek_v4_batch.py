@@ -13,6 +13,7 @@ Sequences are numbered in token order: the prefill sequences, then the decode ro
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -58,18 +59,16 @@ class V4Batch:
         """The same batch restricted to each sequence's newest ``keep[seq]`` new tokens (bounded
         replay, §4.4): positions, slot mappings and window indices of those rows only; the
         skipped rows' positions read as no key (-1). Entries (paged groups) are shared."""
-        sub = object.__new__(V4Batch)
-        sub.__dict__.update(self.__dict__)
+        sub = copy.copy(self)  # shares the ring tables and the entries (paged groups) already built
         n = self.end - self.start
         kept = torch.minimum(n, keep)
-        new_start = self.end - kept
         pos_in_seq = torch.arange(self.num_tokens, device=self.positions.device) - self.base[self.seq]
         mask = pos_in_seq >= (n - kept)[self.seq]
         rows = torch.nonzero(mask).flatten()
         sub.rows = rows if self.rows is None else self.rows[rows]
         sub.positions, sub.seq, sub.num_tokens = self.positions[rows], self.seq[rows], rows.shape[0]
         sub.base = torch.cumsum(kept, 0) - kept
-        sub.start, sub.skipped_from = new_start, self.skipped_from
+        sub.start = self.end - kept  # skipped_from stays the batch's first new position
         sub._built = {}
         return sub
 
@@ -92,7 +91,7 @@ class V4Batch:
         vf = self.batch.groups[ring].valid_from
         return torch.zeros_like(self.end) if vf is None else self._token_order(vf.long())
 
-    def _rows(self, ring: str, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def pool_rows(self, ring: str, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Pool index of position ``pos`` of sequence ``seq`` (same shapes): this batch's row when
         the position is new in this step, else T + its ring slot; -1 before the ring's first
         valid position or below 0."""
@@ -113,7 +112,7 @@ class V4Batch:
         """[T, window] pool indices of each query's window keys p - window + 1 .. p (-1: none)."""
         def build() -> torch.Tensor:
             pos = self.positions[:, None] - torch.arange(window, device=self.positions.device)[None, :]
-            return self._rows(ring, self.seq[:, None].expand_as(pos), pos)
+            return self.pool_rows(ring, self.seq[:, None].expand_as(pos), pos)
 
         return self._once(("window", ring, window), build)
 
@@ -127,7 +126,7 @@ class V4Batch:
             rows_pos = pos[:, None] - span + 1 + torch.arange(span, device=pos.device)[None, :]
             seq = self.seq[tokens][:, None].expand_as(rows_pos)
             m = self.groups[paged].tokens_per_entry
-            return Emitters(tokens, slots[tokens], (pos // m) * m, self._rows(ring, seq, rows_pos))
+            return Emitters(tokens, slots[tokens], (pos // m) * m, self.pool_rows(ring, seq, rows_pos))
 
         return self._once(("emitters", paged, ring, span), build)
 

@@ -89,7 +89,7 @@ def block_index(plan, window: int, block: int) -> torch.Tensor:
     seq = plan.seq
     start = plan.start[seq]
     ctx = start[:, None] - window + torch.arange(window, device=seq.device)[None, :]
-    rows = plan._rows("window", seq[:, None].expand_as(ctx), ctx)
+    rows = plan.pool_rows("window", seq[:, None].expand_as(ctx), ctx)
     own = plan.base[seq][:, None] + torch.arange(block, device=seq.device)[None, :]
     return torch.cat([rows, own], dim=1)
 

@@ -370,12 +370,10 @@ class DeepseekV41ForCausalLM(V4FamilyLM):
         if not self.bounded_replay or self.config.last_kv_source < 0 or not batch.num_prefills:
             return None
         n = plan.end - plan.start
-        keep = n.clone()
-        prefills = torch.arange(keep.shape[0], device=keep.device) < batch.num_prefills
-        exact = torch.zeros_like(prefills)
+        trimmed = torch.arange(n.shape[0], device=n.device) < batch.num_prefills  # prefills, not decodes
         if batch.exact_prefills:
-            exact[list(batch.exact_prefills)] = True
-        keep = torch.where(prefills & ~exact, torch.clamp(n, max=self.tail_tokens), n)
+            trimmed[list(batch.exact_prefills)] = False
+        keep = torch.where(trimmed, n.clamp(max=self.tail_tokens), n)
         if bool((keep == n).all()):
             return None
         return plan.tail(keep)

@@ -50,6 +50,9 @@ YARN = {
     "rope_theta": 10000.0,
 }
 V2_YARN = dict(YARN, mscale=0.707, mscale_all_dim=0.707)
+# mscale != mscale_all_dim: the softmax scale takes mscale_all_dim alone (yarn_apply_mscale), the cos/sin
+# attention factor mscale / mscale_all_dim; every other config has the two equal (factor 1).
+YARN_ASYMMETRIC = dict(YARN, mscale=0.9, mscale_all_dim=0.707)
 DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 
 # name -> (family, config overrides, FP8 block or None)
@@ -62,6 +65,13 @@ CONFIGS: dict[str, tuple[str, dict, tuple[int, int] | None]] = {
         None,
     ),
     "v3_shared2": ("v3", dict(q_lora_rank=48, n_shared_experts=2, n_group=1, topk_group=1, rope_parameters=YARN), None),
+    "v3_yarn_mscale": ("v3", dict(q_lora_rank=48, n_shared_experts=1, n_group=2, topk_group=2, rope_parameters=YARN_ASYMMETRIC), None),
+    # the routed weights are the raw sigmoid scores (times routed_scaling_factor), not renormalised
+    "v3_unnormed_topk": (
+        "v3",
+        dict(q_lora_rank=None, n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=False, rope_parameters=YARN),
+        None,
+    ),
     "v3_neox": ("v3", dict(q_lora_rank=48, n_shared_experts=1, n_group=1, topk_group=1, rope_interleave=False, rope_parameters=YARN), None),
     "v2_greedy": (
         "v2",
@@ -84,6 +94,8 @@ CONFIGS: dict[str, tuple[str, dict, tuple[int, int] | None]] = {
         None,
     ),
     "v3_fp8": ("v3", dict(q_lora_rank=48, n_shared_experts=1, n_group=2, topk_group=1, rope_parameters=YARN), (32, 32)),
+    # non-square blocks (bn, bk) = (16, 32), partial blocks both ways: a swapped (bk, bn) reads the grid wrong
+    "v3_fp8_nonsquare": ("v3", dict(q_lora_rank=48, n_shared_experts=1, n_group=2, topk_group=1, rope_parameters=YARN), (16, 32)),
     # every dimension a multiple of the block: transformers itself can dequantise this one
     # (it derives the block from the scale grid, which partial blocks like v3_fp8's defeat)
     "v3_fp8_aligned": ("v3", dict(q_lora_rank=48, n_shared_experts=1, n_group=2, topk_group=1, rope_parameters=YARN), (8, 8)),

@@ -50,9 +50,15 @@ def test_missing_and_broken_config(tmp_path):
         ModelConfig.from_dir(tmp_path)
 
 
-def test_fp8_block_is_read(tmp_path):
-    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-    assert ModelConfig.from_dir(write_config(tmp_path, quantization_config=quant)).fp8_block == (128, 128)
+@pytest.mark.parametrize("block", [(128, 128), (64, 128)])
+def test_fp8_block_is_read(tmp_path, block):
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    assert ModelConfig.from_dir(write_config(tmp_path, quantization_config=quant)).fp8_block == block  # (bn, bk), in order
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_norm_topk_prob_is_read(tmp_path, norm):
+    assert ModelConfig.from_dir(write_config(tmp_path, norm_topk_prob=norm)).norm_topk_prob is norm
 
 
 def test_dtype_resolution():

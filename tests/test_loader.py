@@ -12,11 +12,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from deepinfer_core.config import ConfigError, ModelConfig
-from deepinfer_core.loader import CheckpointError, load_model
+from deepinfer_core.config import ConfigError, ModelConfig, V4ModelConfig
+from deepinfer_core.loader import CheckpointError, all_finite, init_dummy_weights, load_model
 from deepinfer_core.models import get_model_class
 from deepinfer_core.ops import OpTable
-from tests.hf_checkpoints import add_mtp_weights, write_checkpoint
+from deepinfer_core.ops.linear import dequantize_fp8_block
+from tests.hf_checkpoints import add_mtp_weights, hf_config, write_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +108,6 @@ def test_fp8_dequantised_and_kept(fp8):
     torch.testing.assert_close(attn_k.q_b_proj.dequantized_weight(torch.float32), attn_d.q_b_proj.weight, atol=0, rtol=0)
     torch.testing.assert_close(attn_k.w_uk, attn_d.w_uk, atol=0, rtol=0)
     ek, ed = kept.model.layers[2].mlp.experts, deq.model.layers[2].mlp.experts
-    from deepinfer_core.ops.linear import dequantize_fp8_block
-
     for e in range(ek.gate_up_proj.shape[0]):
         w = dequantize_fp8_block(ek.gate_up_proj[e], ek.gate_up_proj_scale_inv[e], ek.block, torch.float32)
         torch.testing.assert_close(w, ed.gate_up_proj[e], atol=0, rtol=0)
@@ -228,3 +227,171 @@ def test_fp8_scale_shape_mismatch(fp8, tmp_path):
 def test_unknown_model_type():
     with pytest.raises(ConfigError, match="deepseek_v3, deepseek_v2"):
         get_model_class("llama")
+
+
+# --------------------------------------------------------------------------------------------
+# non-square FP8 blocks: (bn, bk) = weight_block_size, rows first
+
+
+@pytest.fixture(scope="module")
+def fp8_nonsquare(tmp_path_factory):
+    path = tmp_path_factory.mktemp("loader_fp8_nonsquare") / "ckpt"
+    return path, write_checkpoint("v3_fp8_nonsquare", path)
+
+
+def float_weights(model) -> dict[str, torch.Tensor]:
+    """Every linear / expert weight of our model in float32 under transformers' key, FP8 dequantised
+    with the model's own block (fused gate/up split back)."""
+    out = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "dequantized_weight") and module.weight.numel():
+            w = module.dequantized_weight(torch.float32)
+            if name.endswith("gate_up_proj"):
+                base = name[: -len("gate_up_proj")]
+                out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = w.chunk(2)
+            else:
+                out[name + ".weight"] = w
+        elif name.endswith("mlp.experts"):
+            for proj in ("gate_up_proj", "down_proj"):
+                w, s = getattr(module, proj), getattr(module, proj + "_scale_inv")
+                out[f"{name}.{proj}"] = w.float() if s is None else dequantize_fp8_block(w, s, module.block, torch.float32)
+    return out
+
+
+@pytest.mark.parametrize("keep_fp8", [False, True])
+def test_fp8_non_square_blocks_load_the_dequantised_golden(fp8_nonsquare, keep_fp8):
+    path, golden = fp8_nonsquare
+    assert ModelConfig.from_dir(path).fp8_block == (16, 32)
+    model = load(path, keep_fp8=keep_fp8)
+    attn = model.model.layers[0].self_attn
+    assert attn.o_proj.weight.dtype == (torch.float8_e4m3fn if keep_fp8 else torch.float32)
+    if keep_fp8:
+        assert attn.o_proj.block == (16, 32) and attn.o_proj.weight_scale_inv.shape == (4, 2)  # [64, 64]: 4 row x 2 column blocks
+    got, want = float_weights(model), golden.state_dict()
+    linears = {k for k in want if k.endswith("proj.weight") or k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    assert linears <= set(got) and len(linears) > 20
+    for key in sorted(linears):
+        torch.testing.assert_close(got[key], want[key].float(), atol=0, rtol=0, msg=key)
+
+
+@pytest.mark.parametrize("keep_fp8", [False, True])
+def test_fp8_scale_grid_of_the_wrong_orientation(fp8_nonsquare, tmp_path, keep_fp8):
+    """o_proj [64, 64] with blocks (16, 32) has a [4, 2] scale grid; the transposed [2, 4] (what a
+    (32, 16) reading would want) is refused, naming both."""
+    path, _ = fp8_nonsquare
+    tensors = read_all(path)
+    assert tensors["model.layers.0.self_attn.o_proj.weight_scale_inv"].shape == (4, 2)
+    tensors["model.layers.0.self_attn.o_proj.weight_scale_inv"] = torch.ones(2, 4)
+    with pytest.raises(CheckpointError, match=r"layers\.0\.self_attn\.o_proj\.weight_scale_inv has shape \[2, 4\] but ") as info:
+        load(variant(path, tmp_path / "transposed", tensors), keep_fp8=keep_fp8)
+    message = str(info.value)
+    assert "[4, 2]" in message
+    if not keep_fp8:
+        assert "weight [64, 64] with weight_block_size [16, 32] needs [4, 2]" in message
+
+
+# --------------------------------------------------------------------------------------------
+# load_format="dummy"
+
+
+def _poison(model) -> None:
+    """What torch.empty might hold, at its worst: NaN everywhere (FP8 NaN bits), -1 ids."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype == torch.float8_e4m3fn:
+                p.view(torch.uint8).fill_(0x7F)
+            elif p.is_floating_point():
+                p.fill_(float("nan"))
+            else:
+                p.fill_(-1)
+
+
+def _dummy_v3(tmp_path, seed: int):
+    path = tmp_path / "dummy_v3"
+    if not path.is_dir():
+        hf_config("v3_fp8_nonsquare", n_routed_experts=64).save_pretrained(str(path))
+        config = json.loads((path / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 32]}
+        (path / "config.json").write_text(json.dumps(config))
+    _, model = new_model(path, keep_fp8=True)
+    _poison(model)
+    init_dummy_weights(model, seed=seed, progress=False)
+    return model
+
+
+def test_dummy_weights_are_what_the_docstring_promises(tmp_path):
+    model = _dummy_v3(tmp_path, seed=0)
+    assert model.model.layers[0].self_attn.w_uk is not None  # post_load ran
+    params = dict(model.named_parameters())
+    normalised, biases = [], []
+    for name, p in params.items():
+        if not p.numel():  # released by post_load's gate/up fusion
+            continue
+        assert bool(all_finite(p)), f"{name} left uninitialised"
+        if name.endswith("_scale_inv"):
+            fan_in = params[name[: -len("_scale_inv")]].shape[-1]
+            assert torch.equal(p, torch.full_like(p, fan_in**-0.5)), name
+        elif name.endswith("norm.weight"):
+            assert torch.equal(p, torch.ones_like(p)), name
+        elif name.endswith("e_score_correction_bias"):
+            biases.append(p)
+        elif p.dim() >= 2:
+            # FP8: N(0, 1) values (the scale carries 1/sqrt(fan_in)); else N(0, 1/fan_in)
+            z = p.float() if p.dtype == torch.float8_e4m3fn else p * p.shape[-1] ** 0.5
+            if p.numel() >= 1024:
+                assert abs(z.std() - 1) < 0.1 and abs(z.mean()) < 0.1, (name, float(z.std()), float(z.mean()))
+            normalised.append(z.flatten())
+    z = torch.cat(normalised)
+    assert abs(z.std() - 1) < 0.02 and abs(z.mean()) < 0.02
+    bias = torch.cat(biases)
+    assert bias.numel() >= 128 and 0.008 < bias.std() < 0.012 and bias.abs().max() < 0.05
+    fp8 = [p for p in params.values() if p.dtype == torch.float8_e4m3fn and p.numel()]
+    assert len(fp8) > 20
+    q_b = model.model.layers[1].self_attn.q_b_proj
+    assert q_b.weight_scale_inv.shape == (6, 2)  # [96, 48] in (16, 32) blocks
+    assert abs(q_b.dequantized_weight(torch.float32).std() * 48**0.5 - 1) < 0.1  # activations stay O(1)
+
+    same_weights(_dummy_v3(tmp_path, seed=0), model)  # determined by the seed
+    other = _dummy_v3(tmp_path, seed=1).state_dict()
+    for key in ("model.embed_tokens.weight", "model.layers.1.mlp.experts.gate_up_proj", "model.layers.2.mlp.gate.e_score_correction_bias"):
+        assert not torch.equal(other[key].float(), model.state_dict()[key].float()), key
+
+
+def test_dummy_weights_hash_routing_tables_and_buffers():
+    """V4's tid2eid (a parameter of our model, a buffer of transformers'): uniform ids of the
+    router's experts; a router bias held as a buffer is drawn too."""
+    from tests.hf_checkpoints_v4 import hf_config_v4, quant_config_v4
+
+    hf = hf_config_v4("v4_flash_like")
+    config = V4ModelConfig.from_hf(hf, {**hf.to_dict(), **quant_config_v4("fp8")})
+    model = get_model_class(config.model_type)(config, OpTable.reference(), torch.float32, torch.device("cpu"), keep_fp8=True)
+    _poison(model)
+    init_dummy_weights(model, seed=0, progress=False)
+    tables = {n: p for n, p in model.named_parameters() if n.endswith("tid2eid")}
+    assert len(tables) == config.num_hash_layers >= 1
+    for name, ids in tables.items():
+        assert ids.shape == (config.vocab_size, config.num_experts_per_tok)
+        assert ids.min() >= 0 and ids.max() < config.n_routed_experts, name
+        assert torch.bincount(ids.flatten(), minlength=config.n_routed_experts).min() > 0.5 * ids.numel() / config.n_routed_experts
+    assert all(bool(all_finite(p)) for p in model.parameters() if p.is_floating_point())
+
+    class Gate(torch.nn.Module):  # transformers' V4 router layout: weight a parameter, the rest buffers
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.full((64, 16), float("nan")))
+            self.register_buffer("tid2eid", torch.full((160, 2), -1, dtype=torch.int64))
+            self.register_buffer("e_score_correction_bias", torch.full((64,), float("nan")))
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate, self.loaded = Gate(), False
+
+        def post_load(self):
+            self.loaded = True
+
+    holder = Holder()
+    init_dummy_weights(holder, seed=0, progress=False)
+    assert holder.loaded and abs(holder.gate.weight.std() * 4 - 1) < 0.1
+    assert holder.gate.tid2eid.min() >= 0 and holder.gate.tid2eid.max() < 64 and len(holder.gate.tid2eid.unique()) > 56
+    assert 0.007 < holder.gate.e_score_correction_bias.std() < 0.013

@@ -6,6 +6,8 @@ non-contiguous) cache blocks, ``make_batch`` packs prefill chunks first, then de
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -15,7 +17,7 @@ from deepinfer_core.models import get_model_class
 from deepinfer_core.models.batch import BatchMeta, GroupMeta
 from deepinfer_core.models.deepseek_v3 import CACHE_GROUP
 from deepinfer_core.ops import OpTable
-from tests.hf_checkpoints import CONFIGS, add_mtp_weights, causal_mask, hf_mtp_layer, write_checkpoint
+from tests.hf_checkpoints import CONFIGS, add_mtp_weights, causal_mask, hf_config, hf_mtp_layer, write_checkpoint
 
 ATOL = 1e-4
 NUM_BLOCKS = 64
@@ -133,10 +135,30 @@ def test_prefill_matches_transformers(pair):
     assert torch.equal(got.argmax(-1), golden.argmax(-1))
 
 
-def test_fp8_kept_matches_dequantised(tmp_path_factory):
+def test_configs_hold_the_cases_the_parity_tests_rely_on():
+    """The pair tests catch a swapped mscale / mscale_all_dim, an ignored norm_topk_prob and a
+    reversed FP8 block only through these configs: they must stay asymmetric / False / non-square."""
+    from deepinfer_core.models.deepseek_v3 import softmax_scale
+    from deepinfer_core.ops.rope import rope_inv_freq
+
+    hf = hf_config("v3_yarn_mscale")
+    rope = hf.rope_parameters
+    assert rope["rope_type"] == "yarn" and rope["mscale"] != rope["mscale_all_dim"]
+    config = ModelConfig.from_hf(hf)
+    assert rope_inv_freq(config.qk_rope_head_dim, config.rope_theta, config.rope_parameters)[1] != pytest.approx(1.0, abs=1e-3)
+    as_if_mscale = ModelConfig.from_hf(hf_config("v3_yarn_mscale", rope_parameters=dict(rope, mscale_all_dim=rope["mscale"])))
+    assert softmax_scale(config) != pytest.approx(softmax_scale(as_if_mscale), rel=1e-2)
+    assert hf_config("v3_unnormed_topk").norm_topk_prob is False
+    bn, bk = CONFIGS["v3_fp8_nonsquare"][2]
+    assert bn != bk
+
+
+@pytest.mark.parametrize("name", ["v3_fp8", "v3_fp8_nonsquare"])
+def test_fp8_kept_matches_dequantised(tmp_path_factory, name):
     path = tmp_path_factory.mktemp("fp8_keep") / "ckpt"
-    hf = write_checkpoint("v3_fp8", path)
+    hf = write_checkpoint(name, path)
     ours = build_ours(path, keep_fp8=True)
+    assert ours.model.layers[0].self_attn.o_proj.block == CONFIGS[name][2]
     assert ours.model.layers[0].self_attn.kv_b_proj.weight.dtype == torch.float8_e4m3fn
     assert ours.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
     tokens = prompt(hf.config.vocab_size, 13)
@@ -324,5 +346,11 @@ def test_bfloat16_prefill_and_decode(tmp_path, name, keep_fp8):
     # bf16 rounding in the absorbed decode path: close to the bf16 full forward...
     full = full_logits(ours, tokens)
     assert (got.log_softmax(-1) - full.log_softmax(-1)).abs().max() < 0.15
-    # ...and to the float32 golden on typical rows (a rare bf16 top-k flip in routing moves a row).
-    assert (got.log_softmax(-1) - golden.log_softmax(-1)).abs().amax(-1).median() < 0.3
+    # ...and as close to the float32 golden as transformers' own bf16 forward is, on typical rows (a
+    # rare bf16 top-k flip in routing moves a row, in either). Measured median ours / transformers'
+    # 0.85-1.14 over 3 checkpoints x 2 prompts (here 0.130 / 0.114 nats v3_yarn, 0.108 / 0.114 v3_fp8).
+    with torch.no_grad():
+        hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)(torch.tensor([tokens])).logits[0].float()
+    ours_err = (got.log_softmax(-1) - golden.log_softmax(-1)).abs().amax(-1).median()
+    hf_err = (hf_bf16.log_softmax(-1) - golden.log_softmax(-1)).abs().amax(-1).median()
+    assert ours_err < 1.5 * hf_err, (float(ours_err), float(hf_err))

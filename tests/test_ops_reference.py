@@ -201,6 +201,32 @@ def test_noaux_tc_matches_hf_router(num_experts, n_group, topk_group, top_k, nor
     _same_routing(w, ids, hf_w, hf_ids)
 
 
+@pytest.mark.parametrize("norm", [False, True])
+def test_routing_weights_by_hand(norm):
+    """One token, 4 experts, logits [2, 0, -1, 1] (x = e0): noaux_tc's bias [0, 0.6, 0, 0] picks
+    experts 0 and 1 (biased 0.88, 1.1 over 0.73), weighted by their unbiased sigmoid; V4's
+    sqrtsoftplus picks 0 and 3. Renormalised to sum 1 only with norm_topk_prob, then times 2.5."""
+    x = torch.tensor([[1.0, 0.0]])
+    gate = torch.tensor([[2.0, 0.3], [0.0, -0.7], [-1.0, 0.2], [1.0, 0.9]])  # second column unused (x1 = 0)
+
+    def sigmoid(v):
+        return 1 / (1 + math.exp(-v))
+
+    def sqrtsoftplus(v):
+        return math.sqrt(math.log1p(math.exp(v)))
+
+    for (w, ids), raw, want_ids in [
+        (moe.moe_route(x, gate, torch.tensor([0.0, 0.6, 0.0, 0.0]), top_k=2, scoring_func="sigmoid", topk_method="noaux_tc",
+                       n_group=1, topk_group=1, norm_topk_prob=norm, routed_scaling_factor=2.5), [sigmoid(2), sigmoid(0)], [0, 1]),
+        (moe.moe_route_sqrtsoftplus(x, gate, None, None, top_k=2, norm_topk_prob=norm, routed_scaling_factor=2.5),
+         [sqrtsoftplus(2), sqrtsoftplus(1)], [0, 3]),
+    ]:
+        order = ids[0].argsort()
+        assert ids[0, order].tolist() == want_ids
+        want = [2.5 * r / (sum(raw) if norm else 1.0) for r in raw]
+        torch.testing.assert_close(w[0, order], torch.tensor(want), atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("method,n_group,topk_group", [("greedy", 1, 1), ("group_limited_greedy", 4, 2)])
 def test_v2_routing_matches_hf_router(method, n_group, topk_group):
     from transformers import DeepseekV2Config
@@ -285,6 +311,36 @@ def test_rotary_matches_hf_layouts():
     torch.testing.assert_close(kn, hk[0, 0], atol=1e-6, rtol=1e-6)
 
 
+def test_rotary_pairs_by_hand():
+    """Rotations written out for r = 4 (independent of transformers): inv_freq = [1, 10000^-1/2] =
+    [1, 0.01]; interleaved rotates (x0, x1) by p and (x2, x3) by 0.01 p, NeoX (x0, x2) and (x1, x3)."""
+    positions = torch.tensor([0, 1, 3])
+    table = torch.tensor([[math.cos(p), math.cos(0.01 * p), math.sin(p), math.sin(0.01 * p)] for p in range(4)])
+    torch.testing.assert_close(rope.rope_cos_sin_table(4, 10000.0, None, 4), table)
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    q, k = x.repeat(3, 2, 1), x.repeat(3, 1)  # [T=3, H=2, 4], [T=3, 4]
+
+    def interleaved(p):
+        c0, s0, c1, s1 = math.cos(p), math.sin(p), math.cos(0.01 * p), math.sin(0.01 * p)
+        return [1 * c0 - 2 * s0, 2 * c0 + 1 * s0, 3 * c1 - 4 * s1, 4 * c1 + 3 * s1]
+
+    def neox(p):
+        c0, s0, c1, s1 = math.cos(p), math.sin(p), math.cos(0.01 * p), math.sin(0.01 * p)
+        return [1 * c0 - 3 * s0, 2 * c1 - 4 * s1, 3 * c0 + 1 * s0, 4 * c1 + 2 * s1]
+
+    for is_interleaved, rotation in [(True, interleaved), (False, neox)]:
+        want = torch.tensor([rotation(p) for p in positions.tolist()])
+        got_q, got_k = rope.rotary_embedding(q, k, positions, table, interleaved=is_interleaved)
+        torch.testing.assert_close(got_k, want, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got_q, want[:, None].expand(3, 2, 4), atol=1e-6, rtol=0)
+    # (position 0 above is the identity) a unit vector on x0 moves only within its own pair
+    e0 = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    _, k_i = rope.rotary_embedding(e0[:, None], e0, torch.tensor([1]), table, interleaved=True)
+    _, k_n = rope.rotary_embedding(e0[:, None], e0, torch.tensor([1]), table, interleaved=False)
+    torch.testing.assert_close(k_i[0], torch.tensor([math.cos(1), math.sin(1), 0.0, 0.0]))
+    torch.testing.assert_close(k_n[0], torch.tensor([math.cos(1), 0.0, math.sin(1), 0.0]))
+
+
 @pytest.mark.parametrize(
     "params",
     [
@@ -318,10 +374,11 @@ def test_yarn_softmax_scale_values():
     from deepinfer_core.config import ModelConfig
     from tests.hf_checkpoints import hf_config
 
-    for mscale, expected in [(1.0, 0.135234), (0.707, 0.114721)]:
+    # (192^-1/2 * (0.1 * mscale_all_dim * ln 40 + 1)^2: mscale itself goes only into the cos/sin factor)
+    for mscale, mscale_all_dim, expected in [(1.0, 1.0, 0.135234), (0.707, 0.707, 0.114721), (1.0, 0.707, 0.114721)]:
         hf = hf_config("v3_yarn", qk_nope_head_dim=128, qk_rope_head_dim=64, rope_parameters={
             "rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": mscale,
-            "mscale_all_dim": mscale, "rope_theta": 10000.0})
+            "mscale_all_dim": mscale_all_dim, "rope_theta": 10000.0})
         assert softmax_scale(ModelConfig.from_hf(hf)) == pytest.approx(expected, abs=1e-6)
 
 

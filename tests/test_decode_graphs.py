@@ -114,3 +114,68 @@ def test_block_table_buffer_matches_rebuilding_every_step():
         assert out.shape == (len(order), 10) and out.dtype == np.int32
         for row, table in zip(out, tables):
             assert row[: len(table)].tolist() == table
+
+
+# Six prompts, each generating two tokens more than the one before: decode batches shrink 6, 5, 4,
+# 3, 2, 1 through the buckets (1, 2, 4, 8), the earliest rows finishing first so the later ones
+# shift down. Every padded step (6 or 5 rows in 8, 3 in 4) follows a larger one (or the warm-up's
+# full buckets) that left a live sequence's ids, slots, lengths and block table in its padding rows.
+SIX = [[5, 17, 42, 99, 3, 64, 7], [11, 12], [150, 2, 2, 8, 33], [9, 8, 7, 6, 5, 4, 3, 2, 1], [60, 61], [100, 7, 100, 7, 100]]
+SIX_PARAMS = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True, logprobs=2) for i in range(len(SIX))]
+
+
+def _padding_state(g, n: int, size: int, q_len: int) -> dict[str, list]:
+    """What the padding rows [n, size) of the static buffers hold now."""
+    t, total = n * q_len, size * q_len
+    state = {"ids": g.input_ids[t:total].tolist(), "positions": g.positions[t:total].tolist(),
+             "seq_lens": g.seq_lens[n:size].tolist()}
+    for name in g.slots:
+        state[f"slots.{name}"] = g.slots[name][t:total].tolist()
+        state[f"tables.{name}"] = g.tables[name][n:size].tolist()
+    for name in g.valid_from:
+        state[f"valid_from.{name}"] = g.valid_from[name][n:size].tolist()
+    return state
+
+
+def test_padding_rows_are_reset_after_a_larger_step(checkpoint):
+    """Padding rows repeat row 0 with nothing written (graphs.py's contract), whatever a previous,
+    larger step left in them: ids and positions of row 0, slots -1, row 0's length and block
+    table. A stale slot would write a padding token into a live sequence's cache; the tokens and
+    logprobs are the eager run's."""
+    expected = LLM(model=str(checkpoint), accelerator="cpu", dtype="float32", block_size=4,
+                   progress=False).generate(SIX, SIX_PARAMS, use_tqdm=False)
+    llm = LLM(model=str(checkpoint), accelerator="cpu", dtype="float32", block_size=4, progress=False)
+    g = with_graphs(llm.engine, sizes=(1, 2, 4, 8))
+    llm.engine._warm_up(g.sizes, progress=False)
+    real, padded, stale, wrong = g.replay, [], set(), []
+
+    def replay(hb, q_len, fill):
+        n = len(hb.seq_lens)
+        size = next(s for s in g.sizes if s >= n)
+        before = _padding_state(g, n, size, q_len)
+        hidden = real(hb, q_len, fill)
+        if size == n:
+            return hidden
+        pad = size - n
+        want = {"ids": hb.ids[:q_len] * pad, "positions": hb.positions[:q_len] * pad, "seq_lens": [hb.seq_lens[0]] * pad}
+        for name in g.slots:
+            want[f"slots.{name}"] = [-1] * (pad * q_len)
+            want[f"tables.{name}"] = g.tables[name][:1].expand(pad, -1).tolist()  # row 0's, at full width
+        for name in g.valid_from:
+            want[f"valid_from.{name}"] = [hb.valid_from[name][0]] * pad
+        now = _padding_state(g, n, size, q_len)
+        wrong.extend((n, size, k, now[k], want[k]) for k in want if now[k] != want[k])
+        padded.append((n, size))
+        stale.update(k for k in want if before[k] != want[k])
+        return hidden
+
+    g.replay = replay
+    got = llm.generate(SIX, SIX_PARAMS, use_tqdm=False)
+    assert not wrong, f"padding rows not reset (rows, bucket, buffer, found, expected): {wrong[:3]}"
+    assert {(6, 8), (5, 8), (3, 4)} <= set(padded)
+    # the padding rows did hold another row's data before those steps: the resets were needed
+    assert {"ids", "positions", "seq_lens", "slots.mla", "tables.mla"} <= stale
+    for a, b in zip(expected, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys() and all(abs(la[t] - lb[t]) < 1e-5 for t in la)

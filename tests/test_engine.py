@@ -126,6 +126,37 @@ def test_preemption_loses_nothing_and_changes_no_greedy_output(v3):
     assert tight.engine.kv.num_free == 12
 
 
+def test_requests_may_fill_the_kv_cache_to_its_last_block(v3):
+    """6 blocks of 4 tokens: one request of 24 tokens (23 computed: the last token is never fed
+    back) needs every block; then two requests of 13 tokens (12 computed) need 3 blocks each, all
+    6 at once. Nobody is preempted and the greedy tokens are those of a roomy cache."""
+    params = [SamplingParams(temperature=0, max_tokens=17, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)]
+    one, two = [PROMPTS[0]], [PROMPTS[0], [3, 1, 4, 1, 5, 9, 2]]
+    roomy = make_llm(v3, block_size=4)
+    tight = make_llm(v3, block_size=4, num_kv_blocks=6)
+    engine = tight.engine
+    assert engine.max_model_len == 24 == len(PROMPTS[0]) + 17
+    lowest, real_schedule = [], engine.scheduler.schedule
+
+    def schedule():
+        out = real_schedule()
+        lowest.append(engine.kv.num_free)
+        return out
+
+    engine.scheduler.schedule = schedule
+    for prompts, p in ((one, params[0]), (two, params[1])):
+        expected = roomy.generate(prompts, p, use_tqdm=False)
+        lowest.clear()
+        outs = tight.generate(prompts, p, use_tqdm=False)
+        assert min(lowest) == 0, "the run was meant to take every block"
+        assert engine.num_preemptions == 0 and engine.kv.num_free == 6
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+        assert all(len(o.outputs[0].token_ids) == p.max_tokens and o.outputs[0].finish_reason == "length" for o in outs)
+        for a, b in zip(expected, outs):
+            assert all(abs(la[t] - lb[t]) < 1e-5 for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs) for t in la)
+
+
 def test_stop_conditions(v3):
     llm = make_llm(v3)
     free = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0].outputs[0]

@@ -105,6 +105,32 @@ def test_prompt_logprobs_compute_every_prompt_token(ckpt):
         assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-5 for t in a)
 
 
+def test_a_long_prompt_in_small_chunks_computes_what_one_chunk_does(ckpt):
+    """A 49-token prompt through a 7-token step budget: seven chunks, each at its own positions in
+    the sequence (the forward passes see them start at 0, 7, 14, ...). Prompt logprobs, tokens
+    and logprobs are those of the prompt computed in one chunk."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    prompt = PROMPTS[1]
+    whole = make_llm(ckpt).generate([prompt], params, use_tqdm=False)[0]
+    llm = make_llm(ckpt, max_num_batched_tokens=7)
+    model, starts = llm.engine.model, []
+    forward = model.forward
+
+    def spy(ids, positions, meta, caches):
+        if meta.num_prefill_tokens:
+            starts.append(positions[0].item())
+        return forward(ids, positions, meta, caches)
+
+    model.forward = spy
+    chunked = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert len(prompt) == 49 and starts == [0, 7, 14, 21, 28, 35, 42]
+    assert chunked.outputs[0].token_ids == whole.outputs[0].token_ids
+    assert len(chunked.prompt_logprobs) == len(prompt) and chunked.prompt_logprobs[0] is None
+    for a, b in zip(whole.prompt_logprobs[1:], chunked.prompt_logprobs[1:]):
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+    assert close_logprobs([whole], [chunked])
+
+
 def test_a_request_that_finishes_in_its_prefill_still_caches_its_prompt(ckpt):
     llm = make_llm(ckpt)
     one = SamplingParams(temperature=0, max_tokens=1)

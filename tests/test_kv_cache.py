@@ -6,12 +6,14 @@ No model runs here; sequences are built directly and block ids are checked exact
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from deepinfer_core.engine.kv_cache import BlockPool, KVCache, KVCacheManager, block_hash
 from deepinfer_core.engine.runner import ModelRunner
-from deepinfer_core.engine.scheduler import Scheduler
+from deepinfer_core.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.models.batch import CacheGroup
 from deepinfer_core.sampling.params import SamplingParams
@@ -178,6 +180,51 @@ def test_can_allocate_respects_free_blocks():
     with pytest.raises(RuntimeError, match="out of KV blocks for sequence 1"):
         kv.allocate(b, 5)
     assert b.block_tables == {} and kv.num_free == 1
+
+
+def test_a_sequence_may_hold_every_block_of_the_pool():
+    """Exactly at capacity: the pool's last free block is handed out, and a sequence holding all
+    of them still fits what it already holds; one token more, or anyone else, does not."""
+    pool = BlockPool(4)
+    assert pool.take(4) == [0, 1, 2, 3] and pool.num_free == 0
+    kv = manager(num_blocks=4, block_size=4)
+    s = make_seq(range(16))
+    assert kv.can_allocate(s, 16)
+    assert kv.allocate(s, 16) == {"kv": [0, 1, 2, 3]} and kv.num_free == 0
+    assert kv.can_allocate(s, 16) and kv.allocate(s, 16) == {}  # up to the last slot of the last block
+    assert not kv.can_allocate(s, 17) and not kv.can_allocate(make_seq([1], seq_id=1), 1)
+    kv.free(s)
+    for n in range(1, 17):  # grown a token at a time: the last block is taken as position 12 arrives
+        assert kv.can_allocate(s, n), n
+        kv.allocate(s, n)
+    assert sorted(s.block_tables["kv"]) == [0, 1, 2, 3] and kv.num_free == 0
+
+
+def test_the_last_blocks_ring_and_state_slot_go_to_the_last_sequence():
+    """Two sequences take exactly every paged block, ring and state slot there is."""
+    kv = manager([paged("p"), ring("r", window=4), state("st")], num_blocks=4, block_size=4, max_num_seqs=2)
+    assert kv.rings == {"r": 2}
+    a, b, c = (make_seq(range(8), seq_id=i) for i in range(3))
+    assert kv.allocate(a, 8) == {"p": [0, 1], "r": [0, 1], "st": [0]}
+    assert kv.can_allocate(b, 8)  # what is left, exactly
+    assert kv.allocate(b, 8) == {"p": [2, 3], "r": [2, 3], "st": [1]}
+    assert kv.num_free == 0 and kv.ring_free == {"r": []} and kv.state_free == {"st": []}
+    assert kv.can_allocate(a, 8) and kv.can_allocate(b, 8) and not kv.can_allocate(a, 9) and not kv.can_allocate(c, 1)
+
+
+def test_the_scheduler_fills_the_cache_to_its_last_slot():
+    """A 15-token prompt over 4 blocks of 4 is admitted in one chunk, and its first decode row
+    writes position 15, the last slot of the last block: nobody is preempted."""
+    kv = manager(num_blocks=4, block_size=4)
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=16)
+    seq = make_seq(range(15))
+    scheduler.add(seq)
+    out = scheduler.schedule()
+    assert [(s.start, s.num_tokens) for s in out.prefills] == [(0, 15)] and kv.num_free == 0
+    scheduler.update(out, {0: [99]}, lambda s, toks: s.output_token_ids.extend(toks) or False)
+    out = scheduler.schedule()
+    assert not out.preempted and [(s.start, s.num_tokens) for s in out.decodes] == [(15, 1)]
+    assert seq.block_tables["kv"] == [0, 1, 2, 3] and kv.num_free == 0
 
 
 def test_truncate_frees_only_blocks_past_the_kept_tokens():
@@ -472,6 +519,71 @@ def test_slots_and_context_of_an_uncompressed_paged_group():
     r = runner_for(kv)
     assert r._slots(g, s, range(6, 10)) == [46, 47, 16, 17]
     assert r._context(g, s, 8, 10).tolist() == list(range(40, 48)) + [16, 17]
+
+
+def full_runner(kv: KVCacheManager, max_position_embeddings: int = 64) -> ModelRunner:
+    """A ModelRunner on the CPU that can ``prepare`` a step and build its BatchMeta (no model runs)."""
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=max_position_embeddings))
+    return ModelRunner(model, None, kv, torch.device("cpu"))
+
+
+def test_a_step_maps_positions_to_slots_of_shuffled_blocks_across_block_boundaries():
+    """The slot mappings the model is given for a mixed step, with blocks out of order: a second
+    prefill chunk over two block boundaries, decode rows at the last and the first position of a
+    block. Slot = table[p // block_size] * entries per block + p % block_size // tokens per entry
+    (written at a compressed group's last token of each entry only), counted by hand here."""
+    groups = [paged("kv"), paged("cmp", tokens_per_entry=2)]
+    kv = manager(groups, num_blocks=16, block_size=4)
+    a, b, c = make_seq(range(13)), make_seq(range(8), seq_id=1), make_seq(range(9), seq_id=2)
+    a.block_tables = {"kv": [9, 2, 14, 5], "cmp": [3, 11, 0, 7]}
+    b.block_tables = {"kv": [12, 6], "cmp": [1, 8]}
+    c.block_tables = {"kv": [4, 15, 10], "cmp": [13, 4, 6]}
+    out = SchedulerOutput(prefills=[ScheduledSeq(a, 6, 7, samples=True)],
+                          decodes=[ScheduledSeq(b, 7, 1, is_decode=True, samples=True),
+                                   ScheduledSeq(c, 8, 1, is_decode=True, samples=True)])
+    runner = full_runner(kv)
+    ids, positions, meta = runner._meta(runner.prepare(out))
+    assert positions.tolist() == [6, 7, 8, 9, 10, 11, 12, 7, 8] and ids.tolist() == [6, 7, 8, 9, 10, 11, 12, 7, 8]
+    # kv: a's 6, 7 in block 2; 8..11 in block 14; 12 in block 5; b's 7 in block 6; c's 8 in block 10
+    assert meta.groups["kv"].slot_mapping.tolist() == [10, 11, 56, 57, 58, 59, 20, 27, 40]
+    # cmp (2 entries per block): a's 7 -> block 11 entry 1; 9 -> block 0 entry 0; 11 -> block 0 entry 1; b's 7 -> block 8 entry 1
+    assert meta.groups["cmp"].slot_mapping.tolist() == [-1, 23, -1, 0, -1, 1, -1, 17, -1]
+    # the chunk reads the whole context before it and itself: positions 0..12 / entries 0..5
+    assert meta.groups["kv"].context_slots.tolist() == [36, 37, 38, 39, 8, 9, 10, 11, 56, 57, 58, 59, 20]
+    assert meta.groups["cmp"].context_slots.tolist() == [6, 7, 22, 23, 0, 1]
+    assert meta.prefill_cu_seqlens_q.tolist() == [0, 7] and meta.prefill_cu_seqlens_k.tolist() == [0, 13]
+    assert meta.groups["kv"].block_tables.tolist() == [[12, 6, 0], [4, 15, 10]]
+    assert meta.decode_seq_lens.tolist() == [8, 9] and meta.decode_query_start_loc.tolist() == [0, 1, 2]
+
+
+def test_the_second_chunk_of_a_prompt_is_at_its_positions_in_the_sequence():
+    """Chunked prefill through the scheduler: the second 6-token chunk of a 13-token prompt is at
+    positions 6..11 (not 0..5), attends to 12 tokens, and writes the slots of those positions, in
+    blocks handed out out of order."""
+    kv = manager(num_blocks=8, block_size=4)
+    fillers = [make_seq([1], seq_id=10 + i) for i in range(3)]
+    for f in fillers:
+        kv.allocate(f, 1)  # blocks 0, 1, 2
+    kv.free(fillers[0])
+    kv.free(fillers[2])  # free queue: 2, 0, 3, 4, ...
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=6, max_model_len=32)
+    seq = make_seq([100 + i for i in range(13)])
+    scheduler.add(seq)
+    first = scheduler.schedule()
+    assert [(s.start, s.num_tokens, s.samples) for s in first.prefills] == [(0, 6, False)]
+    scheduler.update(first, {}, lambda s, toks: False)
+    kv.allocate(make_seq([1], seq_id=20), 1)  # someone else takes block 3 in between
+    second = scheduler.schedule()
+    assert [(s.start, s.num_tokens, s.samples) for s in second.prefills] == [(6, 6, False)]
+    assert seq.block_tables["kv"] == [2, 0, 4]
+    runner = full_runner(kv)
+    ids, positions, meta = runner._meta(runner.prepare(second))
+    assert ids.tolist() == [106, 107, 108, 109, 110, 111]
+    assert positions.tolist() == [6, 7, 8, 9, 10, 11]
+    assert meta.num_prefill_tokens == 6
+    assert meta.prefill_cu_seqlens_q.tolist() == [0, 6] and meta.prefill_cu_seqlens_k.tolist() == [0, 12]
+    assert meta.groups["kv"].slot_mapping.tolist() == [2, 3, 16, 17, 18, 19]
+    assert meta.groups["kv"].context_slots.tolist() == [8, 9, 10, 11, 0, 1, 2, 3, 16, 17, 18, 19]
 
 
 # ---- ring groups ------------------------------------------------------------------------------

@@ -8,10 +8,13 @@ prefill is not repeated for every point) step through ``Engine.step()`` (schedul
 replay, GPU sampling, bookkeeping), greedy. Reported per (B, L): step time, output tokens/s per
 GPU (B / step) and per user (1 / step), and the step's HBM floor: the bytes it must read (every
 weight a step touches: all dense weights, the expected number of distinct routed experts
-E * (1 - (1 - k/E)^B) per MoE layer under uniform routing, B embedding rows, the absorbed
-W_UK/W_UV instead of kv_b_proj; plus the B * L cached latents of every layer) over the copy
-bandwidth measured in the same run. Token accounting: one output token per sequence per step
-(no speculative tokens).
+E * (1 - (1 - k/E)^B) per MoE layer under uniform routing, B embedding rows, the whole lm_head
+(also when it is tied to the embedding), the absorbed W_UK/W_UV instead of kv_b_proj; no MTP
+layer; plus the cached latents every layer attends over: B * L' tokens, L' the mean context of
+the timed steps, L + DECODE_WARMUP_STEPS + (steps - 1) / 2, since each step adds one token)
+over the copy bandwidth measured in the same run. Token accounting: one output token per
+sequence per step (no speculative tokens). tests/test_benchmark_floor.py checks this arithmetic
+against a hand count.
 
 Prefill: ``LLM.generate`` of B prompts of L random tokens with max_tokens=1 (second of two runs,
 so kernel compilation is excluded): prompt tokens/s and the batch's latency.
@@ -41,6 +44,7 @@ DECODE_BATCHES = (1, 8, 32, 64, 128, 256)
 DECODE_CONTEXTS = (1024, 4096, 16384)
 PREFILL_POINTS = ((1, 1024), (1, 4096), (1, 16384), (4, 4096), (16, 1024), (32, 1024), (64, 1024))
 HF_POINT = (32, 1024)
+DECODE_WARMUP_STEPS = 3  # untimed steps of decode_point before the timed ones (graph capture)
 
 
 def _sync() -> None:
@@ -51,7 +55,8 @@ def step_weight_bytes(model, batch: int) -> float:
     """Bytes of weights one decode step of ``batch`` sequences reads (see the module docstring)."""
     cfg = model.config
     total = 0.0
-    for name, p in model.named_parameters():
+    # remove_duplicate=False: a tied lm_head shares the embedding's tensor but reads all of it.
+    for name, p in model.named_parameters(remove_duplicate=False):
         nbytes = p.numel() * p.element_size()
         if name.startswith("mtp.") or nbytes == 0:
             continue
@@ -74,8 +79,15 @@ def _is_mtp(attn, model) -> bool:
     return any(attn is layer.self_attn for layer in model.mtp.layers)
 
 
-def kv_bytes(engine, batch: int, context: int) -> float:
+def kv_bytes(engine, batch: int, context: float) -> float:
+    """Bytes of the paged caches ``batch`` sequences of ``context`` tokens each attend over."""
     return batch * context * sum(g.bytes_per_token() for g in engine.cache_groups)
+
+
+def timed_context(context: int, steps: int) -> float:
+    """Mean tokens attended over in decode_point's timed steps: its first step attends over the
+    ``context`` tokens, each step adds one, and DECODE_WARMUP_STEPS untimed steps come first."""
+    return context + DECODE_WARMUP_STEPS + (steps - 1) / 2
 
 
 def decode_point(llm, batch: int, context: int, steps: int) -> dict | None:
@@ -97,7 +109,7 @@ def decode_point(llm, batch: int, context: int, steps: int) -> dict | None:
         seq.num_computed_tokens = context - 1
         seq.status = Status.RUNNING
         sched.running.append(seq)
-    for _ in range(3):  # warm-up (captures the graph of this batch/width)
+    for _ in range(DECODE_WARMUP_STEPS):  # warm-up (captures the graph of this batch/width)
         engine.step()
     _sync()
     t0 = time.perf_counter()
@@ -106,7 +118,7 @@ def decode_point(llm, batch: int, context: int, steps: int) -> dict | None:
     _sync()
     step = (time.perf_counter() - t0) / steps
     engine.abort_all()
-    return {"batch": batch, "context": context, "step_s": step}
+    return {"batch": batch, "context": context, "step_s": step, "kv_context": timed_context(context, steps)}
 
 
 def prefill_point(llm, batch: int, length: int) -> dict | None:
@@ -216,7 +228,7 @@ def run(name: str, out_dir: Path, hf: bool, quick: bool, ceilings: dict | None =
             if point is None:
                 report["skipped"].append({"decode": [batch, context], "why": "KV cache too small"})
                 continue
-            wbytes, cbytes = step_weight_bytes(engine.model, batch), kv_bytes(engine, batch, context)
+            wbytes, cbytes = step_weight_bytes(engine.model, batch), kv_bytes(engine, batch, point["kv_context"])
             floor = (wbytes + cbytes) / bw
             point.update(
                 weight_bytes=wbytes, kv_bytes=cbytes, hbm_floor_s=floor, over_floor=point["step_s"] / floor,

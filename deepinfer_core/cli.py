@@ -128,7 +128,7 @@ def _conformance(args: argparse.Namespace) -> int:
     try:
         dtypes = [dtype_from_name(d) for d in _split(args.dtype) or []] or None
         report = ops_suite.run_suite(backend, ops=_split(args.ops), dtypes=dtypes, examples=examples, seed=args.seed,
-                                     progress=not args.quiet, explore_max_elements=explore)
+                                     progress=not args.quiet, explore_max_elements=explore, max_elements=args.max_elements)
     except (BackendError, SpecError, ValueError) as e:
         print(f"error: {_one_line(str(e))}", file=sys.stderr)
         return 2
@@ -152,7 +152,7 @@ def _replay(args: argparse.Namespace, backend: str | None) -> int:
     from deepinfer_core.plugins import BackendError
 
     search = {"--ops": args.ops, "--dtype": args.dtype, "--examples": args.examples, "--seed": args.seed,
-              "--explore-max-elements": args.explore_max_elements}
+              "--explore-max-elements": args.explore_max_elements, "--max-elements": args.max_elements}
     given = [flag for flag, value in search.items() if value is not None]
     if given:  # the case names its op and dtype, and nothing is searched
         print(f"error: --replay runs exactly the case it is given (its op and dtype, no search); drop {', '.join(given)}",
@@ -207,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--explore-max-elements", type=int, default=None,
                    help="hypothesis varies only declared shapes whose inputs hold at most this many elements "
                    f"(default {DEFAULT_EXPLORE_MAX_ELEMENTS}); larger ones run once")
+    c.add_argument("--max-elements", type=int, default=None,
+                   help="run only the declared shapes whose inputs hold at most this many values (a simulator or an "
+                   "interpreter); the report counts the others as not run (default: every declared shape)")
     c.add_argument("--replay", metavar="CASE",
                    help="run exactly one case, the JSON object a failing row of the report prints (op, dtype, dims, value seed), "
                    "on the backend and print its verdict")

@@ -68,15 +68,30 @@ def _clone(value):
     return out.copy_(value)
 
 
-class _Draw:
-    """Seeded CPU draws moved to the target device."""
+class CaseTooLarge(ValueError):
+    """A case's inputs would hold, or take to draw, more values than ``make_case``'s ``max_elements``."""
 
-    def __init__(self, seed: int, device: torch.device):
+
+class _Draw:
+    """Seeded CPU draws moved to the target device. With ``max_elements``, a draw that would take
+    the values drawn past it raises CaseTooLarge instead, so a real-model case is refused before
+    its weights are drawn."""
+
+    def __init__(self, seed: int, device: torch.device, max_elements: int | None = None):
         self.gen = torch.Generator().manual_seed(seed)
         self.device = device
+        self.left = max_elements
+
+    def normal(self, *shape) -> torch.Tensor:
+        """N(0, 1) float32 on the CPU (values a builder computes with before moving them)."""
+        if self.left is not None:
+            self.left -= math.prod(shape)
+            if self.left < 0:
+                raise CaseTooLarge("too many values drawn")
+        return torch.randn(*shape, generator=self.gen)
 
     def randn(self, *shape, dtype=torch.float32, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(*shape, generator=self.gen) * scale).to(device=self.device, dtype=dtype)
+        return (self.normal(*shape) * scale).to(device=self.device, dtype=dtype)
 
     def perm(self, n: int) -> torch.Tensor:
         return torch.randperm(n, generator=self.gen)
@@ -140,7 +155,7 @@ def _linear(d: dict, dtype, r: _Draw):
 def _fp8_block_linear(d: dict, dtype, r: _Draw):
     block = tuple(d["block"])
     x = r.randn(d["tokens"], d["in_features"], dtype=dtype)
-    q, scale = quantize_block_fp8(torch.randn(d["out_features"], d["in_features"], generator=r.gen) / math.sqrt(d["in_features"]), block)
+    q, scale = quantize_block_fp8(r.normal(d["out_features"], d["in_features"]) / math.sqrt(d["in_features"]), block)
     return (x, q.to(r.device), scale.to(r.device), block), {}
 
 
@@ -158,8 +173,8 @@ def _moe_route(d: dict, dtype, r: _Draw):
 def _moe_experts(d: dict, dtype, r: _Draw):
     t, hidden, inter, e, k = (d[n] for n in ("tokens", "hidden", "intermediate", "experts", "top_k"))
     x = r.randn(t, hidden, dtype=dtype)
-    w13 = torch.randn(e, 2 * inter, hidden, generator=r.gen) / math.sqrt(hidden)
-    w2 = torch.randn(e, hidden, inter, generator=r.gen) / math.sqrt(inter)
+    w13 = r.normal(e, 2 * inter, hidden) / math.sqrt(hidden)
+    w2 = r.normal(e, hidden, inter) / math.sqrt(inter)
     w13, w2, s13, s2 = _expert_weights(d, w13, w2, dtype, r)
     weights, ids = _expert_routes(t, e, k, r)
     return (x, w13, w2, weights, ids, s13, s2, tuple(d["fp8_block"]) or None), {}
@@ -182,7 +197,7 @@ def _expert_routes(t: int, e: int, k: int, r: _Draw) -> tuple[torch.Tensor, torc
     allowed = r.perm(e)[: max(k, e - max(1, e // 4))]
     rows = [allowed[r.perm(len(allowed))[:k]] for _ in range(t)]
     ids = torch.stack(rows) if rows else torch.empty(0, k, dtype=torch.int64)
-    weights = torch.randn(t, k, generator=r.gen).softmax(dim=-1)
+    weights = r.normal(t, k).softmax(dim=-1)
     return weights.to(r.device), ids.to(r.device)
 
 
@@ -267,7 +282,7 @@ def sampling_params(rows: int, greedy_rows: int, device, restrictions=SAMPLING_R
 def _sample_tokens(d: dict, dtype, r: _Draw):
     rows, vocab, greedy_rows = d["rows"], d["vocab"], d["greedy_rows"]
     # float32 logits of a `dtype` model: drawn, rounded to the model dtype, upcast
-    logits = (torch.randn(rows, vocab, generator=r.gen) * SAMPLING_LOGIT_SCALE).to(dtype).float()
+    logits = (r.normal(rows, vocab) * SAMPLING_LOGIT_SCALE).to(dtype).float()
     for row in range(0, greedy_rows, 2):  # ties in greedy rows: the maximum repeated half a row away
         top = int(logits[row].argmax())
         logits[row, (top + vocab // 2) % vocab] = logits[row, top]
@@ -326,8 +341,8 @@ def _moe_experts_clamped(d: dict, dtype, r: _Draw):
     x = r.randn(t, hidden, dtype=dtype)
     # gate and up ~ N(0, gate_up_std^2): beyond the limit where gate_up_std is large; the down
     # projection scaled by 1 / gate_up_std^2 keeps the outputs O(1)
-    w13 = torch.randn(e, 2 * inter, hidden, generator=r.gen) * (std / math.sqrt(hidden))
-    w2 = torch.randn(e, hidden, inter, generator=r.gen) / (math.sqrt(inter) * max(1.0, std) ** 2)
+    w13 = r.normal(e, 2 * inter, hidden) * (std / math.sqrt(hidden))
+    w2 = r.normal(e, hidden, inter) / (math.sqrt(inter) * max(1.0, std) ** 2)
     w13, w2, s13, s2 = _expert_weights(d, w13, w2, dtype, r)
     weights, ids = _expert_routes(t, e, k, r)
     return (x, w13, w2, weights, ids, float(d["limit"]), s13, s2, tuple(d["fp8_block"]) or None), {}
@@ -351,8 +366,8 @@ def _mhc_post(d: dict, dtype, r: _Draw):
     out = r.randn(t, hidden, dtype=dtype)
     x = r.randn(t, hc, hidden, dtype=dtype)
     # coefficients as mhc_pre makes them: post in (0, 2), comb close to doubly stochastic
-    post = 2 * torch.sigmoid(torch.randn(t, hc, generator=r.gen))
-    comb = torch.randn(t, hc, hc, generator=r.gen).softmax(dim=-1)
+    post = 2 * torch.sigmoid(r.normal(t, hc))
+    comb = r.normal(t, hc, hc).softmax(dim=-1)
     for _ in range(3):
         comb = comb / comb.sum(dim=-2, keepdim=True)
         comb = comb / comb.sum(dim=-1, keepdim=True)
@@ -386,7 +401,7 @@ def _compress_pool(d: dict, dtype, r: _Draw):
         raise ValueError(f"compress_pool: {d['empty_windows']} empty windows of {n}")
     kv = r.randn(n, s, c, dtype=dtype)
     # gate logits ~ N(0, 1) plus a learned per-(slot, channel) position bias ~ N(0, 1), float32
-    score = torch.randn(n, s, c, generator=r.gen) + torch.randn(s, c, generator=r.gen)
+    score = r.normal(n, s, c) + r.normal(s, c)
     # a sequence's first CSA window has no previous window: its first half of slots is empty
     # (-inf), the kv there arbitrary (here N(0, 1): weight 0 must make it irrelevant)
     score[r.perm(n)[: d["empty_windows"]], : s // 2] = float("-inf")
@@ -448,7 +463,7 @@ def _pre_weights(r: _Draw, t: int, hc: int, one_hot: int) -> torch.Tensor:
     hc_eps), ``one_hot`` random tokens one-hot on stream 0 (what the first layer collapses with)."""
     if one_hot > t:
         raise ValueError(f"{one_hot} one-hot tokens of {t}")
-    w = torch.sigmoid(torch.randn(t, hc, generator=r.gen)) + HC_EPS
+    w = torch.sigmoid(r.normal(t, hc)) + HC_EPS
     rows = r.perm(t)[:one_hot]
     w[rows] = 0.0
     w[rows, 0] = 1.0
@@ -536,9 +551,9 @@ def _engram_gate(d: dict, dtype, r: _Draw):
     t, hc, hidden, tiny = d["tokens"], d["hc"], d["hidden"], d["tiny_streams"]
     if tiny > t * hc or (tiny and hidden < 3):
         raise ValueError(f"engram_gate: {tiny} tiny streams of {t} tokens x {hc} streams (hidden >= 3 for them)")
-    x = torch.randn(t, hc, hidden, generator=r.gen)
-    kv = torch.randn(t, (hc + 1) * hidden, generator=r.gen)  # W_ekv's output: hc keys | the value
-    q_weight, k_weight = (1 + torch.randn(hc, hidden, generator=r.gen) * 0.1 for _ in range(2))
+    x = r.normal(t, hc, hidden)
+    kv = r.normal(t, (hc + 1) * hidden)  # W_ekv's output: hc keys | the value
+    q_weight, k_weight = (1 + r.normal(hc, hidden) * 0.1 for _ in range(2))
     # Tiny streams: x_k and key_k share one channel (x 1, key +-2^-22 or 0) and are exactly 0
     # on each other's other channels, so dot_k is exact in any summation order: below the 1e-6
     # floor with a sure sign, or exactly 0 (gate 1/2)
@@ -589,12 +604,22 @@ BUILDERS: dict[str, Callable[[dict, torch.dtype, _Draw], tuple[tuple, dict]]] = 
 INPLACE = {"write_latent_cache": (0,), "write_cache": (0,)}
 
 
-def make_case(op: str, dims: dict, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> OpCase:
-    """The inputs of one call of ``op`` for the spec shape ``dims``."""
+def make_case(op: str, dims: dict, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
+              max_elements: int | None = None) -> OpCase:
+    """The inputs of one call of ``op`` for the spec shape ``dims``. CaseTooLarge when building
+    them would draw, or they would hold, more than ``max_elements`` values (None: no limit; a
+    strided view is drawn whole, so it may draw more values than it holds)."""
     if op not in BUILDERS:
         raise KeyError(f"no input generator for op {op!r}; the conformance kit knows {', '.join(BUILDERS)}")
-    args, kwargs = BUILDERS[op](dims, dtype, _Draw(seed, torch.device(device)))
-    return OpCase(op, dict(dims), dtype, args, kwargs, INPLACE.get(op, ()))
+    too_large = f"{op} {dims}: inputs of more than max_elements = {max_elements} values"
+    try:
+        args, kwargs = BUILDERS[op](dims, dtype, _Draw(seed, torch.device(device), max_elements))
+    except CaseTooLarge as e:
+        raise CaseTooLarge(too_large) from e
+    case = OpCase(op, dict(dims), dtype, args, kwargs, INPLACE.get(op, ()))
+    if max_elements is not None and case.elements() > max_elements:
+        raise CaseTooLarge(f"{too_large} ({case.elements()})")
+    return case
 
 
 # ---- how hypothesis varies a declared shape -----------------------------------------------------

@@ -4,7 +4,10 @@ For each (op, dtype): every shape declared in ``specs/ops.toml`` is run once wit
 hypothesis draws ``examples`` more cases (a declared shape with its counts redrawn, and a fresh
 seed for the values) and, when one fails, shrinks it to the smallest failing case it can find.
 The verdict per (op, dtype) is PASS, FAIL (an output outside the tolerance, NaN, a wrong shape
-or dtype, a modified input, an exception) or ERROR (the inputs could not be built).
+or dtype, a modified input, an exception) or ERROR (the inputs could not be built). Where only
+small cases can run (a simulator, Triton's interpreter), ``max_elements`` leaves out the
+declared shapes whose inputs are larger: the report counts them (``skipped``), and an op none of
+whose declared shapes fits is an ERROR, never a PASS of nothing.
 
 A FAIL or ERROR names its one failing case as a ``ReplayCase`` (op, dtype, dims, value seed):
 everything its inputs are built from, so ``replay`` re-runs exactly that case, nothing else
@@ -23,7 +26,7 @@ import torch
 
 from deepinfer_core.conformance import jsonsafe
 from deepinfer_core.conformance.checks import Outcome, check
-from deepinfer_core.conformance.inputs import BUILDERS, make_case, shape_strategy
+from deepinfer_core.conformance.inputs import BUILDERS, CaseTooLarge, make_case, shape_strategy
 from deepinfer_core.conformance.spec import dtype_from_name, dtype_name, shapes
 
 DEFAULT_EXAMPLES = 8
@@ -117,10 +120,11 @@ class OpReport:
     failing_case: ReplayCase | None = None  # all of it: what ``replay`` takes
     message: str = ""
     seconds: float = 0.0
+    skipped: int = 0  # declared shapes left out: inputs larger than max_elements
 
     def detail(self) -> str:
         if self.result == "PASS":
-            return ""
+            return f"{self.skipped} declared shapes over max_elements not run" if self.skipped else ""
         where = ", ".join(f"{k}={v}" for k, v in (self.failing_shape or {}).items())
         return f"[{where}; value seed {self.failing_seed}] {self.message}" if where else self.message
 
@@ -147,18 +151,22 @@ class SuiteReport:
 
 
 class _CaseFailed(Exception):
-    def __init__(self, case: ReplayCase, outcome: Outcome):
+    def __init__(self, case: ReplayCase | None, outcome: Outcome):
         super().__init__(outcome.message)
         self.case, self.outcome = case, outcome
 
 
-def _run_case(report: OpReport, fn: Callable, device: torch.device | str, case: ReplayCase) -> int:
+def _run_case(report: OpReport, fn: Callable, device: torch.device | str, case: ReplayCase,
+              max_elements: int | None = None) -> int:
     """Build ``case``'s inputs and judge ``fn`` on them, counted in ``report``. Returns how many
     elements the inputs held; raises _CaseFailed (carrying ``case`` itself, so a failure names
-    exactly the inputs that failed) on a failure or when the inputs cannot be built."""
+    exactly the inputs that failed) on a failure or when the inputs cannot be built, and
+    CaseTooLarge, before anything is run, when they would be larger than ``max_elements``."""
     try:
-        inputs = make_case(case.op, case.dims, dtype_from_name(case.dtype), device, case.seed)
+        inputs = make_case(case.op, case.dims, dtype_from_name(case.dtype), device, case.seed, max_elements)
         inputs.extra["statistical"] = case.statistical  # the expensive statistical checks run on declared shapes
+    except CaseTooLarge:
+        raise
     except Exception as e:
         raise _CaseFailed(case, Outcome(False, float("inf"), f"could not build inputs: {type(e).__name__}: {e}")) from e
     elements = inputs.elements()
@@ -180,24 +188,41 @@ def _judge(report: OpReport, cases: Callable[[], object]) -> OpReport:
         building = failed.outcome.message.startswith("could not build inputs")
         report.result = "ERROR" if building else "FAIL"
         report.failing_case, report.message = failed.case, failed.outcome.message
-        report.failing_shape, report.failing_seed = failed.case.dims, failed.case.seed
+        if failed.case is not None:
+            report.failing_shape, report.failing_seed = failed.case.dims, failed.case.seed
         report.worst_error = max(report.worst_error, failed.outcome.error)
     report.seconds = time.perf_counter() - started
     return report
 
 
 def run_op(op: str, fn: Callable, dtype: torch.dtype, device: torch.device | str, examples: int = DEFAULT_EXAMPLES,
-           seed: int | None = None, explore_max_elements: int = DEFAULT_EXPLORE_MAX_ELEMENTS) -> OpReport:
-    """Check one op implementation ``fn`` in ``dtype`` on ``device``."""
+           seed: int | None = None, explore_max_elements: int = DEFAULT_EXPLORE_MAX_ELEMENTS,
+           max_elements: int | None = None) -> OpReport:
+    """Check one op implementation ``fn`` in ``dtype`` on ``device``. ``max_elements``: run only
+    the declared shapes whose inputs hold (and take to draw) at most this many values, and explore
+    around those (None: every declared shape); the others are counted in the report's ``skipped``."""
     report = OpReport(op, dtype_name(dtype), "PASS")
 
     def run(dims: dict, case_seed: int, declared: bool = False) -> int:
-        return _run_case(report, fn, device, ReplayCase(op, report.dtype, dims, case_seed, statistical=declared))
+        # explored cases only shrink the counts of a declared shape that fitted: no limit needed
+        limit = max_elements if declared else None
+        return _run_case(report, fn, device, ReplayCase(op, report.dtype, dims, case_seed, statistical=declared), limit)
+
+    def fitting(dims: dict) -> int | None:
+        """The declared shape's size once run (every declared shape that fits runs), None when too large."""
+        try:
+            return run(dims, 0, declared=True)
+        except CaseTooLarge:
+            report.skipped += 1
+            return None
 
     def cases() -> None:
         declared = shapes(op)
-        sizes = [run(dims, 0, declared=True) for dims in declared]  # every declared shape, always
-        small = [dims for dims, size in zip(declared, sizes) if size <= explore_max_elements]
+        sizes = [fitting(dims) for dims in declared]
+        if report.skipped == len(declared):
+            raise _CaseFailed(None, Outcome(False, float("inf"), f"could not build inputs: every declared shape of {op} "
+                                            f"holds more than max_elements = {max_elements} values"))
+        small = [dims for dims, size in zip(declared, sizes) if size is not None and size <= explore_max_elements]
         if examples > 0 and small:
             _explore(op, small, run, examples, seed)
 
@@ -257,11 +282,11 @@ def resolve_backend(backend: str | None):
 
 def run_suite(backend: str | None, ops: list[str] | None = None, dtypes: list[torch.dtype] | None = None,
               examples: int = DEFAULT_EXAMPLES, seed: int | None = None, progress: bool = True,
-              explore_max_elements: int = DEFAULT_EXPLORE_MAX_ELEMENTS) -> SuiteReport:
+              explore_max_elements: int = DEFAULT_EXPLORE_MAX_ELEMENTS, max_elements: int | None = None) -> SuiteReport:
     """Check the ops ``backend`` provides itself (every op for the reference backend).
 
     ``ops`` narrows the set (an op the backend does not provide is an error: it would only test the
-    reference); ``dtypes`` defaults to every dtype the platform supports.
+    reference); ``dtypes`` defaults to every dtype the platform supports; ``max_elements`` as ``run_op``.
     """
     from tqdm import tqdm
 
@@ -274,7 +299,7 @@ def run_suite(backend: str | None, ops: list[str] | None = None, dtypes: list[to
     with tqdm(jobs, desc=f"conformance {chosen.name}", unit="check", disable=not progress) as bar:
         for op, dtype in bar:
             bar.set_postfix_str(f"{op} {dtype_name(dtype)}")
-            report.ops.append(run_op(op, table[op], dtype, platform.device, examples, seed, explore_max_elements))
+            report.ops.append(run_op(op, table[op], dtype, platform.device, examples, seed, explore_max_elements, max_elements))
             if platform.torch_device.type == "cuda":
                 torch.cuda.empty_cache()
     return report

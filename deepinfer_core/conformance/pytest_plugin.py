@@ -4,7 +4,9 @@ Installed with deepinfer (entry point ``pytest11``); inert unless ``--deepinfer-
 given. ``pytest --deepinfer-backend NAME`` then adds one test per (op, dtype) the backend
 provides, named ``deepinfer-conformance::<op>[<dtype>]``, running exactly what
 ``deepinfer conformance --backend NAME`` runs. Narrow with ``--deepinfer-ops``,
-``--deepinfer-dtype``; ``--deepinfer-examples`` sets the hypothesis cases per check.
+``--deepinfer-dtype``; ``--deepinfer-examples`` sets the hypothesis cases per check;
+``--deepinfer-max-elements`` runs only the declared shapes of at most that many input values
+(a simulator, an interpreter: the others are reported as not run).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--deepinfer-ops", default=None, metavar="A,B", help="only these ops (default: every op the backend provides)")
     group.addoption("--deepinfer-dtype", default=None, metavar="D,E", help="compute dtypes, e.g. bf16,fp32 (default: the platform's)")
     group.addoption("--deepinfer-examples", default=None, type=int, metavar="N", help="hypothesis cases per op and dtype")
+    group.addoption("--deepinfer-max-elements", default=None, type=int, metavar="N",
+                    help="only the declared shapes whose inputs hold at most N values (default: all)")
 
 
 class OpConformanceFailure(Exception):
@@ -26,16 +30,16 @@ class OpConformanceFailure(Exception):
 
 
 class OpCheckItem(pytest.Item):
-    def __init__(self, *, op: str, dtype, fn, device, examples: int, backend: str, **kwargs):
+    def __init__(self, *, op: str, dtype, fn, device, examples: int, backend: str, max_elements: int | None = None, **kwargs):
         super().__init__(**kwargs)
         self.op, self.dtype, self.fn, self.device, self.examples = op, dtype, fn, device, examples
-        self.backend = backend
+        self.backend, self.max_elements = backend, max_elements
         self.report_row = None
 
     def runtest(self) -> None:
         from deepinfer_core.conformance.ops_suite import run_op
 
-        row = run_op(self.op, self.fn, self.dtype, self.device, self.examples)
+        row = run_op(self.op, self.fn, self.dtype, self.device, self.examples, max_elements=self.max_elements)
         self.report_row = row
         if row.result != "PASS":
             raise OpConformanceFailure(f"{row.op} ({row.dtype}) {row.result}: {row.detail()} "
@@ -78,7 +82,7 @@ class ConformanceCollector(pytest.Collector):
             for dtype in dtypes or platform.supported_dtypes:
                 yield OpCheckItem.from_parent(self, name=f"{op}[{dtype_name(dtype)}]", op=op, dtype=dtype, fn=table[op],
                                               device=platform.device, examples=DEFAULT_EXAMPLES if examples is None else examples,
-                                              backend=chosen.name)
+                                              backend=chosen.name, max_elements=config.getoption("--deepinfer-max-elements"))
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:

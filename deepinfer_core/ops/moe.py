@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -35,6 +37,28 @@ def moe_route(
     V2 gates never renormalise. Weights are finally multiplied by routed_scaling_factor. The
     order of the k slots is unspecified.
     """
+    selection, weights_of = route_selection(x, gate_weight, correction_bias, scoring_func=scoring_func, topk_method=topk_method,
+                                            n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
+                                            routed_scaling_factor=routed_scaling_factor)
+    ids = selection.topk(top_k, dim=-1, sorted=False)[1]
+    return weights_of(ids), ids
+
+
+def route_selection(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    *,
+    scoring_func: str,
+    topk_method: str,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """``moe_route``'s gate: (selection [T, E] float32, weights_of). Its ids are the top_k of
+    ``selection`` per token (-inf or 0 outside the kept groups); ``weights_of(ids)`` gives the
+    weights of any ids [T, k]. The conformance checks judge routing with these two at ties."""
     logits = F.linear(x.float(), gate_weight.float())
     num_tokens, num_experts = logits.shape
     if scoring_func == "sigmoid":
@@ -49,20 +73,25 @@ def moe_route(
         grouped = choice.view(num_tokens, n_group, num_experts // n_group)
         group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
         keep = _group_mask(group_scores, topk_group, num_experts)
-        choice = choice.masked_fill(~keep, float("-inf"))
-        ids = choice.topk(top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, ids)
-        if norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        selection, source = choice.masked_fill(~keep, float("-inf")), scores
     elif topk_method == "greedy":
-        weights, ids = scores.topk(top_k, dim=-1, sorted=False)
+        selection = source = scores
     elif topk_method == "group_limited_greedy":
         group_scores = scores.view(num_tokens, n_group, num_experts // n_group).max(dim=-1).values
         keep = _group_mask(group_scores, topk_group, num_experts)
-        weights, ids = scores.masked_fill(~keep, 0.0).topk(top_k, dim=-1, sorted=False)
+        selection = source = scores.masked_fill(~keep, 0.0)
     else:
         raise ValueError(f"topk_method {topk_method!r} is not supported; expected one of {TOPK_METHODS}")
-    return weights * routed_scaling_factor, ids
+    renormalise = topk_method == "noaux_tc" and norm_topk_prob  # V2 gates never renormalise
+    return selection, lambda ids: _route_weights(source, ids, renormalise, routed_scaling_factor)
+
+
+def _route_weights(source: torch.Tensor, ids: torch.Tensor, renormalise: bool, routed_scaling_factor: float) -> torch.Tensor:
+    """``source`` at ``ids``, divided by their sum (+1e-20) when ``renormalise``, times routed_scaling_factor."""
+    weights = source.gather(1, ids)
+    if renormalise:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor
 
 
 def _group_mask(group_scores: torch.Tensor, topk_group: int, num_experts: int) -> torch.Tensor:
@@ -144,13 +173,22 @@ def moe_route_sqrtsoftplus(
     divided by their sum (+1e-20) when norm_topk_prob, times routed_scaling_factor. The order of
     the k slots is unspecified.
     """
+    selection, weights_of = sqrtsoftplus_selection(x, gate_weight, correction_bias, norm_topk_prob=norm_topk_prob,
+                                                   routed_scaling_factor=routed_scaling_factor)
+    ids = fixed_ids.long() if fixed_ids is not None else selection.topk(top_k, dim=-1, sorted=False)[1]
+    return weights_of(ids), ids
+
+
+def sqrtsoftplus_selection(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    *,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """``moe_route_sqrtsoftplus``'s gate without fixed ids, as ``route_selection``: (selection
+    [T, E] float32, s + correction_bias, whose top_k are the ids; weights_of)."""
     scores = F.softplus(F.linear(x.float(), gate_weight.float())).sqrt()
-    if fixed_ids is not None:
-        ids = fixed_ids.long()
-    else:
-        choice = scores if correction_bias is None else scores + correction_bias.float()
-        ids = choice.topk(top_k, dim=-1, sorted=False)[1]
-    weights = scores.gather(1, ids)
-    if norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * routed_scaling_factor, ids
+    selection = scores if correction_bias is None else scores + correction_bias.float()
+    return selection, lambda ids: _route_weights(scores, ids, norm_topk_prob, routed_scaling_factor)

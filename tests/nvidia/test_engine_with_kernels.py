@@ -17,6 +17,10 @@ from tests.hf_checkpoints import write_checkpoint
 pytest.importorskip("triton", reason="triton is not installed (pip install triton): the NVIDIA kernels cannot run")
 
 PROMPTS = [[5, 17, 42, 99, 3, 64, 7], [11, 12], [150, 2, 2, 8, 33, 41, 90, 100, 120, 7, 6, 5, 4]]
+# Logprob bound of both tests: float32 throughout, FP8 weights widened exactly (W8A16), so only the
+# kernels' summation order differs from the reference: worst 5.0e-6 (greedy decode) and 6.7e-6
+# (FP8 prompt logprobs, down to -16) measured; a 1% error in the FP8 weight scales moves them by ~1.5.
+LOGPROB_ATOL = 1e-4
 
 
 @pytest.fixture
@@ -56,7 +60,7 @@ def test_greedy_generation_matches_reference(tmp_path, use_kernels):
     for a, b in zip(expected, got):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert la.keys() == lb.keys() and all(abs(la[t] - lb[t]) < 1e-3 for t in la)
+            assert la.keys() == lb.keys() and all(abs(la[t] - lb[t]) <= LOGPROB_ATOL for t in la), (la, lb)
 
 
 def test_fp8_checkpoint_kept_quantised(tmp_path, use_kernels):
@@ -74,4 +78,4 @@ def test_fp8_checkpoint_kept_quantised(tmp_path, use_kernels):
     for a, b, ids in zip(expected, got, texts):
         for pos in range(1, len(ids)):
             ref_lp, lp = a.prompt_logprobs[pos][ids[pos]], b.prompt_logprobs[pos][ids[pos]]
-            assert abs(ref_lp - lp) <= 0.1 + 0.05 * abs(ref_lp), (pos, ref_lp, lp)
+            assert abs(ref_lp - lp) <= LOGPROB_ATOL, (pos, ref_lp, lp)

@@ -49,11 +49,14 @@ def test_penalties_follow_their_definitions():
 
 
 def test_min_tokens_bans_eos_and_stop_tokens_until_reached():
-    logits = torch.zeros(2, VOCAB)
+    logits = torch.zeros(3, VOCAB)
     early = seq([0], [5], min_tokens=3, stop_token_ids=[4])
+    last = seq([0], [5, 5], min_tokens=3, stop_token_ids=[4])  # the third output is the last one banned
     done = seq([0], [5, 5, 5], min_tokens=3, stop_token_ids=[4])
-    out = apply_penalties(logits, [early, done], eos_ids=(1,))
-    assert out[0, 1] == -math.inf and out[0, 4] == -math.inf and torch.isfinite(out[1]).all()
+    out = apply_penalties(logits, [early, last, done], eos_ids=(1,))
+    for row in (0, 1):
+        assert out[row, 1] == -math.inf and out[row, 4] == -math.inf, row
+    assert torch.isfinite(out[2]).all()
     ignoring = seq([0], [], min_tokens=3, ignore_eos=True)
     assert torch.isfinite(apply_penalties(logits[:1], [ignoring], eos_ids=(1,))).all()
 

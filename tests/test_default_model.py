@@ -167,3 +167,57 @@ def test_engine_matches_transformers_on_the_default_model():
     for pos in range(1, ids.shape[1]):
         token = out.prompt_token_ids[pos]
         assert out.prompt_logprobs[pos][token] == pytest.approx(golden[pos - 1, token].item(), abs=2e-3), pos
+
+
+def test_mtp_module_matches_transformers_mtp_layer(tensors):
+    """The checkpoint's MTP module was trained as transformers' MtpLayer (tools/train_default_model.py):
+    our forward_mtp on its weights gives MtpLayer's hidden states and next-next-token logits, in
+    float32, on a real prompt, and its greedy guesses agree with MtpLayer's."""
+    from transformers import DeepseekV3ForCausalLM, PreTrainedTokenizerFast
+    from transformers.utils import logging as hf_logging
+
+    from deepinfer_core.config import ModelConfig
+    from deepinfer_core.loader import load_model, split_expert_key
+    from deepinfer_core.models import get_model_class
+    from deepinfer_core.ops import OpTable
+    from tests.hf_checkpoints import build_mtp_layer, causal_mask
+    from tests.test_model_parity import Seq, block_pool, make_batch, new_caches, new_seq
+
+    hf_logging.set_verbosity_error()
+    hf = DeepseekV3ForCausalLM.from_pretrained(DIR, local_files_only=True, dtype=torch.float32,
+                                               attn_implementation="eager", experts_implementation="eager").eval()
+    layer = build_mtp_layer(hf.config)
+    prefix = f"model.layers.{MTP}."
+    state = {}
+    for key, t in layer.state_dict().items():  # MtpLayer keys <- the checkpoint's (experts one by one)
+        name = "shared_head.norm.weight" if key == "post_norm.weight" else key.removeprefix("mtp_block.")
+        split = split_expert_key(key, tuple(t.shape)) if key.startswith("mtp_block.") else None
+        state[key] = torch.empty_like(t)
+        for expert_key, slot in (split or {name: None}).items():
+            target = slot.view(state[key]) if slot else state[key]
+            target.copy_(tensors[prefix + expert_key.removeprefix("mtp_block.")].float())
+    layer.load_state_dict(state)
+
+    config = ModelConfig.from_dir(DIR)
+    ours = get_model_class(config.model_type)(config, OpTable.reference(), torch.float32, torch.device("cpu"))
+    load_model(DIR, config, ours, progress=False)
+    assert ours.num_mtp_layers == 1
+    tok = PreTrainedTokenizerFast.from_pretrained(DIR, local_files_only=True)
+    tokens = tok("import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        return f.read()").input_ids
+    t = len(tokens) - 1
+    with torch.no_grad():
+        main = hf.model(torch.tensor([tokens])).last_hidden_state
+        position_ids = torch.arange(t)[None]
+        embeds = hf.model.embed_tokens(torch.tensor([tokens[1:]]))
+        golden = layer(embeds, main[:, :t], hf.model.rotary_emb(embeds, position_ids), causal_mask(t), position_ids, None)
+        golden = (golden[0] if isinstance(golden, tuple) else golden)[0]
+        seq = new_seq(tokens, block_pool(2))
+        caches = new_caches(ours)
+        hidden = ours(*make_batch([(seq, 0, len(tokens))]), caches)
+        ids, pos, batch = make_batch([(Seq(tokens[1:], seq.blocks, seq.block_size), 0, t)])  # position p carries t_{p+1}
+        got = ours.forward_mtp(0, ids, pos, hidden[:t], batch, caches)
+    torch.testing.assert_close(hidden, main[0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(got, golden, atol=1e-4, rtol=0)
+    ours_logits, hf_logits = ours.compute_logits(got), hf.lm_head(golden).float()
+    torch.testing.assert_close(ours_logits.log_softmax(-1), hf_logits.log_softmax(-1), atol=1e-4, rtol=0)
+    assert torch.equal(ours_logits.argmax(-1), hf_logits.argmax(-1))

@@ -5,11 +5,11 @@ imports ``deepinfer_core.hookspecs``) stays cheap.
 """
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "GenerationError"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "GenerationError"]
 
 
 def __getattr__(name: str):
-    if name in ("LLM", "RequestOutput", "CompletionOutput", "GenerationError"):
+    if name in ("LLM", "RequestOutput", "CompletionOutput", "RequestMetrics", "GenerationError"):
         from deepinfer_core import api
 
         return getattr(api, name)

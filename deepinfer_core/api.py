@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from deepinfer_core.config import DEFAULT_MODEL_DIR, ConfigError, EngineConfig, settings
 from deepinfer_core.engine.engine import Engine, Request
 from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.sampling.spec_decode.stats import AcceptanceStats
 
 @dataclass
 class CompletionOutput:
@@ -29,6 +30,14 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """What the engine measured for a request. ``speculative``: drafts verified and accepted,
+    by draft position, over all its samples (None when speculative decoding is off)."""
+
+    speculative: AcceptanceStats | None = None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -37,6 +46,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int | None = None  # prompt tokens not computed thanks to the prefix cache (first sample's, at admission)
+    metrics: RequestMetrics | None = None
 
 
 class GenerationError(RuntimeError):
@@ -200,12 +210,12 @@ class LLM:
         except Exception as e:
             for req in engine.abort_all():
                 done.setdefault(req.request_id, req)
-            outputs = [_to_output(done[rid]) for rid in order]
+            outputs = [_to_output(done[rid], engine.proposer is not None) for rid in order]
             raise GenerationError(f"generation failed: {type(e).__name__}: {e}; finished results are in .outputs", outputs) from e
         except BaseException:  # KeyboardInterrupt, SystemExit: the caller will never see these results
             self._withdraw(before)
             raise
-        return [_to_output(done[rid]) for rid in order]
+        return [_to_output(done[rid], engine.proposer is not None) for rid in order]
 
     def _withdraw(self, before: tuple[set[str], int, int]) -> None:
         """Take back every request this call added (those not in ``before[0]``), even one whose id
@@ -214,8 +224,11 @@ class LLM:
         engine.withdraw([rid for rid in engine.requests if rid not in before[0]], before[1:])
 
 
-def _to_output(req: Request) -> RequestOutput:
+def _to_output(req: Request, speculative: bool) -> RequestOutput:
     first = req.seqs[0]
+    spec = AcceptanceStats()
+    for s in req.seqs:
+        spec = spec.merge(s.spec_stats)
     outputs = [
         CompletionOutput(
             index=s.index,
@@ -236,4 +249,5 @@ def _to_output(req: Request) -> RequestOutput:
         outputs=outputs,
         finished=req.finished,
         num_cached_tokens=first.num_cached_tokens,
+        metrics=RequestMetrics(speculative=spec if speculative else None),
     )

@@ -121,7 +121,8 @@ class StepStats:
 
     num_decode_tokens counts every token of the decode rows (drafts included); num_cached_tokens:
     prompt tokens that sequences admitted in this step took from the prefix cache;
-    num_draft_tokens / num_accepted_tokens: drafts verified / accepted (speculative decoding);
+    num_draft_tokens / num_accepted_tokens: drafts verified / accepted (speculative decoding),
+    drafts_by_position / accepted_by_position the same counts by draft position;
     seconds: from the step's launch to its tokens being processed.
     """
 
@@ -136,6 +137,8 @@ class StepStats:
     num_cached_tokens: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    drafts_by_position: list[int] = field(default_factory=list)  # drafts verified, by draft position (0 = first)
+    accepted_by_position: list[int] = field(default_factory=list)  # of those, accepted
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -179,6 +179,15 @@ def test_ngram_speculation_emits_what_plain_decoding_does(default_llms, params):
     assert close_logprobs(expected, got, tol=1e-4)
     drafts, accepted = steps.total("num_draft_tokens"), steps.total("num_accepted_tokens")
     assert drafts > 0 and 0 <= accepted <= drafts  # measured, not assumed
+    # per request and by draft position: the same counts, as the steps reported them
+    per_request = [o.metrics.speculative for o in got]
+    assert sum(m.num_draft_tokens for m in per_request) == drafts and sum(m.num_accepted_tokens for m in per_request) == accepted
+    by_position = [sum(col) for col in zip(*[s.drafts_by_position + [0] * (3 - len(s.drafts_by_position)) for s in steps.stats])]
+    assert [sum(m.proposed[i] if i < len(m.proposed) else 0 for m in per_request) for i in range(3)] == by_position
+    for m in per_request:  # verification accepts a prefix: position i + 1 is accepted only after position i
+        assert all(a <= p for a, p in zip(m.accepted, m.proposed))
+        assert all(m.accepted[i + 1] <= m.accepted[i] for i in range(len(m.accepted) - 1))
+    assert all(o.metrics.speculative is None for o in expected)  # no speculation, no counts
     if params.repetition_penalty == 1.0:  # a penalty steers away from the repeats drafts copy
         assert accepted > 0
     emitted = sum(len(c.token_ids) for o in got for c in o.outputs)

@@ -31,6 +31,7 @@ from deepinfer_core.hookspecs import StepStats
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.sampler import SampledBatch, SampleRow, launch, needs_history, verify
 from deepinfer_core.sampling.spec_decode.ngram import NgramProposer
+from deepinfer_core.sampling.spec_decode.stats import AcceptanceStats
 
 log = logging.getLogger("deepinfer")
 
@@ -194,8 +195,7 @@ class Engine:
         self.next_request_id = 0
         self._step = 0
         self.num_preemptions = 0  # total, for tests and metrics
-        self.num_draft_tokens = 0  # totals of speculative decoding: drafts proposed, drafts accepted
-        self.num_accepted_tokens = 0
+        self.spec_stats = AcceptanceStats()  # speculative decoding since start-up: drafts verified / accepted by position
 
     def _warm_up(self, sizes: tuple[int, ...], progress: bool) -> None:
         """Run a few steps at every graph batch size through the whole path (prefill chunks, mixed
@@ -472,21 +472,21 @@ class Engine:
         stops, propose the next drafts. Returns the requests that finished."""
         results = flight.sampled.resolve() if flight.sampled is not None else []
         accepted: dict[int, tuple[list[int], list]] = {}
-        num_drafts = num_accepted = 0
+        step_spec = AcceptanceStats()
         for s, r0, n in flight.step.samples:
             tokens = [results[r0 + j][0] for j in range(n)]
             if s.num_drafts:
                 tokens = verify(tokens, s.seq.draft_token_ids[: s.num_drafts])
-                num_drafts += s.num_drafts
-                num_accepted += len(tokens) - 1
+                s.seq.spec_stats.add(s.num_drafts, len(tokens) - 1)
+                step_spec.add(s.num_drafts, len(tokens) - 1)
             accepted[s.seq.seq_id] = (tokens, [results[r0 + j][1:] for j in range(len(tokens))])
 
         def process(seq: Sequence, tokens: list[int]) -> bool:
             return self.output.process(seq, tokens, accepted[seq.seq_id][1])
 
         self.scheduler.update(flight.output, {sid: toks for sid, (toks, _) in accepted.items()}, process)
-        self.num_draft_tokens += num_drafts
-        self.num_accepted_tokens += num_accepted
+        if step_spec.num_verify_steps:
+            self.spec_stats = self.spec_stats.merge(step_spec)
         if self.proposer is not None:
             for seq in self.scheduler.running:
                 decoding = seq.num_computed_tokens == seq.num_tokens - 1
@@ -507,8 +507,10 @@ class Engine:
                 free_kv_blocks=self.kv.num_free,
                 seconds=time.perf_counter() - flight.t0,
                 num_cached_tokens=out.num_cached_tokens,
-                num_draft_tokens=num_drafts,
-                num_accepted_tokens=num_accepted,
+                num_draft_tokens=step_spec.num_draft_tokens,
+                num_accepted_tokens=step_spec.num_accepted_tokens,
+                drafts_by_position=step_spec.proposed,
+                accepted_by_position=step_spec.accepted,
             ))
         return finished
 
@@ -518,10 +520,21 @@ class Engine:
         parts = [f"prefix cache: {kv.num_hit_tokens} of {kv.num_queried_tokens} prompt tokens reused"
                  + (f" ({self.prefix_hit_rate:.0%})" if self.prefix_hit_rate is not None else "") if kv.prefix_caching else "prefix cache: off"]
         if self.proposer is not None:
-            rate = f" ({self.num_accepted_tokens / self.num_draft_tokens:.0%})" if self.num_draft_tokens else ""
-            parts.append(f"speculative: {self.num_accepted_tokens} of {self.num_draft_tokens} draft tokens accepted{rate}")
+            spec = self.spec_stats
+            rate = f" ({spec.acceptance_rate:.0%})" if spec.num_draft_tokens else ""
+            parts.append(f"speculative: {spec.num_accepted_tokens} of {spec.num_draft_tokens} draft tokens accepted{rate}")
         parts.append(f"preemptions: {self.num_preemptions}")
         return "; ".join(parts)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Drafts verified since start-up (speculative decoding)."""
+        return self.spec_stats.num_draft_tokens
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        """Of those, accepted."""
+        return self.spec_stats.num_accepted_tokens
 
     @property
     def prefix_hit_rate(self) -> float | None:

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.sampling.spec_decode.stats import AcceptanceStats
 
 
 class Status(enum.Enum):
@@ -56,6 +57,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    spec_stats: AcceptanceStats = field(default_factory=AcceptanceStats)  # drafts verified / accepted (speculative decoding)
 
     @property
     def num_tokens(self) -> int:

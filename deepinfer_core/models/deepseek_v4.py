@@ -168,22 +168,29 @@ class Indexer(Compressor):
         return torch.cat(chosen) if chosen else q.new_zeros((0, 0), dtype=torch.int64)
 
 
+def add_attention_projections(attn: nn.Module, config, ops: OpTable, alloc: Alloc) -> None:
+    """The query/KV projections and norms, the grouped output projection and the sinks that V4's
+    and V4.1's attention share (named as the checkpoint's keys), plus num_heads / head_dim."""
+    h, d, hidden = config.num_attention_heads, config.head_dim, config.hidden_size
+    attn.num_heads, attn.head_dim = h, d
+    attn.q_a_proj = Linear(hidden, config.q_lora_rank, ops, alloc)
+    attn.q_a_norm = Norm(config.q_lora_rank, config.rms_norm_eps, alloc)
+    attn.q_b_proj = Linear(config.q_lora_rank, h * d, ops, alloc)
+    attn.kv_proj = Linear(hidden, d, ops, alloc)
+    attn.kv_norm = Norm(d, config.rms_norm_eps, alloc)
+    # grouped: each group's rows must hold whole FP8 blocks to stay FP8 (else dequantised at load)
+    whole = alloc.fp8_block is None or config.o_lora_rank % alloc.fp8_block[0] == 0
+    attn.o_a_proj = Linear(h * d // config.o_groups, config.o_groups * config.o_lora_rank, ops, alloc, fp8=whole)
+    attn.o_b_proj = Linear(config.o_groups * config.o_lora_rank, hidden, ops, alloc)
+    attn.sinks = _param((h,), torch.float32, alloc.device)
+
+
 class Attention(nn.Module):
     def __init__(self, config: V4ModelConfig, ops: OpTable, alloc: Alloc, layer_type: str):
         super().__init__()
         self.ops, self.config, self.layer_type = ops, config, layer_type
-        h, d, hidden = config.num_attention_heads, config.head_dim, config.hidden_size
-        self.num_heads, self.head_dim = h, d
-        self.q_a_proj = Linear(hidden, config.q_lora_rank, ops, alloc)
-        self.q_a_norm = Norm(config.q_lora_rank, config.rms_norm_eps, alloc)
-        self.q_b_proj = Linear(config.q_lora_rank, h * d, ops, alloc)
-        self.kv_proj = Linear(hidden, d, ops, alloc)
-        self.kv_norm = Norm(d, config.rms_norm_eps, alloc)
-        # grouped: each group's rows must hold whole FP8 blocks to stay FP8 (else dequantised at load)
-        whole = alloc.fp8_block is None or config.o_lora_rank % alloc.fp8_block[0] == 0
-        self.o_a_proj = Linear(h * d // config.o_groups, config.o_groups * config.o_lora_rank, ops, alloc, fp8=whole)
-        self.o_b_proj = Linear(config.o_groups * config.o_lora_rank, hidden, ops, alloc)
-        self.sinks = _param((h,), torch.float32, alloc.device)
+        d = config.head_dim
+        add_attention_projections(self, config, ops, alloc)
         self.compressor = None
         if layer_type == CSA:
             self.compressor = Compressor(config, ops, alloc, config.csa_ratio, d, overlap=True)

@@ -32,6 +32,7 @@ from deepinfer_core.models import dspark
 from deepinfer_core.models.batch import BatchMeta, CacheGroup
 from deepinfer_core.models.deepseek_v3 import Alloc, Linear, _param
 from deepinfer_core.models.deepseek_v4 import (CANDIDATE_BYTES, RING_BLOCK, HyperConnection, MoE, Norm, V4FamilyLM, _rope,
+                                               add_attention_projections,
                                                grouped_o_a, rope_tables)
 from deepinfer_core.models.deepseek_v4_batch import V4Batch
 from deepinfer_core.models.engram import Engram, ngram_ids
@@ -117,19 +118,9 @@ class Attention(nn.Module):
     def __init__(self, config: V41ModelConfig, ops: OpTable, alloc: Alloc, layer: int | None):
         super().__init__()
         self.ops, self.config, self.layer = ops, config, layer
-        h, d, hidden = config.num_attention_heads, config.head_dim, config.hidden_size
-        self.num_heads, self.head_dim = h, d
         self.mode = WINDOW if layer is None else config.mode(layer)
         self.ratio = 0 if layer is None else config.compress_ratios[layer]
-        self.q_a_proj = Linear(hidden, config.q_lora_rank, ops, alloc)
-        self.q_a_norm = Norm(config.q_lora_rank, config.rms_norm_eps, alloc)
-        self.q_b_proj = Linear(config.q_lora_rank, h * d, ops, alloc)
-        self.kv_proj = Linear(hidden, d, ops, alloc)
-        self.kv_norm = Norm(d, config.rms_norm_eps, alloc)
-        whole = alloc.fp8_block is None or config.o_lora_rank % alloc.fp8_block[0] == 0
-        self.o_a_proj = Linear(h * d // config.o_groups, config.o_groups * config.o_lora_rank, ops, alloc, fp8=whole)
-        self.o_b_proj = Linear(config.o_groups * config.o_lora_rank, hidden, ops, alloc)
-        self.sinks = _param((h,), torch.float32, alloc.device)
+        add_attention_projections(self, config, ops, alloc)
         self.compressor = Compressor(config, ops, alloc, self.ratio) if self.mode == FULL else None
         self.indexer = Indexer(config, ops, alloc, owner=self.mode == FULL) if self.mode in (FULL, REINDEX) else None
 

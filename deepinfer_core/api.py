@@ -226,9 +226,11 @@ class LLM:
 
 def _to_output(req: Request, speculative: bool) -> RequestOutput:
     first = req.seqs[0]
-    spec = AcceptanceStats()
-    for s in req.seqs:
-        spec = spec.merge(s.spec_stats)
+    spec = None
+    if speculative:  # the request's samples together
+        spec = AcceptanceStats()
+        for s in req.seqs:
+            spec = spec.merge(s.spec_stats)
     outputs = [
         CompletionOutput(
             index=s.index,
@@ -249,5 +251,5 @@ def _to_output(req: Request, speculative: bool) -> RequestOutput:
         outputs=outputs,
         finished=req.finished,
         num_cached_tokens=first.num_cached_tokens,
-        metrics=RequestMetrics(speculative=spec if speculative else None),
+        metrics=RequestMetrics(speculative=spec),
     )

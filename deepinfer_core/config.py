@@ -39,6 +39,11 @@ class Settings(BaseSettings):
     async_scheduling: bool | None = Field(
         None, description="Overlapped scheduling (launch step N+1 while step N runs): 0 off, 1 on; unset: on where the platform supports it."
     )
+    use_nextn_decode: int | None = Field(
+        None, ge=0, le=16,
+        description="DeepSeek's switch: K > 0 drafts K tokens per step with the model's own MTP module when LLM() is given "
+                    "no speculative_config (0 or unset: off).",
+    )
 
 
 def settings() -> Settings:
@@ -449,12 +454,20 @@ class SpeculativeConfig(BaseModel):
     """Speculative decoding, spelled as vLLM does. ``method`` "ngram": prompt lookup, drafts are
     the tokens that followed the latest earlier occurrence of the sequence's last n tokens, n from
     prompt_lookup_max down to prompt_lookup_min (as vLLM: both 5 when neither is given, and a
-    missing one equal to the other)."""
+    missing one equal to the other). "mtp": the checkpoint's multi-token-prediction module drafts
+    (chained: it runs once per draft token); the prompt_lookup fields do not apply.
+
+    ``acceptance``: how sampled drafts of a draft model are verified (n-gram drafts are always
+    "coupled"): "coupled" emits exactly what decoding without speculation emits; "rejection" is
+    speculative sampling (the same distribution, more drafts accepted, other tokens for a seed);
+    "auto" is coupled for requests with a seed and rejection for the others
+    (``sampling.spec_decode.rejection``). Greedy requests are the same under all three."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    method: Literal["ngram"]
+    method: Literal["ngram", "mtp"]
     num_speculative_tokens: int = Field(gt=0, le=16)
+    acceptance: Literal["auto", "coupled", "rejection"] = "auto"
     prompt_lookup_max: int = Field(gt=0)
     prompt_lookup_min: int = Field(gt=0)
 

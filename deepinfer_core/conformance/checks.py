@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 from deepinfer_core.conformance.inputs import OpCase
 from deepinfer_core.conformance.spec import ops_spec, tolerance
 from deepinfer_core.ops import REFERENCE_OPS, moe
-from deepinfer_core.ops.sampling import _restrict
+from deepinfer_core.ops.sampling import sampling_probs
 
 INT_POISON = -(2**31) + 7  # what unwritten integer outputs hold: outside every valid id range
 STAT_CHUNK_ELEMENTS = 1 << 25  # logits elements per call of the statistical draws
@@ -438,8 +438,7 @@ def check_engram_hash_ids(fn: Callable, case: OpCase) -> Outcome:
 
 def reference_distribution(logits, temperature, top_k, top_p, min_p) -> torch.Tensor:
     """float64 probabilities the reference samples each row from (temperature > 0 rows)."""
-    t = torch.where(temperature > 0, temperature, 1.0)[:, None]
-    return _restrict(logits.float() / t, top_k, top_p, min_p).softmax(dim=-1).double()
+    return sampling_probs(logits, temperature, top_k, top_p, min_p).double()
 
 
 def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from deepinfer_core.config import ConfigError, EngineConfig, ModelConfig, settings
+from deepinfer_core.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig, settings
 from deepinfer_core.dtypes import DTYPES
 from deepinfer_core.engine.graphs import DecodeGraphs, max_blocks_per_group
 from deepinfer_core.engine.kv_cache import KVCache, KVCacheManager
@@ -29,7 +29,10 @@ from deepinfer_core.engine.scheduler import Scheduler, SchedulerOutput
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.hookspecs import StepStats
 from deepinfer_core.sampling.params import SamplingParams
-from deepinfer_core.sampling.sampler import SampledBatch, SampleRow, launch, needs_history, verify
+from deepinfer_core.sampling.sampler import SampledBatch, SampleRow, launch, needs_history, probabilities, top_logprobs, verify
+from deepinfer_core.sampling.spec_decode import rejection
+from deepinfer_core.sampling.spec_decode.rejection import uses_rejection
+from deepinfer_core.sampling.spec_decode.mtp import MTPProposer
 from deepinfer_core.sampling.spec_decode.ngram import NgramProposer
 from deepinfer_core.sampling.spec_decode.stats import AcceptanceStats
 
@@ -125,15 +128,23 @@ class Engine:
             self.max_num_batched_tokens = suggested or DEFAULT_MAX_NUM_BATCHED_TOKENS
         else:
             self.max_num_batched_tokens = min(wanted, suggested or wanted)
-        self.speculative = engine_config.speculative_config
-        self.proposer = None
-        if self.speculative is not None:
-            sc = self.speculative
-            self.proposer = NgramProposer(sc.num_speculative_tokens, sc.prompt_lookup_max, sc.prompt_lookup_min)
-        lookahead = self.speculative.num_speculative_tokens if self.speculative else 0
+        self.speculative = sc = engine_config.speculative_config or nextn_from_env()
+        mtp = sc is not None and sc.method == "mtp"
+        if mtp and not getattr(self.model, "num_mtp_layers", 0):
+            raise ConfigError(
+                f"speculative_config method 'mtp' needs the checkpoint's MTP module, and {model_dir} has none "
+                f"(config.json num_nextn_predict_layers={self.model_config.num_nextn_predict_layers}, after loading: 0 "
+                "MTP layers); use method 'ngram' or a checkpoint with its MTP layers"
+            )
+        if mtp and self.model_config.model_type not in MTPProposer.MODEL_TYPES:
+            raise ConfigError(
+                f"MTP drafting is implemented for {', '.join(MTPProposer.MODEL_TYPES)}, not {self.model_config.model_type}; "
+                "use method 'ngram'"
+            )
+        lookahead = sc.num_speculative_tokens if sc else 0
         if hasattr(self.model, "set_lookahead"):
             self.model.set_lookahead(lookahead)
-        groups = self.model.cache_groups()
+        groups = self.model.cache_groups(with_mtp=True) if mtp else self.model.cache_groups()
         block_size = engine_config.block_size or self.model.default_block_size
         self.cache_groups = groups
         num_blocks = engine_config.num_kv_blocks or self._auto_num_blocks(groups, block_size, lookahead)
@@ -151,7 +162,8 @@ class Engine:
             )
         self.max_model_len = max_len
         self.kv_cache = KVCache(groups, num_blocks, block_size, self.max_num_seqs, lookahead, self.device)
-        self.kv = KVCacheManager(groups, num_blocks, block_size, self.max_num_seqs, lookahead, engine_config.enable_prefix_caching)
+        self.kv = KVCacheManager(groups, num_blocks, block_size, self.max_num_seqs, lookahead, engine_config.enable_prefix_caching,
+                                 hash_next_token=mtp)
         self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.max_num_batched_tokens, max_len)
         self.output = OutputProcessor(self.tokenizer, eos_ids, max_len)
         for g in groups:
@@ -165,7 +177,13 @@ class Engine:
             query_lens = (1, 1 + lookahead) if lookahead else (1,)
             widths = max_blocks_per_group(groups, max_len, block_size, max(query_lens), self.kv.rings)
             graphs = DecodeGraphs(self.model, self.kv_cache.tensors, groups, widths, sizes, query_lens, self.device, self.platform.graphs())
-        self.runner = ModelRunner(self.model, self.kv_cache, self.kv, self.device, graphs)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv, self.device, graphs, keep_hidden=mtp)
+        self.proposer = None
+        if mtp:
+            self.proposer = MTPProposer(self.model, self.runner, sc.num_speculative_tokens, self.ops, eos_ids, max_len,
+                                        self.platform.copy_to_host, sc.acceptance)
+        elif sc is not None:
+            self.proposer = NgramProposer(sc.num_speculative_tokens, sc.prompt_lookup_max, sc.prompt_lookup_min, max_len)
         if graphs is not None:
             graphs.capture_all(progress)
         env = settings().async_scheduling
@@ -185,7 +203,7 @@ class Engine:
             self.backend.name, self.platform.name, self.dtype, num_blocks, block_size, max_len,
             f"for batch sizes up to {graphs.max_batch} (captured in {graphs.capture_seconds:.1f} s)" if graphs else "off",
             "on" if engine_config.enable_prefix_caching else "off", "overlapped" if self.async_scheduling else "synchronous",
-            f", ngram speculation of {lookahead} tokens" if lookahead else "",
+            f", {sc.method} speculation of {lookahead} tokens" if lookahead else "",
         )
 
     # ---- set-up helpers ----------------------------------------------------------------------
@@ -475,22 +493,28 @@ class Engine:
         step_spec = AcceptanceStats()
         for s, r0, n in flight.step.samples:
             tokens = [results[r0 + j][0] for j in range(n)]
+            logprobs = [results[r0 + j][1:] for j in range(n)]
             if s.num_drafts:
-                tokens = verify(tokens, s.seq.draft_token_ids[: s.num_drafts])
+                drafts = s.seq.draft_token_ids[: s.num_drafts]
+                if len(s.seq.draft_probs) >= s.num_drafts and uses_rejection(s.seq.params, self.speculative.acceptance):
+                    tokens, logprobs = self._rejection_verify(s.seq, flight.step.sample_logits[r0 : r0 + n], drafts, tokens, logprobs)
+                else:
+                    tokens = verify(tokens, drafts)
                 s.seq.spec_stats.add(s.num_drafts, len(tokens) - 1)
                 step_spec.add(s.num_drafts, len(tokens) - 1)
-            accepted[s.seq.seq_id] = (tokens, [results[r0 + j][1:] for j in range(len(tokens))])
+            accepted[s.seq.seq_id] = (tokens, logprobs[: len(tokens)])
 
         def process(seq: Sequence, tokens: list[int]) -> bool:
             return self.output.process(seq, tokens, accepted[seq.seq_id][1])
 
-        self.scheduler.update(flight.output, {sid: toks for sid, (toks, _) in accepted.items()}, process)
+        new_tokens = {sid: toks for sid, (toks, _) in accepted.items()}
+        if self.proposer is not None:  # a draft model catches up while rejected positions still hold their blocks
+            self.proposer.observe(flight.output, flight.step, new_tokens)
+        self.scheduler.update(flight.output, new_tokens, process)
         if step_spec.num_verify_steps:
             self.spec_stats = self.spec_stats.merge(step_spec)
         if self.proposer is not None:
-            for seq in self.scheduler.running:
-                decoding = seq.num_computed_tokens == seq.num_tokens - 1
-                seq.draft_token_ids = self.proposer.propose_for(seq, self.max_model_len) if decoding else []
+            self.proposer.propose(self.scheduler.running)
         finished = [r for r in self.requests.values() if r.finished]
         for req in finished:
             del self.requests[req.request_id]
@@ -513,6 +537,19 @@ class Engine:
                 accepted_by_position=step_spec.accepted,
             ))
         return finished
+
+    def _rejection_verify(self, seq: Sequence, logits: torch.Tensor, drafts: list[int], sampled: list[int], logprobs: list):
+        """Speculative sampling of one verification row (``spec_decode.rejection``): its tokens and
+        their (logprob, top logprobs), computed again where a token is not the row's own sample."""
+        rows = [SampleRow(seq, drafts[:j]) for j in range(len(drafts) + 1)]
+        q = torch.stack(seq.draft_probs[: len(drafts)])
+        tokens = rejection.accept(probabilities(logits, rows, self.eos_ids), q, drafts, seq.seed, len(seq.output_token_ids), sampled[-1])
+        k = seq.params.logprobs
+        for j, token in enumerate(tokens):
+            if k is not None and token != sampled[j]:
+                row = torch.log_softmax(logits[j].float(), dim=-1)
+                logprobs[j] = (float(row[token]), top_logprobs(row, k, token))
+        return tokens, logprobs
 
     def summary(self) -> str:
         """One line on what the engine did since start-up: prefix-cache hits, speculative acceptance."""
@@ -542,6 +579,12 @@ class Engine:
         sequence re-admitted after a preemption counts again, with the output it had)."""
         kv = self.kv
         return kv.num_hit_tokens / kv.num_queried_tokens if kv.prefix_caching and kv.num_queried_tokens else None
+
+
+def nextn_from_env() -> SpeculativeConfig | None:
+    """DeepSeek's DEEPINFER_USE_NEXTN_DECODE=K: MTP drafts of K tokens (when LLM() got no speculative_config)."""
+    k = settings().use_nextn_decode
+    return SpeculativeConfig(method="mtp", num_speculative_tokens=k) if k else None
 
 
 def _describe(value) -> str:

@@ -160,7 +160,7 @@ class KVCacheManager:
     """
 
     def __init__(self, groups: list[CacheGroup], num_blocks: int, block_size: int, max_num_seqs: int,
-                 lookahead: int = 0, prefix_caching: bool = True):
+                 lookahead: int = 0, prefix_caching: bool = True, hash_next_token: bool = False):
         for g in groups:
             if g.kind == "paged" and block_size % g.tokens_per_entry:
                 raise ValueError(
@@ -173,6 +173,7 @@ class KVCacheManager:
         self.max_num_seqs = max_num_seqs
         self.lookahead = lookahead
         self.prefix_caching = prefix_caching
+        self.hash_next_token = hash_next_token
         self.paged = [g.name for g in groups if g.kind == "paged"]
         self.rings = {g.name: KVCache.ring_blocks(g, block_size, lookahead) for g in groups if g.kind == "ring"}
         self.states = [g.name for g in groups if g.kind == "state"]
@@ -199,8 +200,12 @@ class KVCacheManager:
         """Chain hashes of the full blocks among the first ``num_tokens`` tokens (kept on the sequence)."""
         hashes = seq.block_hashes
         bs = self.block_size
-        for i in range(len(hashes), num_tokens // bs):
-            hashes.append(block_hash(hashes[-1] if hashes else None, seq.token_slice(i * bs, (i + 1) * bs)))
+        full = num_tokens // bs
+        if self.hash_next_token:  # only blocks whose next token is known
+            full = min(full, (seq.num_tokens - 1) // bs)
+        for i in range(len(hashes), full):
+            extra = array("q", [seq.token_at((i + 1) * bs)]).tobytes() if self.hash_next_token else b""
+            hashes.append(block_hash(hashes[-1] if hashes else None, seq.token_slice(i * bs, (i + 1) * bs), extra))
         return hashes
 
     def find_cached(self, seq: Sequence) -> tuple[int, dict[str, list[int]]]:
@@ -239,7 +244,7 @@ class KVCacheManager:
         # only the blocks these tokens fill: the sequence's hashes may run ahead (find_cached
         # hashes the whole prompt before a chunk has computed it)
         hashes = self._hashes(seq, num_tokens)
-        full = num_tokens // self.block_size
+        full = min(num_tokens // self.block_size, len(hashes))
         for name in self.paged:
             table, pool = seq.block_tables[name], self.pools[name]
             for i in range(seq.num_registered_blocks, min(full, len(table))):

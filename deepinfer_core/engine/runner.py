@@ -53,6 +53,7 @@ class HostBatch:
     prompt_rows: list[tuple[Sequence, int, int, int]] = field(default_factory=list)  # seq, first predicted position, row, count
     lookback: list[list[int]] = field(default_factory=list)  # per sequence, the tokens before its new ones (-1: none)
     exact_prefills: list[int] = field(default_factory=list)  # prefill sequences whose every row's logits are used
+    first_rows: dict[int, int] = field(default_factory=dict)  # seq_id -> its first token's row (position start)
 
 
 @dataclass
@@ -63,15 +64,22 @@ class StepOutput:
     samples: list[tuple[ScheduledSeq, int, int]]  # (scheduled sequence, first row of sample_logits, rows)
     sample_logits: torch.Tensor
     prompt_logits: list[tuple[Sequence, int, torch.Tensor]]  # (sequence, first predicted position, logits)
+    # with ``keep_hidden``: forward()'s hidden states [T, D] (a draft model reads them) and, per
+    # seq_id, the row of its first scheduled position (its rows follow in position order)
+    hidden: torch.Tensor | None = None
+    first_rows: dict[int, int] = field(default_factory=dict)
 
 
 class ModelRunner:
-    """``graphs``: when given, decode-only steps that fit its buckets replay captured graphs."""
+    """``graphs``: when given, decode-only steps that fit its buckets replay captured graphs.
+    ``keep_hidden``: every step's output carries the model's hidden states (MTP drafting)."""
 
     lookback = 0  # tokens before each sequence's new ones the model reads (set from the model)
 
-    def __init__(self, model, kv_cache: KVCache, kv: KVCacheManager, device: torch.device, graphs: DecodeGraphs | None = None):
+    def __init__(self, model, kv_cache: KVCache, kv: KVCacheManager, device: torch.device, graphs: DecodeGraphs | None = None,
+                 keep_hidden: bool = False):
         self.model = model
+        self.keep_hidden = keep_hidden
         self.kv_cache = kv_cache
         self.kv = kv
         self.device = device
@@ -126,7 +134,7 @@ class ModelRunner:
                        valid_from={g.name: [] for g in self.groups if g.kind == "ring"})
         for s in out.prefills:
             seq = s.seq
-            row0 = len(hb.ids)
+            row0 = hb.first_rows[seq.seq_id] = len(hb.ids)
             hb.ids.extend(seq.token_slice(s.start, s.end))
             hb.positions.extend(range(s.start, s.end))
             for g in self.groups:
@@ -150,7 +158,7 @@ class ModelRunner:
 
         for s in out.decodes:
             seq = s.seq
-            row0 = len(hb.ids)
+            row0 = hb.first_rows[seq.seq_id] = len(hb.ids)
             known = seq.num_tokens
             for p in range(s.start, s.end):
                 if p < known:
@@ -237,6 +245,7 @@ class ModelRunner:
         else:
             logits = hidden.new_empty(0, 0)
         prompt_logits = [(seq, first, logits[r0 : r0 + n]) for seq, first, r0, n in hb.prompt_rows]
+        kept = (hidden, hb.first_rows) if self.keep_hidden else (None, {})
         if hb.prompt_rows:  # sampling rows without the prompt-logprob rows
             index = [r for _, r0, n in hb.samples for r in range(r0, r0 + n)]
             sample_logits = logits.index_select(0, self._tensor(index, torch.int64))
@@ -244,5 +253,5 @@ class ModelRunner:
             for s, _, n in hb.samples:
                 samples.append((s, row, n))
                 row += n
-            return StepOutput(samples, sample_logits, prompt_logits)
-        return StepOutput(hb.samples, logits, [])
+            return StepOutput(samples, sample_logits, prompt_logits, *kept)
+        return StepOutput(hb.samples, logits, [], *kept)

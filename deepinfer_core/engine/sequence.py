@@ -44,6 +44,7 @@ class Sequence:
     num_registered_blocks: int = 0
     num_cached_tokens: int | None = None
     draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: list = field(default_factory=list)  # per draft, the distribution it was drawn from (rejection sampling)
     num_pending: int = 0
     paged_write_from: int = 0
     table_version: int = 0

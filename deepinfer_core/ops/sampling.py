@@ -56,6 +56,18 @@ def sample_tokens(
     return tokens
 
 
+def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor) -> torch.Tensor:
+    """float32 [N, V]: the distribution ``sample_tokens`` draws each row from (its arguments'
+    meaning); greedy rows (temperature 0) are a point mass on their argmax."""
+    t = torch.where(temperature > 0, temperature, 1.0)[:, None]
+    probs = _restrict(logits.float() / t, top_k, top_p, min_p).softmax(dim=-1)
+    greedy = (temperature <= 0).nonzero().flatten()
+    if greedy.numel():
+        probs[greedy] = torch.nn.functional.one_hot(logits[greedy].argmax(dim=-1), logits.shape[-1]).to(probs.dtype)
+    return probs
+
+
 def _restrict(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     vocab = scaled.shape[-1]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer_core.engine.sequence import Sequence
+from deepinfer_core.ops.sampling import sampling_probs
 from deepinfer_core.platform import to_device
 
 NEG_INF = float("-inf")
@@ -176,6 +177,33 @@ class _HostNow:
         return self.tensors
 
 
+def _row_tensors(rows: list[SampleRow], vocab: int, device: torch.device):
+    """The rows' sampling parameters on ``device`` in two copies, whatever the batch size:
+    floats [3, N] (temperature, 0 for greedy; top_p; min_p), ints [3, N] (top_k; seed; output
+    position), and host copies of (temperature, top_k, top_p, min_p)."""
+    params = [r.params for r in rows]
+    temperatures = [_float32_safe(p.temperature) if p.temperature >= GREEDY_TEMPERATURE else 0.0 for p in params]
+    floats = torch.tensor([temperatures, [p.top_p for p in params], [p.min_p for p in params]], dtype=torch.float32)
+    ints = torch.tensor(
+        [[min(max(p.top_k, 0), vocab) for p in params], [r.seq.seed for r in rows], [r.num_outputs for r in rows]],
+        dtype=torch.int64,
+    )
+    host_params = (floats[0], ints[0], floats[1], floats[2])
+    return to_device(floats, device), to_device(ints, device), host_params
+
+
+def probabilities(logits: torch.Tensor, rows: list[Sequence | SampleRow], eos_ids: tuple[int, ...] = ()) -> torch.Tensor:
+    """[N, V] float32: the distribution ``launch`` samples each row of ``logits`` from (penalties,
+    min_tokens, temperature, top-k / top-p / min-p); a greedy row is a point mass on its token."""
+    rows = _rows(rows)
+    floats, ints, _ = _row_tensors(rows, logits.shape[-1], logits.device)
+    return sampling_probs(apply_penalties(logits, rows, eos_ids), floats[0], ints[0], floats[1], floats[2])
+
+
+def is_greedy(params) -> bool:
+    return params.temperature < GREEDY_TEMPERATURE
+
+
 def launch(ops, logits: torch.Tensor, rows: list[Sequence | SampleRow], eos_ids: tuple[int, ...] = (), copy_to_host=_HostNow) -> SampledBatch:
     """Sample one token per row of ``logits`` [N, V] (float32) on its device; the copy of the
     tokens (and of the logprobs rows asked for) to the host is started with ``copy_to_host``."""
@@ -183,15 +211,7 @@ def launch(ops, logits: torch.Tensor, rows: list[Sequence | SampleRow], eos_ids:
     device, vocab = logits.device, logits.shape[-1]
     processed = apply_penalties(logits, rows, eos_ids)
     params = [r.params for r in rows]
-    temperatures = [_float32_safe(p.temperature) if p.temperature >= GREEDY_TEMPERATURE else 0.0 for p in params]
-    # two host-to-device copies per step, whatever the batch size
-    floats = torch.tensor([temperatures, [p.top_p for p in params], [p.min_p for p in params]], dtype=torch.float32)
-    ints = torch.tensor(
-        [[min(max(p.top_k, 0), vocab) for p in params], [r.seq.seed for r in rows], [r.num_outputs for r in rows]],
-        dtype=torch.int64,
-    )
-    host_params = (floats[0], ints[0], floats[1], floats[2])
-    floats, ints = to_device(floats, device), to_device(ints, device)
+    floats, ints, host_params = _row_tensors(rows, vocab, device)
     tokens = ops.sample_tokens(processed, floats[0], ints[0], floats[1], floats[2], ints[1], ints[2], host_params=host_params)
     # the tokens and, per row, whether its logits were finite: one copy
     out = [torch.stack([tokens, torch.isfinite(logits).all(dim=-1).to(tokens.dtype)])]

@@ -3,6 +3,11 @@
 For a sequence ending in tokens ``x[-n:]``, find the latest earlier occurrence of those n
 tokens and propose the k tokens that followed it, trying n = lookup_max down to lookup_min.
 Repetitive text (code, quotes of the prompt, lists) is where this pays off.
+
+A proposer (this one, ``mtp.MTPProposer``) is driven by the engine in two calls per step:
+``observe(out, step, accepted)`` after verification, before the scheduler appends the accepted
+tokens (a draft model catches its cache up there), and ``propose(running)`` after it, which sets
+``draft_token_ids`` of every running sequence.
 """
 
 from __future__ import annotations
@@ -13,12 +18,13 @@ from deepinfer_core.engine.sequence import Sequence
 
 
 class NgramProposer:
-    def __init__(self, num_tokens: int, lookup_max: int, lookup_min: int = 1):
+    def __init__(self, num_tokens: int, lookup_max: int, lookup_min: int = 1, max_model_len: int = 2**62):
         self.k = num_tokens
+        self.max_model_len = max_model_len
         self.lookup_max = lookup_max
         self.lookup_min = lookup_min
 
-    def propose(self, tokens: list[int], limit: int) -> list[int]:
+    def lookup(self, tokens: list[int], limit: int) -> list[int]:
         """Up to min(k, limit) draft tokens to follow ``tokens`` (possibly none)."""
         k = min(self.k, limit)
         if k <= 0:
@@ -42,4 +48,12 @@ class NgramProposer:
         """Drafts for ``seq``, never beyond its max_tokens (the token sampled after the drafts
         counts too) or the model length."""
         room = min(seq.params.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens) - 1
-        return self.propose(seq.token_ids(), room)
+        return self.lookup(seq.token_ids(), room)
+
+    def observe(self, out, step, accepted: dict[int, list[int]]) -> None:
+        """Nothing to catch up: drafts come from the tokens alone."""
+
+    def propose(self, running: list[Sequence]) -> None:
+        for seq in running:
+            decoding = seq.num_computed_tokens == seq.num_tokens - 1
+            seq.draft_token_ids = self.propose_for(seq, self.max_model_len) if decoding else []

@@ -1,0 +1,181 @@
+"""MTP drafts: the model's own multi-token-prediction module proposes the next k tokens.
+
+The MTP module at position p reads the target's hidden state h_p and the token t_{p+1}, keeps
+its own MLA cache entry at p (in the target's paged group, so the same block tables address
+it), and its logits predict t_{p+2}. Every step has two parts:
+
+* ``observe`` (after the target's tokens are verified, before the scheduler appends them):
+  **catch-up**. For every sequence the step computed, MTP rows for exactly the positions whose
+  target entries stay (a prefill chunk: all of it; a verification row: its newest token and the
+  accepted drafts), fed (t_{p+1}, h_p): the accepted tokens supply the t_{p+1} the host does not
+  hold yet. The last row of a sequence that sampled gives its first draft.
+* ``propose`` (after the scheduler's update, for the sequences still decoding): **chaining**.
+  Draft j >= 2 runs the module again one position further on, fed draft j - 1 and the module's
+  own previous output in place of the target's hidden state (vLLM's and SGLang's scheme). Only
+  the first MTP module drafts (DeepSeek's V3/R1 and V4 checkpoints have one; only its cache is
+  caught up). These rows write cache entries at positions the
+  target has not verified yet: scratch, which the next step's catch-up overwrites before any
+  row reads it.
+
+Drafts of coupled rows (see ``rejection``) are sampled by the backend's own ``sample_tokens`` op
+with the sequence's seed at the output position the draft stands for, that is with the same
+noise the target's verification row uses there: while the draft distribution is close to the
+target's, the draft is the very token the target samples (greedy: its argmax), and verification
+(``sampler.verify``) accepts it. What is emitted is always the target's own sample, so
+speculation never changes the output. Rows verified by rejection sampling draw their draft from
+its distribution q, kept in ``Sequence.draft_probs`` for the verification.
+
+Because an entry at a block's last position depends on the first token of the next block, the
+engine hashes blocks with their next token for prefix caching (``KVCacheManager.hash_next_token``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer_core.engine.scheduler import ScheduledSeq, SchedulerOutput
+from deepinfer_core.engine.sequence import Sequence
+from deepinfer_core.sampling.sampler import SampleRow, launch, probabilities
+from deepinfer_core.sampling.spec_decode.rejection import draw, uses_rejection
+
+
+@dataclass
+class _Draft:
+    """A sequence's first draft, from the catch-up, and the MTP hidden state that produced it."""
+
+    token: int
+    hidden: torch.Tensor  # [D]
+
+
+class MTPProposer:
+    MODEL_TYPES = ("deepseek_v3", "deepseek_v2")  # models whose forward_mtp takes the final hidden state
+
+    def __init__(self, model, runner, num_tokens: int, ops, eos_ids: tuple[int, ...], max_model_len: int, copy_to_host,
+                 acceptance: str = "auto"):
+        self.model = model
+        self.acceptance = acceptance  # how sampled drafts are verified (spec_decode.rejection)
+        self.runner = runner
+        self.kv = runner.kv
+        self.k = num_tokens
+        self.ops = ops
+        self.eos_ids = eos_ids
+        self.max_model_len = max_model_len
+        self.copy_to_host = copy_to_host
+        self.first: dict[int, _Draft] = {}  # seq_id -> its first draft, between observe and propose
+
+    # ---- catch-up -----------------------------------------------------------------------------
+    def observe(self, out: SchedulerOutput, step, accepted: dict[int, list[int]]) -> None:
+        """Catch the MTP cache up with the positions ``out`` computed and kept; draft the first
+        token of every sequence that sampled. ``accepted``: seq_id -> its tokens of this step."""
+        self.first = {}
+        rows, ids, hidden_rows = [], [], []
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.is_finished or seq.seq_id not in step.first_rows:
+                continue
+            new = accepted.get(seq.seq_id, [])
+            end = s.start + len(new) if s.num_drafts else s.end  # rejected drafts have no entries
+            known = seq.num_tokens
+            shifted = seq.token_slice(s.start + 1, min(end + 1, known)) + new[: max(0, end + 1 - max(known, s.start + 1))]
+            if len(shifted) != end - s.start:
+                raise AssertionError(f"MTP catch-up of sequence {seq.seq_id}: {len(shifted)} ids for {end - s.start} rows")
+            # decode rows stay decode rows (the absorbed attention path, not a context expansion)
+            rows.append(ScheduledSeq(seq, s.start, end - s.start, is_decode=s.is_decode, samples=bool(new)))
+            ids += shifted
+            first = step.first_rows[seq.seq_id]
+            hidden_rows += range(first, first + end - s.start)
+        if not rows:
+            return
+        index = torch.tensor(hidden_rows, dtype=torch.int64)
+        prev = step.hidden.index_select(0, index.to(step.hidden.device))
+        batch = SchedulerOutput(prefills=[r for r in rows if not r.is_decode], decodes=[r for r in rows if r.is_decode])
+        hidden = self._forward(batch, ids, prev)  # out.scheduled is prefills, then decodes: the rows' order
+        last, samplers = [], []
+        row = 0
+        for s in rows:
+            row += s.num_tokens
+            if s.samples:
+                last.append(row - 1)
+                samplers.append(SampleRow(s.seq, drafts=accepted[s.seq.seq_id]))
+                s.seq.draft_probs = []  # this step's were used by its verification
+        if not last:
+            return
+        h = hidden.index_select(0, torch.tensor(last, dtype=torch.int64).to(hidden.device))
+        tokens = self._sample(h, samplers)
+        for r, tok, hid in zip(samplers, tokens, h):
+            self.first[r.seq.seq_id] = _Draft(tok, hid)
+
+    # ---- chaining -----------------------------------------------------------------------------
+    def propose(self, running: list[Sequence]) -> None:
+        """Set ``draft_token_ids`` of every running sequence (empty unless it is decoding)."""
+        chains: list[tuple[Sequence, int]] = []  # (sequence, drafts it may have)
+        hidden = []
+        spare = self.kv.num_free - len(running)  # blocks drafting may take: one per sequence stays free
+        for seq in running:
+            seq.draft_token_ids = []
+            first = self.first.get(seq.seq_id)
+            if first is None or seq.num_computed_tokens != seq.num_tokens - 1:
+                continue
+            room = min(self.k, seq.params.max_tokens - len(seq.output_token_ids) - 1, self.max_model_len - seq.num_tokens - 1)
+            if room <= 0:
+                continue
+            seq.draft_token_ids = [first.token]
+            # chained rows write positions num_tokens - 1 .. num_tokens + room - 3
+            need = seq.num_tokens + room - 2
+            while room > 1 and not self._reserve(seq, need, spare):
+                room, need = room - 1, need - 1
+            if room > 1:
+                spare -= self._blocks_for(seq, need)
+                self.kv.allocate(seq, need)
+                chains.append((seq, room))
+                hidden.append(first.hidden)
+        self.first = {}
+        j = 1
+        while chains:
+            rows = [ScheduledSeq(seq, seq.num_tokens - 2 + j, 1, is_decode=True) for seq, _ in chains]
+            ids = [seq.draft_token_ids[-1] for seq, _ in chains]
+            h = self._forward(SchedulerOutput(decodes=rows), ids, torch.stack(hidden))
+            tokens = self._sample(h, [SampleRow(seq, drafts=list(seq.draft_token_ids)) for seq, _ in chains])
+            j += 1
+            kept, hidden = [], []
+            for (seq, room), tok, hid in zip(chains, tokens, h):
+                seq.draft_token_ids.append(tok)
+                if len(seq.draft_token_ids) < room:
+                    kept.append((seq, room))
+                    hidden.append(hid)
+            chains = kept
+
+    def _blocks_for(self, seq: Sequence, num_tokens: int) -> int:
+        return max(max(0, -(-num_tokens // self.kv.block_size) - len(seq.block_tables.get(g, ()))) for g in self.kv.paged)
+
+    def _reserve(self, seq: Sequence, num_tokens: int, spare: int) -> bool:
+        return self._blocks_for(seq, num_tokens) <= spare and self.kv.can_allocate(seq, num_tokens)
+
+    # ---- one MTP forward ------------------------------------------------------------------------
+    def _forward(self, out: SchedulerOutput, ids: list[int], prev_hidden: torch.Tensor) -> torch.Tensor:
+        """The module's hidden states for the rows ``out`` describes (positions, slots, tables as
+        the runner builds them for the target) fed ``ids`` (t_{p+1} per row) and ``prev_hidden``."""
+        runner = self.runner
+        hb = runner.prepare(out)
+        hb.ids = list(ids)
+        input_ids, positions, meta = runner._meta(hb)
+        with torch.inference_mode():
+            return self.model.forward_mtp(0, input_ids, positions, prev_hidden, meta, runner.kv_cache.tensors)
+
+    def _sample(self, hidden: torch.Tensor, rows: list[SampleRow]) -> list[int]:
+        """A draft per row: coupled rows by the backend's sampling op (the target's noise at that
+        position), rejection rows from their distribution q, which is kept for verification."""
+        with torch.inference_mode():
+            logits = self.model.compute_logits(hidden)
+            tokens = [t for t, _, _ in launch(self.ops, logits, rows, self.eos_ids, self.copy_to_host).resolve()]
+            rejecting = [i for i, r in enumerate(rows) if uses_rejection(r.params, self.acceptance)]
+            if rejecting:
+                index = torch.tensor(rejecting, dtype=torch.int64).to(logits.device)
+                q = probabilities(logits.index_select(0, index), [rows[i] for i in rejecting], self.eos_ids)
+                for i, probs in zip(rejecting, q):
+                    row = rows[i]
+                    tokens[i] = draw(probs, row.seq.seed, row.num_outputs)
+                    row.seq.draft_probs.append(probs)  # q of the draft drawn now (observe emptied the list)
+        return tokens

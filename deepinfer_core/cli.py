@@ -81,10 +81,15 @@ def _generate(args: argparse.Namespace) -> int:
         flags = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p", "seed": "--seed"}
         print(f"error: {validation_problems(e, flags)}", file=sys.stderr)
         return 1
-    if not 0 <= args.ngram <= 16:
-        print(f"error: --ngram {args.ngram}: the number of draft tokens per step must be 0 (off) to 16", file=sys.stderr)
+    for flag, k in (("--ngram", args.ngram), ("--mtp", args.mtp)):
+        if not 0 <= k <= 16:
+            print(f"error: {flag} {k}: the number of draft tokens per step must be 0 (off) to 16", file=sys.stderr)
+            return 1
+    if args.ngram and args.mtp:
+        print("error: --ngram and --mtp are two ways to draft; give one", file=sys.stderr)
         return 1
     spec = {"method": "ngram", "num_speculative_tokens": args.ngram, "prompt_lookup_max": 3, "prompt_lookup_min": 1} if args.ngram else None
+    spec = {"method": "mtp", "num_speculative_tokens": args.mtp} if args.mtp else spec
     try:
         llm = LLM(model=args.model, accelerator=args.accelerator, enable_prefix_caching=not args.no_prefix_caching,
                   speculative_config=spec)
@@ -187,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--accelerator", help="backend to use (default: DEEPINFER_ACCELERATOR, else automatic)")
     g.add_argument("--no-prefix-caching", action="store_true", help="recompute every prompt (no reuse of cached prefixes)")
     g.add_argument("--ngram", type=int, default=0, metavar="K", help="speculative decoding: K prompt-lookup draft tokens per step")
+    g.add_argument("--mtp", type=int, default=0, metavar="K", help="speculative decoding: K draft tokens per step from the model's MTP module")
     g.set_defaults(func=_generate)
     from deepinfer_core.conformance.ops_suite import DEFAULT_EXAMPLES, DEFAULT_EXPLORE_MAX_ELEMENTS
 

@@ -228,6 +228,10 @@ def test_the_cli_checks_its_parameters_before_loading_a_model(monkeypatch, capsy
     assert "--max-tokens: Input should be greater than or equal to 1" in capsys.readouterr().err
     assert main(["generate", "--prompt", "x", "--ngram", "-1"]) == 1
     assert "--ngram -1: the number of draft tokens per step must be 0 (off) to 16" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--mtp", "17"]) == 1
+    assert "--mtp 17: the number of draft tokens per step must be 0 (off) to 16" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--mtp", "2", "--ngram", "2"]) == 1
+    assert "give one" in capsys.readouterr().err
 
 
 # ---- sampling parameters -------------------------------------------------------------------------

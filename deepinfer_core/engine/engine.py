@@ -31,7 +31,6 @@ from deepinfer_core.hookspecs import StepStats
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.sampler import SampledBatch, SampleRow, launch, needs_history, probabilities, top_logprobs, verify
 from deepinfer_core.sampling.spec_decode import rejection
-from deepinfer_core.sampling.spec_decode.rejection import uses_rejection
 from deepinfer_core.sampling.spec_decode.mtp import MTPProposer
 from deepinfer_core.sampling.spec_decode.ngram import NgramProposer
 from deepinfer_core.sampling.spec_decode.stats import AcceptanceStats
@@ -496,7 +495,7 @@ class Engine:
             logprobs = [results[r0 + j][1:] for j in range(n)]
             if s.num_drafts:
                 drafts = s.seq.draft_token_ids[: s.num_drafts]
-                if len(s.seq.draft_probs) >= s.num_drafts and uses_rejection(s.seq.params, self.speculative.acceptance):
+                if len(s.seq.draft_probs) >= s.num_drafts and rejection.uses_rejection(s.seq.params, self.speculative.acceptance):
                     tokens, logprobs = self._rejection_verify(s.seq, flight.step.sample_logits[r0 : r0 + n], drafts, tokens, logprobs)
                 else:
                     tokens = verify(tokens, drafts)

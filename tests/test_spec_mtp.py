@@ -11,12 +11,13 @@ import torch
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.config import ConfigError
-from deepinfer_core.engine.kv_cache import KVCacheManager
+from deepinfer_core.engine.kv_cache import KVCache, KVCacheManager
+from deepinfer_core.engine.runner import ModelRunner
+from deepinfer_core.engine.scheduler import ScheduledSeq, SchedulerOutput
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.models.batch import CacheGroup
 from deepinfer_core.sampling.spec_decode.mtp import MTPProposer
 from tests.hf_checkpoints import add_mtp_weights, write_checkpoint
-from tests.test_model_parity import Seq, block_pool, make_batch, new_caches, new_seq
 
 CODE = ["def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n", "for i in range(10):\n    print(i)\nfor j in range(10):\n",
         "class Stack:\n    def __init__(self):", "import os\n"]
@@ -69,21 +70,34 @@ def test_mtp_emits_what_plain_decoding_does(plain_outputs, k):
 
 
 def reference_drafts(model, prompt: list[int], k: int) -> list[int]:
-    """Greedy MTP drafts after ``prompt`` computed from scratch with fresh caches: the target's
-    hidden states of the whole sequence, then the module over every position, chained."""
+    """Greedy MTP drafts after ``prompt`` computed from scratch, one sequence in a fresh cache:
+    the target over the whole prompt, then per draft the module over every position again (fed
+    the target's draft state, then its own for the chained positions)."""
+    groups, bs, cpu = model.cache_groups(with_mtp=True), 16, torch.device("cpu")
+    blocks = -(-(len(prompt) + k) // bs) + 1
+    cache = KVCache(groups, blocks, bs, 1, 0, cpu)
+    kv = KVCacheManager(groups, blocks, bs, 1, prefix_caching=False)
+    seq = Sequence(0, "reference", 0, list(prompt), SamplingParams(max_tokens=1), 0)
+    kv.allocate(seq, len(prompt) + k)
+    runner = ModelRunner(model, cache, kv, cpu)
+
+    def batch(length: int):
+        _, positions, meta = runner._meta(runner.prepare(SchedulerOutput(prefills=[ScheduledSeq(seq, 0, length)])))
+        return positions, meta
+
     n = len(prompt)
-    caches = new_caches(model)
-    seq = new_seq(prompt + [0] * k, block_pool(5))
     with torch.no_grad():
-        hidden = model(*make_batch([(Seq(prompt, seq.blocks, seq.block_size), 0, n)]), caches)
+        state = getattr(model, "forward_streams", model.forward)(torch.tensor(prompt), *batch(n), cache.tensors)
         drafts, chained = [], []
         for _ in range(k):
+            seq.output_token_ids = list(drafts)  # the chained positions' tokens, so the batch covers them
             ids = prompt[1:] + drafts
-            prev = torch.cat([hidden[: n - 1], *chained]) if chained else hidden[: n - 1]
-            input_ids, positions, batch = make_batch([(Seq(ids, seq.blocks, seq.block_size), 0, len(ids))])
-            out = model.forward_mtp(0, input_ids, positions, prev, batch, caches)
-            chained.append(out[-1:])
-            drafts.append(int(model.compute_logits(out[-1:]).argmax()))
+            prev = torch.cat([state[: n - 1], *chained])
+            positions, meta = batch(len(ids))
+            out = model.forward_mtp(0, torch.tensor(ids), positions, prev, meta, cache.tensors)
+            hidden, next_state = out if isinstance(out, tuple) else (out, out)
+            chained.append(next_state[-1:])
+            drafts.append(int(model.compute_logits(hidden[-1:]).argmax()))
     return drafts
 
 
@@ -241,3 +255,49 @@ def test_mtp_config_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "2")  # DeepSeek's switch
     engine = default_llm().engine
     assert isinstance(engine.proposer, MTPProposer) and engine.proposer.k == 2
+
+
+def _first_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
+    """(tokens, drafts) of every sequence each time the engine proposes, filled as it runs."""
+    seen = []
+    propose = llm.engine.proposer.propose
+
+    def recording(running):
+        propose(running)
+        seen.extend((seq.token_ids(), list(seq.draft_token_ids)) for seq in running if seq.draft_token_ids)
+
+    llm.engine.proposer.propose = recording
+    return seen
+
+
+@pytest.fixture(scope="module")
+def random_v4(tmp_path_factory):
+    from tests.hf_checkpoints_v4 import write_checkpoint_v4
+
+    path = tmp_path_factory.mktemp("mtp_v4") / "ckpt"
+    write_checkpoint_v4("v4_flash_like", path, with_mtp=True)
+    return path
+
+
+def test_v4_mtp_block_drafts_and_changes_nothing(random_v4):
+    """V4's MTP block (sliding-window cache in the ring, fed the residual streams): greedy tokens
+    equal plain decoding's at k = 1 and 3 with prefix hits (bounded replay rebuilds the block's
+    ring too); and the drafts, proposed after incremental catch-ups through verification rows and
+    chained on the block's own streams, are those of a recomputation from scratch."""
+    from tests.hf_checkpoints_v4 import random_prompt
+
+    shared = random_prompt(40, seed=3)
+    prompts = [shared + random_prompt(6, seed=4), shared + random_prompt(9, seed=5), random_prompt(20, seed=6)]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    kw = dict(model=str(random_v4), accelerator="cpu", dtype="float32", progress=False, max_num_seqs=4)
+    expected = tokens(LLM(enable_prefix_caching=False, **kw).generate(prompts, params, use_tqdm=False))
+    for k in (1, 3):
+        llm = LLM(speculative_config=mtp(k), **kw)
+        seen = _first_drafts(llm)
+        assert tokens(llm.generate(prompts, params, use_tqdm=False)) == expected
+        assert tokens(llm.generate(prompts[::-1], params, use_tqdm=False)) == expected[::-1]
+        assert llm.engine.prefix_hit_rate and llm.engine.num_draft_tokens > 0
+    checked = seen[1::4]
+    assert len(checked) > 5
+    for token_ids, drafts in checked:
+        assert reference_drafts(llm.engine.model, token_ids, len(drafts)) == drafts, token_ids

@@ -161,8 +161,10 @@ class Engine:
             )
         self.max_model_len = max_len
         self.kv_cache = KVCache(groups, num_blocks, block_size, self.max_num_seqs, lookahead, self.device)
+        # an MTP entry at p depends on token p + 1: a paged one must not be shared past a block's end
+        mtp_paged = mtp and any(g.kind == "paged" and any(n.startswith("mtp.") for n in g.layers) for g in groups)
         self.kv = KVCacheManager(groups, num_blocks, block_size, self.max_num_seqs, lookahead, engine_config.enable_prefix_caching,
-                                 hash_next_token=mtp)
+                                 hash_next_token=mtp_paged)
         self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.max_num_batched_tokens, max_len)
         self.output = OutputProcessor(self.tokenizer, eos_ids, max_len)
         for g in groups:

@@ -64,8 +64,9 @@ class StepOutput:
     samples: list[tuple[ScheduledSeq, int, int]]  # (scheduled sequence, first row of sample_logits, rows)
     sample_logits: torch.Tensor
     prompt_logits: list[tuple[Sequence, int, torch.Tensor]]  # (sequence, first predicted position, logits)
-    # with ``keep_hidden``: forward()'s hidden states [T, D] (a draft model reads them) and, per
-    # seq_id, the row of its first scheduled position (its rows follow in position order)
+    # with ``keep_hidden``: the draft state of every row (forward()'s hidden states [T, D]; V4: the
+    # residual streams [T, hc, D] before the head) and, per seq_id, the row of its first
+    # scheduled position (its rows follow in position order)
     hidden: torch.Tensor | None = None
     first_rows: dict[int, int] = field(default_factory=dict)
 
@@ -234,18 +235,22 @@ class ModelRunner:
         q_len = self.graphs.query_len_for(out) if self.graphs is not None else None
         if q_len is not None:
             hb = self.prepare(out, prev, pad_to=q_len)
-            hidden = self.graphs.replay(hb, q_len, lambda ids: self.fill_from_device(ids, hb, prev))
+            hidden = state = self.graphs.replay(hb, q_len, lambda ids: self.fill_from_device(ids, hb, prev))
         else:
             hb = self.prepare(out, prev)
             ids, positions, meta = self._meta(hb)
             self.fill_from_device(ids, hb, prev)
-            hidden = self.model.forward(ids, positions, meta, self.kv_cache.tensors)
+            if self.keep_hidden and hasattr(self.model, "forward_streams"):  # V4: the MTP block reads the streams
+                state = self.model.forward_streams(ids, positions, meta, self.kv_cache.tensors)
+                hidden = self.model.head_hidden(state)
+            else:
+                hidden = state = self.model.forward(ids, positions, meta, self.kv_cache.tensors)
         if hb.logits_rows:
             logits = self.model.compute_logits(hidden.index_select(0, self._tensor(hb.logits_rows, torch.int64)))
         else:
             logits = hidden.new_empty(0, 0)
         prompt_logits = [(seq, first, logits[r0 : r0 + n]) for seq, first, r0, n in hb.prompt_rows]
-        kept = (hidden, hb.first_rows) if self.keep_hidden else (None, {})
+        kept = (state, hb.first_rows) if self.keep_hidden else (None, {})
         if hb.prompt_rows:  # sampling rows without the prompt-logprob rows
             index = [r for _, r0, n in hb.samples for r in range(r0, r0 + n)]
             sample_logits = logits.index_select(0, self._tensor(index, torch.int64))

@@ -1,8 +1,8 @@
 """MTP drafts: the model's own multi-token-prediction module proposes the next k tokens.
 
-The MTP module at position p reads the target's hidden state h_p and the token t_{p+1}, keeps
-its own MLA cache entry at p (in the target's paged group, so the same block tables address
-it), and its logits predict t_{p+2}. Every step has two parts:
+The MTP module at position p reads the target's hidden state h_p (V4: its residual streams) and
+the token t_{p+1}, keeps its own cache entry at p (V3: in the target's paged MLA group, so the
+same block tables address it; V4: in the sliding-window ring), and its logits predict t_{p+2}. Every step has two parts:
 
 * ``observe`` (after the target's tokens are verified, before the scheduler appends them):
   **catch-up**. For every sequence the step computed, MTP rows for exactly the positions whose
@@ -25,8 +25,9 @@ target's, the draft is the very token the target samples (greedy: its argmax), a
 speculation never changes the output. Rows verified by rejection sampling draw their draft from
 its distribution q, kept in ``Sequence.draft_probs`` for the verification.
 
-Because an entry at a block's last position depends on the first token of the next block, the
-engine hashes blocks with their next token for prefix caching (``KVCacheManager.hash_next_token``).
+Because a paged entry at a block's last position depends on the first token of the next block,
+the engine hashes blocks with their next token for prefix caching when the module's cache is
+paged (``KVCacheManager.hash_next_token``; V4's ring is rebuilt by bounded replay instead).
 """
 
 from __future__ import annotations
@@ -46,11 +47,15 @@ class _Draft:
     """A sequence's first draft, from the catch-up, and the MTP hidden state that produced it."""
 
     token: int
-    hidden: torch.Tensor  # [D]
+    state: torch.Tensor  # [D] (V3) or [hc, D] (V4 streams)
 
 
 class MTPProposer:
-    MODEL_TYPES = ("deepseek_v3", "deepseek_v2")  # models whose forward_mtp takes the final hidden state
+    """``model.forward_mtp`` takes the target's draft state: V3/V2 the hidden state after the final
+    norm (and return the next hidden), V4 the residual streams before the head collapse (and
+    return (hidden, streams)); the runner keeps whichever the model has (``ModelRunner.keep_hidden``)."""
+
+    MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "deepseek_v4")
 
     def __init__(self, model, runner, num_tokens: int, ops, eos_ids: tuple[int, ...], max_model_len: int, copy_to_host,
                  acceptance: str = "auto"):
@@ -91,7 +96,7 @@ class MTPProposer:
         index = torch.tensor(hidden_rows, dtype=torch.int64)
         prev = step.hidden.index_select(0, index.to(step.hidden.device))
         batch = SchedulerOutput(prefills=[r for r in rows if not r.is_decode], decodes=[r for r in rows if r.is_decode])
-        hidden = self._forward(batch, ids, prev)  # out.scheduled is prefills, then decodes: the rows' order
+        hidden, state = self._forward(batch, ids, prev)  # out.scheduled is prefills, then decodes: the rows' order
         last, samplers = [], []
         row = 0
         for s in rows:
@@ -102,16 +107,16 @@ class MTPProposer:
                 s.seq.draft_probs = []  # this step's were used by its verification
         if not last:
             return
-        h = hidden.index_select(0, torch.tensor(last, dtype=torch.int64).to(hidden.device))
-        tokens = self._sample(h, samplers)
-        for r, tok, hid in zip(samplers, tokens, h):
-            self.first[r.seq.seq_id] = _Draft(tok, hid)
+        index = torch.tensor(last, dtype=torch.int64).to(hidden.device)
+        tokens = self._sample(hidden.index_select(0, index), samplers)
+        for r, tok, st in zip(samplers, tokens, state.index_select(0, index)):
+            self.first[r.seq.seq_id] = _Draft(tok, st)
 
     # ---- chaining -----------------------------------------------------------------------------
     def propose(self, running: list[Sequence]) -> None:
         """Set ``draft_token_ids`` of every running sequence (empty unless it is decoding)."""
         chains: list[tuple[Sequence, int]] = []  # (sequence, drafts it may have)
-        hidden = []
+        states = []
         spare = self.kv.num_free - len(running)  # blocks drafting may take: one per sequence stays free
         for seq in running:
             seq.draft_token_ids = []
@@ -130,21 +135,21 @@ class MTPProposer:
                 spare -= self._blocks_for(seq, need)
                 self.kv.allocate(seq, need)
                 chains.append((seq, room))
-                hidden.append(first.hidden)
+                states.append(first.state)
         self.first = {}
         j = 1
         while chains:
             rows = [ScheduledSeq(seq, seq.num_tokens - 2 + j, 1, is_decode=True) for seq, _ in chains]
             ids = [seq.draft_token_ids[-1] for seq, _ in chains]
-            h = self._forward(SchedulerOutput(decodes=rows), ids, torch.stack(hidden))
-            tokens = self._sample(h, [SampleRow(seq, drafts=list(seq.draft_token_ids)) for seq, _ in chains])
+            hidden, state = self._forward(SchedulerOutput(decodes=rows), ids, torch.stack(states))
+            tokens = self._sample(hidden, [SampleRow(seq, drafts=list(seq.draft_token_ids)) for seq, _ in chains])
             j += 1
-            kept, hidden = [], []
-            for (seq, room), tok, hid in zip(chains, tokens, h):
+            kept, states = [], []
+            for (seq, room), tok, st in zip(chains, tokens, state):
                 seq.draft_token_ids.append(tok)
                 if len(seq.draft_token_ids) < room:
                     kept.append((seq, room))
-                    hidden.append(hid)
+                    states.append(st)
             chains = kept
 
     def _blocks_for(self, seq: Sequence, num_tokens: int) -> int:
@@ -154,15 +159,17 @@ class MTPProposer:
         return self._blocks_for(seq, num_tokens) <= spare and self.kv.can_allocate(seq, num_tokens)
 
     # ---- one MTP forward ------------------------------------------------------------------------
-    def _forward(self, out: SchedulerOutput, ids: list[int], prev_hidden: torch.Tensor) -> torch.Tensor:
-        """The module's hidden states for the rows ``out`` describes (positions, slots, tables as
-        the runner builds them for the target) fed ``ids`` (t_{p+1} per row) and ``prev_hidden``."""
+    def _forward(self, out: SchedulerOutput, ids: list[int], prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden states for the logits, draft states for the next chained row) of the module on
+        the rows ``out`` describes (positions, slots, tables as the runner builds them for the
+        target), fed ``ids`` (t_{p+1} per row) and ``prev`` (the draft state at p)."""
         runner = self.runner
         hb = runner.prepare(out)
         hb.ids = list(ids)
         input_ids, positions, meta = runner._meta(hb)
         with torch.inference_mode():
-            return self.model.forward_mtp(0, input_ids, positions, prev_hidden, meta, runner.kv_cache.tensors)
+            result = self.model.forward_mtp(0, input_ids, positions, prev, meta, runner.kv_cache.tensors)
+        return result if isinstance(result, tuple) else (result, result)
 
     def _sample(self, hidden: torch.Tensor, rows: list[SampleRow]) -> list[int]:
         """A draft per row: coupled rows by the backend's sampling op (the target's noise at that

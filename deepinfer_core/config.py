@@ -41,8 +41,13 @@ class Settings(BaseSettings):
     )
     use_nextn_decode: int | None = Field(
         None, ge=0, le=16,
-        description="DeepSeek's switch: K > 0 drafts K tokens per step with the model's own MTP module when LLM() is given "
-                    "no speculative_config (0 or unset: off).",
+        description="DeepSeek's switch: K > 0 drafts K tokens per step with the model's own drafter (MTP; DSpark on "
+                    "V4.1) when LLM() is given no speculative_config (0 or unset: off).",
+    )
+    enable_mtp_varlen: bool | None = Field(
+        None,
+        description="DeepSeek's switch: 1 turns on DSpark with adaptive verification (V4.1; drafts "
+                    "DEEPINFER_USE_NEXTN_DECODE tokens at most, default 5) when LLM() is given no speculative_config.",
     )
 
 
@@ -455,7 +460,10 @@ class SpeculativeConfig(BaseModel):
     the tokens that followed the latest earlier occurrence of the sequence's last n tokens, n from
     prompt_lookup_max down to prompt_lookup_min (as vLLM: both 5 when neither is given, and a
     missing one equal to the other). "mtp": the checkpoint's multi-token-prediction module drafts
-    (chained: it runs once per draft token); the prompt_lookup fields do not apply.
+    (chained: it runs once per draft token). "dspark": V4.1's DSpark head drafts a block of
+    dspark_block_size tokens at once (num_speculative_tokens at most that); ``adaptive`` (dspark
+    only) verifies per request as many as its confidences and the start-up cost curves make
+    worthwhile. The prompt_lookup fields apply to "ngram" only.
 
     ``acceptance``: how sampled drafts of a draft model are verified (n-gram drafts are always
     "coupled"): "coupled" emits exactly what decoding without speculation emits; "rejection" is
@@ -465,9 +473,10 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    method: Literal["ngram", "mtp"]
+    method: Literal["ngram", "mtp", "dspark"]
     num_speculative_tokens: int = Field(gt=0, le=16)
     acceptance: Literal["auto", "coupled", "rejection"] = "auto"
+    adaptive: bool = False
     prompt_lookup_max: int = Field(gt=0)
     prompt_lookup_min: int = Field(gt=0)
 
@@ -482,6 +491,8 @@ class SpeculativeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _lookup_range(self) -> SpeculativeConfig:
+        if self.adaptive and self.method != "dspark":
+            raise ValueError(f"adaptive verification needs DSpark's confidences: method 'dspark', not {self.method!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min {self.prompt_lookup_min} exceeds prompt_lookup_max {self.prompt_lookup_max}")
         return self

@@ -248,7 +248,7 @@ def test_rejection_sampling_draws_from_the_target_distribution(plain):
 def test_mtp_config_errors(tmp_path, monkeypatch):
     path = tmp_path / "no_mtp"
     write_checkpoint("v3_grouped", path)
-    with pytest.raises(ConfigError, match="needs the checkpoint's MTP module"):
+    with pytest.raises(ConfigError, match="needs the checkpoint's draft layers"):
         random_llm(path, speculative_config=mtp(2))
     with pytest.raises(ValueError, match="acceptance"):
         default_llm(speculative_config=mtp(2, acceptance="always"))

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from deepinfer_core.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig, settings
+from deepinfer_core.config import ConfigError, EngineConfig, ModelConfig, settings
 from deepinfer_core.dtypes import DTYPES
 from deepinfer_core.engine.graphs import DecodeGraphs, max_blocks_per_group
 from deepinfer_core.engine.kv_cache import KVCache, KVCacheManager
@@ -31,8 +31,7 @@ from deepinfer_core.hookspecs import StepStats
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.sampler import SampledBatch, SampleRow, launch, needs_history, probabilities, top_logprobs, verify
 from deepinfer_core.sampling.spec_decode import rejection
-from deepinfer_core.sampling.spec_decode.mtp import MTPProposer
-from deepinfer_core.sampling.spec_decode.ngram import NgramProposer
+from deepinfer_core.sampling.spec_decode import proposers
 from deepinfer_core.sampling.spec_decode.stats import AcceptanceStats
 
 log = logging.getLogger("deepinfer")
@@ -127,23 +126,10 @@ class Engine:
             self.max_num_batched_tokens = suggested or DEFAULT_MAX_NUM_BATCHED_TOKENS
         else:
             self.max_num_batched_tokens = min(wanted, suggested or wanted)
-        self.speculative = sc = engine_config.speculative_config or nextn_from_env()
-        mtp = sc is not None and sc.method == "mtp"
-        if mtp and not getattr(self.model, "num_mtp_layers", 0):
-            raise ConfigError(
-                f"speculative_config method 'mtp' needs the checkpoint's MTP module, and {model_dir} has none "
-                f"(config.json num_nextn_predict_layers={self.model_config.num_nextn_predict_layers}, after loading: 0 "
-                "MTP layers); use method 'ngram' or a checkpoint with its MTP layers"
-            )
-        if mtp and self.model_config.model_type not in MTPProposer.MODEL_TYPES:
-            raise ConfigError(
-                f"MTP drafting is implemented for {', '.join(MTPProposer.MODEL_TYPES)}, not {self.model_config.model_type}; "
-                "use method 'ngram'"
-            )
+        self.speculative = sc = proposers.resolve(engine_config.speculative_config, self.model_config)
+        drafter = proposers.check(sc, self.model, self.model_config, model_dir)  # the drafter's own caches are needed
         lookahead = sc.num_speculative_tokens if sc else 0
-        if hasattr(self.model, "set_lookahead"):
-            self.model.set_lookahead(lookahead)
-        groups = self.model.cache_groups(with_mtp=True) if mtp else self.model.cache_groups()
+        groups = self.model.cache_groups(with_mtp=True) if drafter else self.model.cache_groups()
         block_size = engine_config.block_size or self.model.default_block_size
         self.cache_groups = groups
         num_blocks = engine_config.num_kv_blocks or self._auto_num_blocks(groups, block_size, lookahead)
@@ -162,7 +148,7 @@ class Engine:
         self.max_model_len = max_len
         self.kv_cache = KVCache(groups, num_blocks, block_size, self.max_num_seqs, lookahead, self.device)
         # an MTP entry at p depends on token p + 1: a paged one must not be shared past a block's end
-        mtp_paged = mtp and any(g.kind == "paged" and any(n.startswith("mtp.") for n in g.layers) for g in groups)
+        mtp_paged = drafter and any(g.kind == "paged" and any(n.startswith("mtp.") for n in g.layers) for g in groups)
         self.kv = KVCacheManager(groups, num_blocks, block_size, self.max_num_seqs, lookahead, engine_config.enable_prefix_caching,
                                  hash_next_token=mtp_paged)
         self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.max_num_batched_tokens, max_len)
@@ -178,13 +164,11 @@ class Engine:
             query_lens = (1, 1 + lookahead) if lookahead else (1,)
             widths = max_blocks_per_group(groups, max_len, block_size, max(query_lens), self.kv.rings)
             graphs = DecodeGraphs(self.model, self.kv_cache.tensors, groups, widths, sizes, query_lens, self.device, self.platform.graphs())
-        self.runner = ModelRunner(self.model, self.kv_cache, self.kv, self.device, graphs, keep_hidden=mtp)
-        self.proposer = None
-        if mtp:
-            self.proposer = MTPProposer(self.model, self.runner, sc.num_speculative_tokens, self.ops, eos_ids, max_len,
-                                        self.platform.copy_to_host, sc.acceptance)
-        elif sc is not None:
-            self.proposer = NgramProposer(sc.num_speculative_tokens, sc.prompt_lookup_max, sc.prompt_lookup_min, max_len)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv, self.device, graphs, keep_hidden=drafter and sc.method == "mtp")
+        self.proposer = proposers.build(sc, self.model, self.runner, self.ops, eos_ids, max_len, self.platform.copy_to_host,
+                                        self.max_num_batched_tokens)
+        if sc is not None and sc.adaptive:
+            self.proposer.profile(groups, self.max_num_seqs, self.device, self.platform.synchronize)
         if graphs is not None:
             graphs.capture_all(progress)
         env = settings().async_scheduling
@@ -580,12 +564,6 @@ class Engine:
         sequence re-admitted after a preemption counts again, with the output it had)."""
         kv = self.kv
         return kv.num_hit_tokens / kv.num_queried_tokens if kv.prefix_caching and kv.num_queried_tokens else None
-
-
-def nextn_from_env() -> SpeculativeConfig | None:
-    """DeepSeek's DEEPINFER_USE_NEXTN_DECODE=K: MTP drafts of K tokens (when LLM() got no speculative_config)."""
-    k = settings().use_nextn_decode
-    return SpeculativeConfig(method="mtp", num_speculative_tokens=k) if k else None
 
 
 def _describe(value) -> str:

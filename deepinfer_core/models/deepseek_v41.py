@@ -15,7 +15,7 @@ ratio-2 sources' projected rows of the open pair in the ring ``c2_state`` (float
 layers own nothing but their window.
 
 SWA bounded replay (§4.4, on unless DEEPINFER_SWA_BOUNDED_REPLAY=0): in a prefill the layers from
-the last KV source on run only on each sequence's newest ``sliding_window + lookahead`` tokens
+the last KV source on run only on each sequence's newest ``sliding_window`` tokens
 (the last KV source still writes its caches for every token), and after a prefix-cache hit only
 the hit's last ``sliding_window`` tokens are recomputed. Both approximate: off, the model is exact
 (prefix hits then replay ``layers * (sliding_window - 1)`` tokens).
@@ -289,7 +289,6 @@ class DeepseekV41ForCausalLM(V4FamilyLM):
         self.tables = rope_tables(config.qk_rope_head_dim, config.rope_theta, config.compress_rope_theta,
                                   config.compress_rope_parameters, config.max_position_embeddings, self.device, None)
         self.bounded_replay = settings().swa_bounded_replay
-        self.lookahead = 0
         self.lookback_tokens = config.engram_max_ngram_size - 1 if config.engram_layer_ids else 0
         self.register_buffer("compressed_ids", None, persistent=False)  # token id -> Engram's compressed id
 
@@ -314,10 +313,6 @@ class DeepseekV41ForCausalLM(V4FamilyLM):
         pad = torch.full((self.config.vocab_size - real,), self.config.engram_pad_token_id, dtype=torch.int64)
         self.compressed_ids = torch.cat([ids, pad]).to(self.device)
 
-    def set_lookahead(self, lookahead: int) -> None:
-        """Tokens a step may write beyond the accepted ones and roll back (the bounded-replay tail covers them)."""
-        self.lookahead = lookahead
-
     # ---- layout ---------------------------------------------------------------------------------
     @property
     def default_block_size(self) -> int:
@@ -325,8 +320,12 @@ class DeepseekV41ForCausalLM(V4FamilyLM):
 
     @property
     def tail_tokens(self) -> int:
-        """Tokens of a prefill the layers from the last KV source on compute (bounded replay)."""
-        return self.config.sliding_window + self.lookahead
+        """Tokens of a prefill the layers from the last KV source on compute (bounded replay): one
+        window, with or without speculation (as vLLM's decoder tail). Rolled-back drafts need no
+        more rows: the ring already holds window + lookahead positions, and the next query reads
+        only accepted ones. A tail that grew with the lookahead would change the approximation,
+        so the tokens, whenever speculation is switched on."""
+        return self.config.sliding_window
 
     def replay_tokens(self, with_mtp: bool = False) -> int:
         """Tokens recomputed after a prefix hit: the last window when bounded replay is on, else
@@ -416,11 +415,11 @@ class DeepseekV41ForCausalLM(V4FamilyLM):
         return out
 
     @torch.no_grad()
-    def forward_dspark(self, anchor_ids, positions, batch: BatchMeta, kv_caches) -> dspark.Draft:
+    def forward_dspark(self, anchor_ids, positions, batch: BatchMeta, kv_caches, choose=None) -> dspark.Draft:
         """DSpark's block draft (models/dspark.py): ``batch`` holds one decode row of
         ``dspark_block_size`` tokens per sequence at positions P .. P + N - 1 (the anchor, the
         newest token, at P); the stages' windows (cache_groups(with_mtp=True)) hold the context
-        the target forwards wrote. Nothing is written."""
+        the target forwards wrote. Nothing is written. ``choose``: see dspark.draft."""
         if not self.num_mtp_layers:
             raise ValueError("DSpark requested but the model has no DSpark stages loaded (mtp.0-2.*)")
-        return dspark.draft(self, anchor_ids, self._plan(positions, batch, kv_caches), kv_caches)
+        return dspark.draft(self, anchor_ids, self._plan(positions, batch, kv_caches), kv_caches, choose)

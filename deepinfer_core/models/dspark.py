@@ -95,9 +95,11 @@ def block_index(plan, window: int, block: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def draft(model, anchor_ids: torch.Tensor, plan, caches: dict[str, torch.Tensor]) -> Draft:
+def draft(model, anchor_ids: torch.Tensor, plan, caches: dict[str, torch.Tensor], choose=None) -> Draft:
     """The block of every sequence of ``plan`` (decode rows of N tokens each: the anchor and
-    N - 1 noise tokens at positions P .. P + N - 1; nothing is written to the caches)."""
+    N - 1 noise tokens at positions P .. P + N - 1; nothing is written to the caches).
+    ``choose(i, logits_i)`` picks row i's tokens [B] from its logits [B, V] (after the Markov
+    bias); default greedy. The Markov head is sequential: row i + 1's bias reads row i's pick."""
     c, ops = model.config, model.ops
     stages = model.mtp.layers
     n = c.dspark_block_size
@@ -122,7 +124,7 @@ def draft(model, anchor_ids: torch.Tensor, plan, caches: dict[str, torch.Tensor]
     for i in range(n):
         e = m1[prev]  # [B, R]
         li = base[:, i] + ops.linear(e, m2).float()
-        prev = li.argmax(dim=-1)
+        prev = li.argmax(dim=-1) if choose is None else choose(i, li)
         tokens.append(prev)
         logits.append(li)
         embeds.append(e)

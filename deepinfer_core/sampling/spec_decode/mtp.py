@@ -38,8 +38,8 @@ import torch
 
 from deepinfer_core.engine.scheduler import ScheduledSeq, SchedulerOutput
 from deepinfer_core.engine.sequence import Sequence
-from deepinfer_core.sampling.sampler import SampleRow, launch, probabilities
-from deepinfer_core.sampling.spec_decode.rejection import draw, uses_rejection
+from deepinfer_core.sampling.sampler import SampleRow
+from deepinfer_core.sampling.spec_decode.drafting import BlockReserve, draft_room, sample_drafts
 
 
 @dataclass
@@ -117,23 +117,20 @@ class MTPProposer:
         """Set ``draft_token_ids`` of every running sequence (empty unless it is decoding)."""
         chains: list[tuple[Sequence, int]] = []  # (sequence, drafts it may have)
         states = []
-        spare = self.kv.num_free - len(running)  # blocks drafting may take: one per sequence stays free
+        reserve = BlockReserve(self.kv, running)
         for seq in running:
             seq.draft_token_ids = []
             first = self.first.get(seq.seq_id)
             if first is None or seq.num_computed_tokens != seq.num_tokens - 1:
                 continue
-            room = min(self.k, seq.params.max_tokens - len(seq.output_token_ids) - 1, self.max_model_len - seq.num_tokens - 1)
+            room = draft_room(seq, self.k, self.max_model_len)
             if room <= 0:
                 continue
             seq.draft_token_ids = [first.token]
             # chained rows write positions num_tokens - 1 .. num_tokens + room - 3
-            need = seq.num_tokens + room - 2
-            while room > 1 and not self._reserve(seq, need, spare):
-                room, need = room - 1, need - 1
+            while room > 1 and not reserve.take(seq, seq.num_tokens + room - 2):
+                room -= 1
             if room > 1:
-                spare -= self._blocks_for(seq, need)
-                self.kv.allocate(seq, need)
                 chains.append((seq, room))
                 states.append(first.state)
         self.first = {}
@@ -152,12 +149,6 @@ class MTPProposer:
                     states.append(st)
             chains = kept
 
-    def _blocks_for(self, seq: Sequence, num_tokens: int) -> int:
-        return max(max(0, -(-num_tokens // self.kv.block_size) - len(seq.block_tables.get(g, ()))) for g in self.kv.paged)
-
-    def _reserve(self, seq: Sequence, num_tokens: int, spare: int) -> bool:
-        return self._blocks_for(seq, num_tokens) <= spare and self.kv.can_allocate(seq, num_tokens)
-
     # ---- one MTP forward ------------------------------------------------------------------------
     def _forward(self, out: SchedulerOutput, ids: list[int], prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden states for the logits, draft states for the next chained row) of the module on
@@ -172,17 +163,5 @@ class MTPProposer:
         return result if isinstance(result, tuple) else (result, result)
 
     def _sample(self, hidden: torch.Tensor, rows: list[SampleRow]) -> list[int]:
-        """A draft per row: coupled rows by the backend's sampling op (the target's noise at that
-        position), rejection rows from their distribution q, which is kept for verification."""
         with torch.inference_mode():
-            logits = self.model.compute_logits(hidden)
-            tokens = [t for t, _, _ in launch(self.ops, logits, rows, self.eos_ids, self.copy_to_host).resolve()]
-            rejecting = [i for i, r in enumerate(rows) if uses_rejection(r.params, self.acceptance)]
-            if rejecting:
-                index = torch.tensor(rejecting, dtype=torch.int64).to(logits.device)
-                q = probabilities(logits.index_select(0, index), [rows[i] for i in rejecting], self.eos_ids)
-                for i, probs in zip(rejecting, q):
-                    row = rows[i]
-                    tokens[i] = draw(probs, row.seq.seed, row.num_outputs)
-                    row.seq.draft_probs.append(probs)  # q of the draft drawn now (observe emptied the list)
-        return tokens
+            return sample_drafts(self.ops, self.model.compute_logits(hidden), rows, self.eos_ids, self.copy_to_host, self.acceptance)

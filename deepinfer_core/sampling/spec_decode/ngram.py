@@ -15,6 +15,7 @@ from __future__ import annotations
 from array import array
 
 from deepinfer_core.engine.sequence import Sequence
+from deepinfer_core.sampling.spec_decode.drafting import draft_room
 
 
 class NgramProposer:
@@ -45,10 +46,8 @@ class NgramProposer:
         return []
 
     def propose_for(self, seq: Sequence, max_model_len: int) -> list[int]:
-        """Drafts for ``seq``, never beyond its max_tokens (the token sampled after the drafts
-        counts too) or the model length."""
-        room = min(seq.params.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens) - 1
-        return self.lookup(seq.token_ids(), room)
+        """Drafts for ``seq``, never beyond its max_tokens or the model length."""
+        return self.lookup(seq.token_ids(), draft_room(seq, self.k, max_model_len))
 
     def observe(self, out, step, accepted: dict[int, list[int]]) -> None:
         """Nothing to catch up: drafts come from the tokens alone."""

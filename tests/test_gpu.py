@@ -153,13 +153,14 @@ def test_v41_nvidia_matches_cpu_reference(tmp_path, name):
 
 def test_mtp_on_gpu_emits_what_plain_decoding_does():
     """The default model's MTP drafts on the nvidia backend (verification rows through the (batch,
-    1 + k) graphs, the MTP module eager, drafts sampled by the backend's sampling kernel): greedy and
+    1 + k) graphs, the MTP module's decode rows through its own graphs, drafts sampled by the
+    backend's sampling kernel): greedy and
     seeded (coupled) tokens equal plain decoding's, and drafts are accepted."""
     code = ["def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n", "for i in range(10):\n    print(i)\n", "import os\n"]
     cases = [SamplingParams(temperature=0, max_tokens=32), SamplingParams(temperature=0.7, seed=5, max_tokens=32, n=2)]
     plain = LLM(accelerator="nvidia", dtype="float32", progress=False, enable_prefix_caching=False)
     spec = LLM(accelerator="nvidia", dtype="float32", progress=False, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
-    assert (1, 4) in spec.engine.runner.graphs.graphs
+    assert (1, 4) in spec.engine.runner.graphs.graphs and (1, 4) in spec.engine.proposer.graphs.graphs
     for params in cases:
         assert _tokens(spec.generate(code, params, use_tqdm=False)) == _tokens(plain.generate(code, params, use_tqdm=False))
     assert spec.engine.spec_stats.acceptance_by_position[0] > 0.3

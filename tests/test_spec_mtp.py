@@ -301,3 +301,32 @@ def test_v4_mtp_block_drafts_and_changes_nothing(random_v4):
     assert len(checked) > 5
     for token_ids, drafts in checked:
         assert reference_drafts(llm.engine.model, token_ids, len(drafts)) == drafts, token_ids
+
+
+def test_mtp_through_draft_graphs(plain_outputs):
+    """The MTP module's decode rows replayed as graphs (catch-up rows of 1 + accepted tokens
+    padded to 1 + k, chained rows of 1; batches of 3 padded to 4), on the CPU through a stand-in
+    graph backend that recomputes the captured function from its static buffers: the drafts and
+    tokens are those of the eager engine."""
+    from deepinfer_core.engine.graphs import DecodeGraphs, max_blocks_per_group
+    from tests.test_decode_graphs import RecomputeGraphs, with_graphs
+
+    runs = {}
+    for graphs in (False, True):
+        llm = default_llm(speculative_config=mtp(3), enable_prefix_caching=False)
+        engine = llm.engine
+        seen = _first_drafts(llm)
+        if graphs:
+            with_graphs(engine)
+            widths = max_blocks_per_group(engine.cache_groups, engine.max_model_len, engine.kv.block_size, 4, engine.kv.rings)
+            draft = DecodeGraphs(engine.model, engine.kv_cache.tensors, engine.cache_groups, widths, (1, 2, 4), (1, 4),
+                                 engine.device, RecomputeGraphs(), draft_dim=engine.model_config.hidden_size)
+            draft.capture_all(progress=False)
+            engine.proposer.graphs = draft
+            replays = []
+            inner = draft.replay
+            draft.replay = lambda *a, **kw: replays.append(a[1]) or inner(*a, **kw)
+        out = llm.generate(CODE[:3], MIXED[:3], use_tqdm=False)
+        runs[graphs] = (tokens(out), seen)
+    assert runs[True][0] == runs[False][0] == tokens(plain_outputs)[:3]
+    assert runs[True][1] == runs[False][1] and {1, 4} <= set(replays)

@@ -167,6 +167,10 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv, self.device, graphs, keep_hidden=drafter and sc.method == "mtp")
         self.proposer = proposers.build(sc, self.model, self.runner, self.ops, eos_ids, max_len, self.platform.copy_to_host,
                                         self.max_num_batched_tokens)
+        if graphs is not None and sc is not None and sc.method == "mtp":  # the MTP module's decode rows as graphs too
+            self.proposer.graphs = DecodeGraphs(self.model, self.kv_cache.tensors, groups, widths, sizes, query_lens, self.device,
+                                                self.platform.graphs(), draft_dim=self.model_config.hidden_size)
+            self.proposer.graphs.capture_all(progress)
         if sc is not None and sc.adaptive:
             self.proposer.profile(groups, self.max_num_seqs, self.device, self.platform.synchronize)
         if graphs is not None:

@@ -62,10 +62,12 @@ class BlockTableBuffer:
 
 
 class DecodeGraphs:
-    """``max_blocks``: per cache group, the widest block table a sequence can have."""
+    """``max_blocks``: per cache group, the widest block table a sequence can have.
+    ``draft_dim`` > 0: capture the model's MTP module (``forward_mtp`` at depth 0) instead of
+    ``forward``, with one more static input, the draft state [rows, draft_dim] it is fed."""
 
     def __init__(self, model, kv_caches: dict[str, torch.Tensor], groups: list[CacheGroup], max_blocks: dict[str, int],
-                 batch_sizes: tuple[int, ...], query_lens: tuple[int, ...], device: torch.device, backend):
+                 batch_sizes: tuple[int, ...], query_lens: tuple[int, ...], device: torch.device, backend, draft_dim: int = 0):
         self.model = model
         self.kv_caches = kv_caches
         self.groups = groups
@@ -84,6 +86,8 @@ class DecodeGraphs:
         self.host_tables = {g.name: BlockTableBuffer(n, max_blocks[g.name]) for g in groups}
         self._no_prefill_i32 = torch.zeros(1, dtype=torch.int32, device=device)
         self._no_context = torch.zeros(0, dtype=torch.int64, device=device)
+        self.prev = torch.zeros(n * q, draft_dim, dtype=model.dtype, device=device) if draft_dim else None
+        self.label = "draft" if draft_dim else "decode"
         self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
         self.capture_seconds = 0.0
 
@@ -113,6 +117,8 @@ class DecodeGraphs:
 
     def _forward(self, size: int, q_len: int) -> torch.Tensor:
         t = size * q_len
+        if self.prev is not None:
+            return self.model.forward_mtp(0, self.input_ids[:t], self.positions[:t], self.prev[:t], self._meta(size, q_len), self.kv_caches)
         return self.model.forward(self.input_ids[:t], self.positions[:t], self._meta(size, q_len), self.kv_caches)
 
     @torch.inference_mode()
@@ -121,14 +127,14 @@ class DecodeGraphs:
         attending to its first entries."""
         t0 = time.perf_counter()
         todo = [(size, ql) for ql in self.query_lens for size in self.sizes]
-        for size, ql in tqdm(todo, desc="Capturing decode graphs", unit="graph", disable=not progress):
+        for size, ql in tqdm(todo, desc=f"Capturing {self.label} graphs", unit="graph", disable=not progress):
             for slots in self.slots.values():
                 slots.fill_(-1)
             self.seq_lens.fill_(ql)
             self.graphs[(size, ql)] = self.backend.capture(lambda size=size, ql=ql: self._forward(size, ql))
         self.capture_seconds = time.perf_counter() - t0
-        log.info("captured %d decode graphs (batch sizes %s, row lengths %s) in %.1f s",
-                 len(todo), self.sizes, self.query_lens, self.capture_seconds)
+        log.info("captured %d %s graphs (batch sizes %s, row lengths %s) in %.1f s",
+                 len(todo), self.label, self.sizes, self.query_lens, self.capture_seconds)
 
     def query_len_for(self, out) -> int | None:
         """The row length of the graph that can run this step, or None (run it eagerly)."""
@@ -143,9 +149,9 @@ class DecodeGraphs:
                 return None
         return self.query_lens[i]
 
-    def replay(self, hb, q_len: int, fill_from_device: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    def replay(self, hb, q_len: int, fill_from_device: Callable[[torch.Tensor], None], prev: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [len(seq_lens) * q_len, D] of the step ``hb`` (runner.HostBatch, decode
-        rows padded to q_len)."""
+        rows padded to q_len); ``prev``: the draft state of each of those rows (draft graphs)."""
         n = len(hb.seq_lens)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         t, total = n * q_len, size * q_len
@@ -176,6 +182,10 @@ class DecodeGraphs:
             if size > n:
                 table[n:size].copy_(table[:1].expand(size - n, -1))
         fill_from_device(self.input_ids)
+        if self.prev is not None:
+            self.prev[:t].copy_(prev)
+            if size > n:  # padding sequences repeat sequence 0 (its experts, nothing written)
+                self.prev[t:total].copy_(prev[:q_len].repeat(size - n, 1))
         graph, hidden = self.graphs[(size, q_len)]
         self.backend.replay(graph)
         return hidden[:t]

@@ -69,6 +69,7 @@ class MTPProposer:
         self.max_model_len = max_model_len
         self.copy_to_host = copy_to_host
         self.first: dict[int, _Draft] = {}  # seq_id -> its first draft, between observe and propose
+        self.graphs = None  # engine.graphs.DecodeGraphs of the module (draft_dim set), where the platform captures
 
     # ---- catch-up -----------------------------------------------------------------------------
     def observe(self, out: SchedulerOutput, step, accepted: dict[int, list[int]]) -> None:
@@ -153,8 +154,23 @@ class MTPProposer:
     def _forward(self, out: SchedulerOutput, ids: list[int], prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden states for the logits, draft states for the next chained row) of the module on
         the rows ``out`` describes (positions, slots, tables as the runner builds them for the
-        target), fed ``ids`` (t_{p+1} per row) and ``prev`` (the draft state at p)."""
-        runner = self.runner
+        target), fed ``ids`` (t_{p+1} per row) and ``prev`` (the draft state at p). Decode-only
+        batches that fit the draft graphs replay them (rows padded as the target's are)."""
+        runner, graphs = self.runner, self.graphs
+        q_len = graphs.query_len_for(out) if graphs is not None else None
+        if q_len is not None:
+            pad, real, row = [], [], 0
+            for b, s in enumerate(out.decodes):
+                pad += list(range(row, row + s.num_tokens)) + [row + s.num_tokens - 1] * (q_len - s.num_tokens)
+                real += range(b * q_len, b * q_len + s.num_tokens)
+                row += s.num_tokens
+            hb = runner.prepare(out, pad_to=q_len)
+            hb.ids = [ids[i] for i in pad]
+            index = torch.tensor(pad, dtype=torch.int64).to(prev.device)
+            with torch.inference_mode():
+                hidden = graphs.replay(hb, q_len, lambda _: None, prev.index_select(0, index))
+                hidden = hidden.index_select(0, torch.tensor(real, dtype=torch.int64).to(hidden.device))
+            return hidden, hidden
         hb = runner.prepare(out)
         hb.ids = list(ids)
         input_ids, positions, meta = runner._meta(hb)

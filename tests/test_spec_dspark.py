@@ -62,6 +62,18 @@ def test_dspark_emits_what_plain_decoding_does(ckpt, expected, k, adaptive_on):
         assert proposer.verify_cost is not None and len(proposer.verify_cost.points) >= 4 and proposer.last_budget is not None
 
 
+@pytest.mark.parametrize("k", [4, 5])
+def test_dspark_blocks_of_five(tmp_path_factory, k):
+    """V4.1-Flash's block of 5 (DeepSeek's default of 5 drafts): draft lengths 4 and 5, greedy and
+    seeded, in one batch, with and without adaptive verification."""
+    path = write_checkpoint_v41("v41-dspark", tmp_path_factory.mktemp("dspark5") / "ckpt", dspark_block_size=5)
+    want = tokens(make(path, enable_prefix_caching=False).generate(prompts(), PARAMS, use_tqdm=False))
+    for adaptive_on in (False, True):
+        llm = make(path, enable_prefix_caching=False, speculative_config=dspark(k, adaptive=adaptive_on))
+        assert tokens(llm.generate(prompts(), PARAMS, use_tqdm=False)) == want
+        assert llm.engine.spec_stats.num_draft_tokens > 0 and len(llm.engine.spec_stats.proposed) <= k
+
+
 def test_dspark_under_preemption_and_exact_prefix_caching(ckpt, monkeypatch):
     """A cache so small that sequences are preempted, and (bounded replay off, so a prefix hit
     recomputes every window exactly, the stages' included) prompts reused: plain decoding's tokens."""

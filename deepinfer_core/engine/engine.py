@@ -168,9 +168,13 @@ class Engine:
         self.proposer = proposers.build(sc, self.model, self.runner, self.ops, eos_ids, max_len, self.platform.copy_to_host,
                                         self.max_num_batched_tokens)
         if graphs is not None and sc is not None and sc.method == "mtp":  # the MTP module's decode rows as graphs too
-            self.proposer.graphs = DecodeGraphs(self.model, self.kv_cache.tensors, groups, widths, sizes, query_lens, self.device,
-                                                self.platform.graphs(), draft_dim=self.model_config.hidden_size)
-            self.proposer.graphs.capture_all(progress)
+            draft = DecodeGraphs(self.model, self.kv_cache.tensors, groups, widths, sizes, query_lens, self.device,
+                                 self.platform.graphs(), draft_dim=self.model_config.hidden_size)
+            try:
+                draft.capture_all(progress)
+                self.proposer.graphs = draft
+            except Exception as e:  # noqa: BLE001 - drafting still works eagerly; the target's graphs are unaffected
+                log.warning("capturing the MTP module's decode graphs failed (%s: %s); it drafts eagerly", type(e).__name__, e)
         if sc is not None and sc.adaptive:
             self.proposer.profile(groups, self.max_num_seqs, self.device, self.platform.synchronize)
         if graphs is not None:

@@ -30,8 +30,7 @@ from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.hookspecs import StepStats
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.sampler import SampledBatch, SampleRow, launch, needs_history, probabilities, top_logprobs, verify
-from deepinfer_core.sampling.spec_decode import rejection
-from deepinfer_core.sampling.spec_decode import proposers
+from deepinfer_core.sampling.spec_decode import proposers, rejection
 from deepinfer_core.sampling.spec_decode.stats import AcceptanceStats
 
 log = logging.getLogger("deepinfer")

@@ -46,6 +46,16 @@ def dspark(k: int, **kw) -> dict:
     return {"method": "dspark", "num_speculative_tokens": k, **kw}
 
 
+def fixed_costs(llm: LLM, per_token: float = 0.02) -> DSparkProposer:
+    """Replace the start-up profile (timings of this machine) by fixed cost curves, so what
+    adaptive verification admits depends on the confidences alone."""
+    proposer = llm.engine.proposer
+    assert proposer.verify_cost is not None and len(proposer.verify_cost.points) >= 4  # it was profiled
+    proposer.verify_cost = adaptive.CostCurve([(1, 1.0), (101, 1.0 + 100 * per_token)])
+    proposer.draft_cost = adaptive.CostCurve([(1, 0.2), (64, 0.4)])
+    return proposer
+
+
 @pytest.fixture(scope="module")
 def expected(ckpt):
     return tokens(make(ckpt, enable_prefix_caching=False).generate(prompts(), PARAMS, use_tqdm=False))
@@ -54,12 +64,13 @@ def expected(ckpt):
 @pytest.mark.parametrize("k,adaptive_on", [(1, False), (2, False), (3, False), (3, True)])
 def test_dspark_emits_what_plain_decoding_does(ckpt, expected, k, adaptive_on):
     llm = make(ckpt, enable_prefix_caching=False, speculative_config=dspark(k, adaptive=adaptive_on))
+    if adaptive_on:
+        fixed_costs(llm)
     assert tokens(llm.generate(prompts(), PARAMS, use_tqdm=False)) == expected
     spec = llm.engine.spec_stats
     assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens > 0 and len(spec.proposed) <= k
     if adaptive_on:
-        proposer = llm.engine.proposer
-        assert proposer.verify_cost is not None and len(proposer.verify_cost.points) >= 4 and proposer.last_budget is not None
+        assert llm.engine.proposer.last_budget is not None
 
 
 @pytest.mark.parametrize("k", [4, 5])
@@ -70,6 +81,8 @@ def test_dspark_blocks_of_five(tmp_path_factory, k):
     want = tokens(make(path, enable_prefix_caching=False).generate(prompts(), PARAMS, use_tqdm=False))
     for adaptive_on in (False, True):
         llm = make(path, enable_prefix_caching=False, speculative_config=dspark(k, adaptive=adaptive_on))
+        if adaptive_on:
+            fixed_costs(llm)
         assert tokens(llm.generate(prompts(), PARAMS, use_tqdm=False)) == want
         assert llm.engine.spec_stats.num_draft_tokens > 0 and len(llm.engine.spec_stats.proposed) <= k
 
@@ -155,7 +168,7 @@ def test_adaptive_verification_follows_the_confidences(ckpt):
     """Each step every request has exactly the drafts admit() gives it for the confidences of its
     block and the budget chosen from the profiled costs; steep verify costs admit none."""
     llm = make(ckpt, enable_prefix_caching=False, speculative_config=dspark(3, adaptive=True))
-    proposer: DSparkProposer = llm.engine.proposer
+    proposer = fixed_costs(llm, per_token=0.3)
     steps = []
     admit, propose = proposer._admit, proposer.propose
 

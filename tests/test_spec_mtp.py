@@ -330,3 +330,26 @@ def test_mtp_through_draft_graphs(plain_outputs):
         runs[graphs] = (tokens(out), seen)
     assert runs[True][0] == runs[False][0] == tokens(plain_outputs)[:3]
     assert runs[True][1] == runs[False][1] and {1, 4} <= set(replays)
+
+
+def test_device_chain_drafts_what_the_host_chain_drafts(monkeypatch):
+    """Chained drafts of requests without penalties stay on the device until the chain ends; they
+    are the drafts the host-side chain (one round trip per draft) proposes, greedy and seeded,
+    with sequences leaving the chain at different lengths (max_tokens)."""
+    params = [SamplingParams(temperature=0, max_tokens=20), SamplingParams(temperature=0.9, seed=3, max_tokens=9),
+              SamplingParams(temperature=0.7, seed=8, max_tokens=14, n=2)]
+    runs = []
+    for on_device in (True, False):
+        llm = default_llm(speculative_config=mtp(4), enable_prefix_caching=False)
+        used = []
+        chain = llm.engine.proposer._chain_on_device
+        if on_device:
+            llm.engine.proposer._chain_on_device = lambda *a: used.append(1) or chain(*a)
+        else:
+            monkeypatch.setattr("deepinfer_core.sampling.spec_decode.mtp.needs_history", lambda params: True)
+        seen = _first_drafts(llm)
+        out = llm.generate(CODE[:3], params, use_tqdm=False)
+        monkeypatch.undo()
+        runs.append((tokens(out), seen, bool(used)))
+    assert runs[0][2] and not runs[1][2]
+    assert runs[0][0] == runs[1][0] and runs[0][1] == runs[1][1]

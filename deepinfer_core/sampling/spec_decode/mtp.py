@@ -38,8 +38,9 @@ import torch
 
 from deepinfer_core.engine.scheduler import ScheduledSeq, SchedulerOutput
 from deepinfer_core.engine.sequence import Sequence
-from deepinfer_core.sampling.sampler import SampleRow
+from deepinfer_core.sampling.sampler import SampleRow, launch, needs_history
 from deepinfer_core.sampling.spec_decode.drafting import BlockReserve, draft_room, sample_drafts
+from deepinfer_core.sampling.spec_decode.rejection import uses_rejection
 
 
 @dataclass
@@ -135,6 +136,9 @@ class MTPProposer:
                 chains.append((seq, room))
                 states.append(first.state)
         self.first = {}
+        if chains and not any(needs_history(seq.params) or uses_rejection(seq.params, self.acceptance) for seq, _ in chains):
+            self._chain_on_device(chains, states)
+            return
         j = 1
         while chains:
             rows = [ScheduledSeq(seq, seq.num_tokens - 2 + j, 1, is_decode=True) for seq, _ in chains]
@@ -150,13 +154,49 @@ class MTPProposer:
                     states.append(st)
             chains = kept
 
+    def _chain_on_device(self, chains: list[tuple[Sequence, int]], states: list[torch.Tensor]) -> None:
+        """The chain when no row's sampling reads its tokens on the host (no penalties, coupled
+        or greedy): each draft feeds the next row from the device, and the host waits once, at
+        the end, for all of them (their copies started as each was sampled)."""
+        device = states[0].device
+        ids = torch.tensor([seq.draft_token_ids[-1] for seq, _ in chains], dtype=torch.int64).to(device)
+        state = torch.stack(states)
+        drafts = {seq.seq_id: list(seq.draft_token_ids) for seq, _ in chains}
+        for seq, room in chains:  # placeholders while the drafts are on the device: the rows' ids come from there
+            seq.draft_token_ids = drafts[seq.seq_id] + [0] * (room - len(drafts[seq.seq_id]))
+        launched: list[tuple[list[Sequence], object]] = []
+        j = 1
+        while chains:
+            rows = [ScheduledSeq(seq, seq.num_tokens - 2 + j, 1, is_decode=True) for seq, _ in chains]
+            hidden, state = self._forward(SchedulerOutput(decodes=rows), ids, state)
+            # only how many drafts precede each row matters to its sampling here (its seed position, min_tokens)
+            sample_rows = [SampleRow(seq, drafts=[0] * (len(drafts[seq.seq_id]) + j - 1)) for seq, _ in chains]
+            with torch.inference_mode():
+                batch = launch(self.ops, self.model.compute_logits(hidden), sample_rows, self.eos_ids, self.copy_to_host)
+            launched.append(([seq for seq, _ in chains], batch))
+            keep = [i for i, (seq, room) in enumerate(chains) if len(drafts[seq.seq_id]) + j < room]
+            j += 1
+            if keep and len(keep) < len(chains):
+                index = torch.tensor(keep, dtype=torch.int64).to(device)
+                ids, state = batch.tokens.index_select(0, index), state.index_select(0, index)
+            else:
+                ids = batch.tokens
+            chains = [chains[i] for i in keep]
+        for seqs, batch in launched:
+            for seq, (token, _, _) in zip(seqs, batch.resolve()):
+                drafts[seq.seq_id].append(token)
+        for seqs, _ in launched[:1]:
+            for seq in seqs:
+                seq.draft_token_ids = drafts[seq.seq_id]
+
     # ---- one MTP forward ------------------------------------------------------------------------
-    def _forward(self, out: SchedulerOutput, ids: list[int], prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, out: SchedulerOutput, ids: list[int] | torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden states for the logits, draft states for the next chained row) of the module on
         the rows ``out`` describes (positions, slots, tables as the runner builds them for the
         target), fed ``ids`` (t_{p+1} per row) and ``prev`` (the draft state at p). Decode-only
         batches that fit the draft graphs replay them (rows padded as the target's are)."""
         runner, graphs = self.runner, self.graphs
+        on_device = isinstance(ids, torch.Tensor)  # single-token rows whose ids the previous draft left on the device
         q_len = graphs.query_len_for(out) if graphs is not None else None
         if q_len is not None:
             pad, real, row = [], [], 0
@@ -165,15 +205,22 @@ class MTPProposer:
                 real += range(b * q_len, b * q_len + s.num_tokens)
                 row += s.num_tokens
             hb = runner.prepare(out, pad_to=q_len)
-            hb.ids = [ids[i] for i in pad]
             index = torch.tensor(pad, dtype=torch.int64).to(prev.device)
+            hb.ids = [0] * len(pad) if on_device else [ids[i] for i in pad]
+
+            def fill(buffer: torch.Tensor) -> None:
+                if on_device:
+                    buffer[: len(pad)].copy_(ids.index_select(0, index))
+
             with torch.inference_mode():
-                hidden = graphs.replay(hb, q_len, lambda _: None, prev.index_select(0, index))
+                hidden = graphs.replay(hb, q_len, fill, prev.index_select(0, index))
                 hidden = hidden.index_select(0, torch.tensor(real, dtype=torch.int64).to(hidden.device))
             return hidden, hidden
         hb = runner.prepare(out)
-        hb.ids = list(ids)
+        hb.ids = [0] * len(hb.positions) if on_device else list(ids)
         input_ids, positions, meta = runner._meta(hb)
+        if on_device:
+            input_ids = ids
         with torch.inference_mode():
             result = self.model.forward_mtp(0, input_ids, positions, prev, meta, runner.kv_cache.tensors)
         return result if isinstance(result, tuple) else (result, result)

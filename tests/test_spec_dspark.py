@@ -212,3 +212,24 @@ def test_dspark_config_errors(ckpt, tmp_path, monkeypatch):
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "2")
     engine = make(ckpt).engine
     assert isinstance(engine.proposer, DSparkProposer) and engine.proposer.k == 2 and engine.proposer.adaptive
+
+
+def test_device_block_drafts_what_the_host_block_drafts(ckpt, monkeypatch):
+    """Block rows of requests without penalties keep their picks on the device (the Markov head
+    reads them there); the drafts equal those of the host path, greedy and seeded."""
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), SamplingParams(temperature=0.9, seed=4, max_tokens=10, ignore_eos=True)]
+    runs = []
+    for forced_host in (False, True):
+        if forced_host:
+            monkeypatch.setattr("deepinfer_core.sampling.spec_decode.dspark.needs_history", lambda params: True)
+        llm = make(ckpt, enable_prefix_caching=False, speculative_config=dspark(3))
+        seen = []
+        propose = llm.engine.proposer.propose
+
+        def recording(running, propose=propose, seen=seen):
+            propose(running)
+            seen.extend((seq.token_ids(), list(seq.draft_token_ids)) for seq in running if seq.draft_token_ids)
+
+        llm.engine.proposer.propose = recording
+        runs.append((tokens(llm.generate(prompts(), [params[0], params[1], params[1]], use_tqdm=False)), seen))
+    assert runs[0] == runs[1] and len(runs[0][1]) > 10

@@ -23,9 +23,10 @@ from deepinfer_core.engine.kv_cache import KVCache, KVCacheManager
 from deepinfer_core.engine.scheduler import ScheduledSeq, SchedulerOutput
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.sampling.params import SamplingParams
-from deepinfer_core.sampling.sampler import SampleRow
+from deepinfer_core.sampling.sampler import SampleRow, launch, needs_history
 from deepinfer_core.sampling.spec_decode import adaptive
 from deepinfer_core.sampling.spec_decode.drafting import BlockReserve, draft_room, sample_drafts
+from deepinfer_core.sampling.spec_decode.rejection import uses_rejection
 
 log = logging.getLogger("deepinfer")
 
@@ -86,8 +87,16 @@ class DSparkProposer:
         _, positions, meta = runner._meta(runner.prepare(SchedulerOutput(decodes=rows)))
         anchors = torch.tensor([seq.token_at(seq.num_tokens - 1) for seq in seqs], dtype=torch.int64).to(positions.device)
         drafted: list[list[int]] = [[] for _ in seqs]
+        # rows without penalties or rejection sampling need only counts on the host: their picks
+        # feed the Markov head from the device, and the host waits once, after the block
+        on_device = not any(needs_history(seq.params) or uses_rejection(seq.params, self.acceptance) for seq in seqs)
+        launched = []
 
         def choose(i: int, logits: torch.Tensor) -> torch.Tensor:
+            if on_device:
+                rows = [SampleRow(seq, drafts=[0] * i) for seq in seqs]
+                launched.append(launch(self.ops, logits, rows, self.eos_ids, self.copy_to_host))
+                return launched[-1].tokens
             picks = sample_drafts(self.ops, logits, [SampleRow(seq, drafts=d) for seq, d in zip(seqs, drafted)],
                                   self.eos_ids, self.copy_to_host, self.acceptance)
             for d, t in zip(drafted, picks):
@@ -96,6 +105,9 @@ class DSparkProposer:
 
         with torch.inference_mode():
             block = self.model.forward_dspark(anchors, positions, meta, runner.kv_cache.tensors, choose)
+        for batch in launched:
+            for d, (token, _, _) in zip(drafted, batch.resolve()):
+                d.append(token)
         return drafted, block.confidence.tolist()
 
     def _admit(self, chosen: list[tuple[Sequence, int]], confidence: list[list[float]], running: list[Sequence]) -> list[int]:

@@ -48,7 +48,6 @@ class DSparkProposer:
         self.draft_cost: adaptive.CostCurve | None = None  # seconds by requests (profile)
         self.verify_cost: adaptive.CostCurve | None = None  # seconds by tokens (profile)
         self.last_budget: int | None = None  # draft tokens the last adaptive choice admitted
-        self.last_confidence: dict[int, list[float]] = {}  # seq_id -> its block's confidences, last draft
 
     def observe(self, out, step, accepted) -> None:
         """Nothing: the target forward wrote the stages' context."""
@@ -65,17 +64,15 @@ class DSparkProposer:
             # the block's rows sit at positions P .. P + N - 1: their slots must exist (nothing is written)
             if room > 0 and reserve.take(seq, seq.num_tokens - 1 + self.block):
                 chosen.append((seq, room))
-        self.last_confidence = {}
         if not chosen:
             return
         drafted, confidence = self._draft([seq for seq, _ in chosen])
         lengths = [room for _, room in chosen]
         if self.adaptive:
             lengths = self._admit(chosen, confidence, running)
-        for (seq, _), tokens, conf, n in zip(chosen, drafted, confidence, lengths):
+        for (seq, _), tokens, n in zip(chosen, drafted, lengths):
             seq.draft_token_ids = tokens[:n]
             del seq.draft_probs[n:]
-            self.last_confidence[seq.seq_id] = conf
 
     def _draft(self, seqs: list[Sequence]) -> tuple[list[list[int]], list[list[float]]]:
         """Every sequence's block: (its N drafts, their confidences)."""

@@ -162,6 +162,7 @@ class MTPProposer:
         ids = torch.tensor([seq.draft_token_ids[-1] for seq, _ in chains], dtype=torch.int64).to(device)
         state = torch.stack(states)
         drafts = {seq.seq_id: list(seq.draft_token_ids) for seq, _ in chains}
+        everyone = [seq for seq, _ in chains]
         for seq, room in chains:  # placeholders while the drafts are on the device: the rows' ids come from there
             seq.draft_token_ids = drafts[seq.seq_id] + [0] * (room - len(drafts[seq.seq_id]))
         launched: list[tuple[list[Sequence], object]] = []
@@ -185,9 +186,8 @@ class MTPProposer:
         for seqs, batch in launched:
             for seq, (token, _, _) in zip(seqs, batch.resolve()):
                 drafts[seq.seq_id].append(token)
-        for seqs, _ in launched[:1]:
-            for seq in seqs:
-                seq.draft_token_ids = drafts[seq.seq_id]
+        for seq in everyone:
+            seq.draft_token_ids = drafts[seq.seq_id]
 
     # ---- one MTP forward ------------------------------------------------------------------------
     def _forward(self, out: SchedulerOutput, ids: list[int] | torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

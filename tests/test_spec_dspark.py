@@ -17,6 +17,7 @@ from deepinfer_core.engine.scheduler import ScheduledSeq, SchedulerOutput
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.sampling.spec_decode import adaptive
 from deepinfer_core.sampling.spec_decode.dspark import DSparkProposer
+from tests.test_spec_mtp import record_drafts
 from tests.v41_checkpoints import write_checkpoint_v41
 
 PARAMS = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=1),
@@ -131,14 +132,7 @@ def test_drafts_equal_a_block_over_a_fresh_context(ckpt, monkeypatch):
     context computed at once (bounded replay off: the model is exact, so the two contexts are equal)."""
     monkeypatch.setenv("DEEPINFER_SWA_BOUNDED_REPLAY", "0")
     llm = make(ckpt, enable_prefix_caching=False, speculative_config=dspark(3), max_num_batched_tokens=16)
-    seen = []
-    propose = llm.engine.proposer.propose
-
-    def recording(running):
-        propose(running)
-        seen.extend((seq.token_ids(), list(seq.draft_token_ids)) for seq in running if seq.draft_token_ids)
-
-    llm.engine.proposer.propose = recording
+    seen = record_drafts(llm)
     llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     checked = seen[2::4]
     assert len(checked) >= 5
@@ -223,13 +217,6 @@ def test_device_block_drafts_what_the_host_block_drafts(ckpt, monkeypatch):
         if forced_host:
             monkeypatch.setattr("deepinfer_core.sampling.spec_decode.dspark.needs_history", lambda params: True)
         llm = make(ckpt, enable_prefix_caching=False, speculative_config=dspark(3))
-        seen = []
-        propose = llm.engine.proposer.propose
-
-        def recording(running, propose=propose, seen=seen):
-            propose(running)
-            seen.extend((seq.token_ids(), list(seq.draft_token_ids)) for seq in running if seq.draft_token_ids)
-
-        llm.engine.proposer.propose = recording
+        seen = record_drafts(llm)
         runs.append((tokens(llm.generate(prompts(), [params[0], params[1], params[1]], use_tqdm=False)), seen))
     assert runs[0] == runs[1] and len(runs[0][1]) > 10

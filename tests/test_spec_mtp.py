@@ -39,6 +39,19 @@ def tokens(outs) -> list[list[list[int]]]:
     return [[c.token_ids for c in o.outputs] for o in outs]
 
 
+def record_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
+    """(tokens, drafts) of every sequence each time the engine proposes, filled as it runs."""
+    seen = []
+    propose = llm.engine.proposer.propose
+
+    def recording(running):
+        propose(running)
+        seen.extend((seq.token_ids(), list(seq.draft_token_ids)) for seq in running if seq.draft_token_ids)
+
+    llm.engine.proposer.propose = recording
+    return seen
+
+
 @pytest.fixture(scope="module")
 def plain():
     return default_llm(enable_prefix_caching=False)
@@ -106,14 +119,7 @@ def test_drafts_equal_an_uncached_recomputation():
     prefix-cache hits) is the module's greedy guess recomputed from scratch."""
     llm = default_llm(speculative_config=mtp(3), max_num_batched_tokens=24, block_size=4)
     engine = llm.engine
-    seen = []
-    propose = engine.proposer.propose
-
-    def recording(running):
-        propose(running)
-        seen.extend((seq.token_ids(), list(seq.draft_token_ids)) for seq in running if seq.draft_token_ids)
-
-    engine.proposer.propose = recording
+    seen = record_drafts(llm)
     params = SamplingParams(temperature=0, max_tokens=12)
     llm.generate(CODE[:3], params, use_tqdm=False)
     llm.generate([CODE[0] + "    return a - b\n"], params, use_tqdm=False)  # a prefix-cache hit
@@ -257,19 +263,6 @@ def test_mtp_config_errors(tmp_path, monkeypatch):
     assert isinstance(engine.proposer, MTPProposer) and engine.proposer.k == 2
 
 
-def _first_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
-    """(tokens, drafts) of every sequence each time the engine proposes, filled as it runs."""
-    seen = []
-    propose = llm.engine.proposer.propose
-
-    def recording(running):
-        propose(running)
-        seen.extend((seq.token_ids(), list(seq.draft_token_ids)) for seq in running if seq.draft_token_ids)
-
-    llm.engine.proposer.propose = recording
-    return seen
-
-
 @pytest.fixture(scope="module")
 def random_v4(tmp_path_factory):
     from tests.hf_checkpoints_v4 import write_checkpoint_v4
@@ -293,7 +286,7 @@ def test_v4_mtp_block_drafts_and_changes_nothing(random_v4):
     expected = tokens(LLM(enable_prefix_caching=False, **kw).generate(prompts, params, use_tqdm=False))
     for k in (1, 3):
         llm = LLM(speculative_config=mtp(k), **kw)
-        seen = _first_drafts(llm)
+        seen = record_drafts(llm)
         assert tokens(llm.generate(prompts, params, use_tqdm=False)) == expected
         assert tokens(llm.generate(prompts[::-1], params, use_tqdm=False)) == expected[::-1]
         assert llm.engine.prefix_hit_rate and llm.engine.num_draft_tokens > 0
@@ -315,7 +308,7 @@ def test_mtp_through_draft_graphs(plain_outputs):
     for graphs in (False, True):
         llm = default_llm(speculative_config=mtp(3), enable_prefix_caching=False)
         engine = llm.engine
-        seen = _first_drafts(llm)
+        seen = record_drafts(llm)
         if graphs:
             with_graphs(engine)
             widths = max_blocks_per_group(engine.cache_groups, engine.max_model_len, engine.kv.block_size, 4, engine.kv.rings)
@@ -347,7 +340,7 @@ def test_device_chain_drafts_what_the_host_chain_drafts(monkeypatch):
             llm.engine.proposer._chain_on_device = lambda *a: used.append(1) or chain(*a)
         else:
             monkeypatch.setattr("deepinfer_core.sampling.spec_decode.mtp.needs_history", lambda params: True)
-        seen = _first_drafts(llm)
+        seen = record_drafts(llm)
         out = llm.generate(CODE[:3], params, use_tqdm=False)
         monkeypatch.undo()
         runs.append((tokens(out), seen, bool(used)))

@@ -141,7 +141,7 @@ class MTPProposer:
             return
         j = 1
         while chains:
-            rows = [ScheduledSeq(seq, seq.num_tokens - 2 + j, 1, is_decode=True) for seq, _ in chains]
+            rows = _chain_rows(chains, j)
             ids = [seq.draft_token_ids[-1] for seq, _ in chains]
             hidden, state = self._forward(SchedulerOutput(decodes=rows), ids, torch.stack(states))
             tokens = self._sample(hidden, [SampleRow(seq, drafts=list(seq.draft_token_ids)) for seq, _ in chains])
@@ -168,7 +168,7 @@ class MTPProposer:
         launched: list[tuple[list[Sequence], object]] = []
         j = 1
         while chains:
-            rows = [ScheduledSeq(seq, seq.num_tokens - 2 + j, 1, is_decode=True) for seq, _ in chains]
+            rows = _chain_rows(chains, j)
             hidden, state = self._forward(SchedulerOutput(decodes=rows), ids, state)
             # only how many drafts precede each row matters to its sampling here (its seed position, min_tokens)
             sample_rows = [SampleRow(seq, drafts=[0] * (len(drafts[seq.seq_id]) + j - 1)) for seq, _ in chains]
@@ -228,3 +228,9 @@ class MTPProposer:
     def _sample(self, hidden: torch.Tensor, rows: list[SampleRow]) -> list[int]:
         with torch.inference_mode():
             return sample_drafts(self.ops, self.model.compute_logits(hidden), rows, self.eos_ids, self.copy_to_host, self.acceptance)
+
+
+def _chain_rows(chains: list[tuple[Sequence, int]], j: int) -> list[ScheduledSeq]:
+    """The j-th chained row of each sequence: one token at position num_tokens - 2 + j (j = 1:
+    the newest token's position, fed the first draft)."""
+    return [ScheduledSeq(seq, seq.num_tokens - 2 + j, 1, is_decode=True) for seq, _ in chains]

@@ -177,12 +177,16 @@ class _HostNow:
         return self.tensors
 
 
+def is_greedy(params) -> bool:
+    return params.temperature < GREEDY_TEMPERATURE
+
+
 def _row_tensors(rows: list[SampleRow], vocab: int, device: torch.device):
     """The rows' sampling parameters on ``device`` in two copies, whatever the batch size:
     floats [3, N] (temperature, 0 for greedy; top_p; min_p), ints [3, N] (top_k; seed; output
     position), and host copies of (temperature, top_k, top_p, min_p)."""
     params = [r.params for r in rows]
-    temperatures = [_float32_safe(p.temperature) if p.temperature >= GREEDY_TEMPERATURE else 0.0 for p in params]
+    temperatures = [0.0 if is_greedy(p) else _float32_safe(p.temperature) for p in params]
     floats = torch.tensor([temperatures, [p.top_p for p in params], [p.min_p for p in params]], dtype=torch.float32)
     ints = torch.tensor(
         [[min(max(p.top_k, 0), vocab) for p in params], [r.seq.seed for r in rows], [r.num_outputs for r in rows]],
@@ -198,10 +202,6 @@ def probabilities(logits: torch.Tensor, rows: list[Sequence | SampleRow], eos_id
     rows = _rows(rows)
     floats, ints, _ = _row_tensors(rows, logits.shape[-1], logits.device)
     return sampling_probs(apply_penalties(logits, rows, eos_ids), floats[0], ints[0], floats[1], floats[2])
-
-
-def is_greedy(params) -> bool:
-    return params.temperature < GREEDY_TEMPERATURE
 
 
 def launch(ops, logits: torch.Tensor, rows: list[Sequence | SampleRow], eos_ids: tuple[int, ...] = (), copy_to_host=_HostNow) -> SampledBatch:

@@ -335,9 +335,11 @@ def test_device_chain_drafts_what_the_host_chain_drafts(monkeypatch):
     for on_device in (True, False):
         llm = default_llm(speculative_config=mtp(4), enable_prefix_caching=False)
         used = []
-        chain = llm.engine.proposer._chain_on_device
-        if on_device:
-            llm.engine.proposer._chain_on_device = lambda *a: used.append(1) or chain(*a)
+        if on_device:  # the chain samples with launch() only when its drafts stay on the device
+            import deepinfer_core.sampling.spec_decode.mtp as mtp_module
+
+            inner = mtp_module.launch
+            monkeypatch.setattr(mtp_module, "launch", lambda *a, **kw: used.append(1) or inner(*a, **kw))
         else:
             monkeypatch.setattr("deepinfer_core.sampling.spec_decode.mtp.needs_history", lambda params: True)
         seen = record_drafts(llm)

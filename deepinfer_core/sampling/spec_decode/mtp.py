@@ -136,52 +136,48 @@ class MTPProposer:
                 chains.append((seq, room))
                 states.append(first.state)
         self.first = {}
-        if chains and not any(needs_history(seq.params) or uses_rejection(seq.params, self.acceptance) for seq, _ in chains):
-            self._chain_on_device(chains, states)
-            return
-        j = 1
-        while chains:
-            rows = _chain_rows(chains, j)
-            ids = [seq.draft_token_ids[-1] for seq, _ in chains]
-            hidden, state = self._forward(SchedulerOutput(decodes=rows), ids, torch.stack(states))
-            tokens = self._sample(hidden, [SampleRow(seq, drafts=list(seq.draft_token_ids)) for seq, _ in chains])
-            j += 1
-            kept, states = [], []
-            for (seq, room), tok, st in zip(chains, tokens, state):
-                seq.draft_token_ids.append(tok)
-                if len(seq.draft_token_ids) < room:
-                    kept.append((seq, room))
-                    states.append(st)
-            chains = kept
+        if chains:
+            self._chain(chains, torch.stack(states))
 
-    def _chain_on_device(self, chains: list[tuple[Sequence, int]], states: list[torch.Tensor]) -> None:
-        """The chain when no row's sampling reads its tokens on the host (no penalties, coupled
-        or greedy): each draft feeds the next row from the device, and the host waits once, at
-        the end, for all of them (their copies started as each was sampled)."""
-        device = states[0].device
+    def _chain(self, chains: list[tuple[Sequence, int]], state: torch.Tensor) -> None:
+        """Drafts 2.. of every chaining sequence: its j-th row (``_chain_rows``) is fed draft j and
+        the module's previous output. When no row's sampling reads its tokens on the host (no
+        penalties; coupled or greedy), each draft feeds the next row from the device and the
+        host waits once, at the end (their copies started as each was sampled); otherwise each
+        draft is brought to the host as it is sampled."""
+        on_device = not any(needs_history(seq.params) or uses_rejection(seq.params, self.acceptance) for seq, _ in chains)
+        device = state.device
         ids = torch.tensor([seq.draft_token_ids[-1] for seq, _ in chains], dtype=torch.int64).to(device)
-        state = torch.stack(states)
         drafts = {seq.seq_id: list(seq.draft_token_ids) for seq, _ in chains}
+        counts = {seq.seq_id: len(seq.draft_token_ids) for seq, _ in chains}  # drafts made so far, on the device or not
         everyone = [seq for seq, _ in chains]
-        for seq, room in chains:  # placeholders while the drafts are on the device: the rows' ids come from there
+        for seq, room in chains:  # placeholders while the chain runs: the rows' ids are passed in ``ids``
             seq.draft_token_ids = drafts[seq.seq_id] + [0] * (room - len(drafts[seq.seq_id]))
         launched: list[tuple[list[Sequence], object]] = []
         j = 1
         while chains:
-            rows = _chain_rows(chains, j)
-            hidden, state = self._forward(SchedulerOutput(decodes=rows), ids, state)
-            # only how many drafts precede each row matters to its sampling here (its seed position, min_tokens)
-            sample_rows = [SampleRow(seq, drafts=[0] * (len(drafts[seq.seq_id]) + j - 1)) for seq, _ in chains]
-            with torch.inference_mode():
-                batch = launch(self.ops, self.model.compute_logits(hidden), sample_rows, self.eos_ids, self.copy_to_host)
-            launched.append(([seq for seq, _ in chains], batch))
-            keep = [i for i, (seq, room) in enumerate(chains) if len(drafts[seq.seq_id]) + j < room]
+            hidden, state = self._forward(SchedulerOutput(decodes=_chain_rows(chains, j)), ids, state)
+            if on_device:
+                # only how many drafts precede each row matters to its sampling here (its seed position, min_tokens)
+                rows = [SampleRow(seq, drafts=[0] * counts[seq.seq_id]) for seq, _ in chains]
+                with torch.inference_mode():
+                    batch = launch(self.ops, self.model.compute_logits(hidden), rows, self.eos_ids, self.copy_to_host)
+                launched.append(([seq for seq, _ in chains], batch))
+                tokens = batch.tokens
+            else:
+                picks = self._sample(hidden, [SampleRow(seq, drafts=list(drafts[seq.seq_id])) for seq, _ in chains])
+                for (seq, _), token in zip(chains, picks):
+                    drafts[seq.seq_id].append(token)
+                tokens = torch.tensor(picks, dtype=torch.int64).to(device)
+            for seq, _ in chains:
+                counts[seq.seq_id] += 1
+            keep = [i for i, (seq, room) in enumerate(chains) if counts[seq.seq_id] < room]
             j += 1
             if keep and len(keep) < len(chains):
                 index = torch.tensor(keep, dtype=torch.int64).to(device)
-                ids, state = batch.tokens.index_select(0, index), state.index_select(0, index)
+                ids, state = tokens.index_select(0, index), state.index_select(0, index)
             else:
-                ids = batch.tokens
+                ids = tokens
             chains = [chains[i] for i in keep]
         for seqs, batch in launched:
             for seq, (token, _, _) in zip(seqs, batch.resolve()):

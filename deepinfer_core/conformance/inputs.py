@@ -291,6 +291,26 @@ def _sample_tokens(d: dict, dtype, r: _Draw):
     return (logits.to(r.device), *sampling_params(rows, greedy_rows, r.device)), {}
 
 
+def _apply_token_bitmask(d: dict, dtype, r: _Draw):
+    rows, vocab, words, free, single = d["rows"], d["vocab"], d["words"], d["free_rows"], d["single_rows"]
+    if words * 32 < vocab:
+        raise ValueError(f"apply_token_bitmask {d}: {words} words of 32 bits do not cover the vocabulary")
+    free = min(free, rows)  # (hypothesis redraws the counts independently)
+    single = min(single, rows - free)
+    logits = (r.normal(rows, vocab) * SAMPLING_LOGIT_SCALE).to(dtype).float()
+    if vocab > 3:
+        logits[:, vocab // 3] = float("-inf")  # already banned (penalties, min_tokens)
+    allowed = r.normal(rows, words * 32) > 0
+    allowed[:free] = True
+    for row in range(free, free + single):
+        allowed[row] = False
+        allowed[row, (row * 7919) % vocab] = True
+    # pack 32 booleans per word, least significant bit first, as int32 (bit 31 is the sign)
+    weights = torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int64)
+    bitmask = (allowed.view(rows, words, 32).long() * weights).sum(-1).to(torch.int32)
+    return (logits.to(r.device), bitmask.to(r.device)), {}
+
+
 # ---- DeepSeek-V4 ops ----------------------------------------------------------------------------
 
 HC_EPS = 1e-6  # mHC's hc_eps (V4-Flash / V4-Pro)
@@ -583,6 +603,7 @@ BUILDERS: dict[str, Callable[[dict, torch.dtype, _Draw], tuple[tuple, dict]]] = 
     "mla_prefill_attention": _mla_prefill_attention,
     "mla_decode_attention": _mla_decode_attention,
     "sample_tokens": _sample_tokens,
+    "apply_token_bitmask": _apply_token_bitmask,
     "rms_norm_f32": _rms_norm_f32,
     "rms_normalize": _rms_normalize,
     "silu_and_mul_clamped": _silu_and_mul_clamped,
@@ -632,6 +653,7 @@ COUNT_DIMS = {
     "linear": ("tokens",), "fp8_block_linear": ("tokens",), "silu_and_mul": ("tokens",),
     "moe_route": ("tokens",), "moe_experts": ("tokens",), "write_latent_cache": ("tokens", "padding_tokens"),
     "gather_latent_cache": ("slots",), "sample_tokens": ("rows", "greedy_rows"),
+    "apply_token_bitmask": ("rows", "free_rows", "single_rows"),
     "rms_norm_f32": ("tokens",), "rms_normalize": ("tokens",), "silu_and_mul_clamped": ("tokens",),
     "moe_route_sqrtsoftplus": ("tokens",), "moe_experts_clamped": ("tokens",), "mhc_pre": ("tokens",),
     "mhc_post": ("tokens",), "mhc_head": ("tokens",), "write_cache": ("tokens", "padding_tokens"),

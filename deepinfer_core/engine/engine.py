@@ -30,6 +30,7 @@ from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.hookspecs import StepStats
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.sampler import SampledBatch, SampleRow, launch, needs_history, probabilities, top_logprobs, verify
+from deepinfer_core.sampling import structured
 from deepinfer_core.sampling.spec_decode import proposers, rejection
 from deepinfer_core.sampling.spec_decode.stats import AcceptanceStats
 
@@ -51,6 +52,7 @@ class InFlight:
     step: StepOutput
     sampled: SampledBatch | None
     t0: float
+    prev_finished: list | None = None  # the previous step, resolved during this launch (grammar masks): what it finished
 
 
 class RequestError(ValueError):
@@ -183,6 +185,7 @@ class Engine:
         if self.async_scheduling and self.proposer is not None:
             log.info("overlapped scheduling is off with speculative decoding (drafts are proposed from the host's tokens)")
             self.async_scheduling = False
+        self._grammars = None  # sampling.structured.Grammars, built at the first constrained request
         self.in_flight: InFlight | None = None
         self.observer = None
         self._reset_counters()
@@ -285,6 +288,7 @@ class Engine:
     @eos_ids.setter
     def eos_ids(self, ids: tuple[int, ...]) -> None:
         self.output.eos_ids = tuple(ids)
+        self._grammars = None  # grammars compiled from here on end at the new ids (the matchers' stop tokens)
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
@@ -356,11 +360,29 @@ class Engine:
             raise RequestError(f"stop_token_ids {bad_stop} are outside the vocabulary [0, {vocab})")
         if params.logprobs is not None and params.logprobs > vocab or params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
             raise RequestError(f"logprobs / prompt_logprobs exceed the vocabulary size {vocab}")
+        if params.so_args is not None:
+            self.compile_grammar(params, label)
         if params.n > MAX_SAMPLES_PER_REQUEST:
             raise RequestError(
                 f"n={params.n} samples exceed {MAX_SAMPLES_PER_REQUEST}, the most one request may ask for (each sample "
                 f"holds its own copy of the prompt in host memory from the start); split it into several requests"
             )
+
+    @property
+    def grammars(self):
+        """The grammar compiler (``sampling.structured.Grammars``), made on first use."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise RequestError("structured outputs (so_args) need the model's tokenizer, and this model directory has none")
+            self._grammars = structured.Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
+        return self._grammars
+
+    def compile_grammar(self, params: SamplingParams, label: str = "prompt"):
+        """The compiled grammar of ``params.so_args`` (cached by its text); RequestError if invalid."""
+        try:
+            return self.grammars.compile(params.so_args)
+        except ValueError as e:
+            raise RequestError(f"{label}: {e}") from None
 
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
                     label: str = "prompt") -> str:
@@ -371,8 +393,12 @@ class Engine:
             raise RequestError(f"request id {rid!r} is already in use")
         req = Request(rid, text, ids, params)
         first = self.next_seq_id
+        compiled = self.compile_grammar(params, label) if params.so_args is not None else None  # cached by check()
         for i in range(params.n):
-            req.seqs.append(Sequence(first + i, rid, i, list(ids), params, self._seed(params, i, first + i)))
+            seq = Sequence(first + i, rid, i, list(ids), params, self._seed(params, i, first + i))
+            if compiled is not None:
+                seq.grammar = self.grammars.matcher(compiled)
+            req.seqs.append(seq)
         for seq in req.seqs[1:]:
             seq.prefix_leader = req.seqs[0]
         self.requests[rid] = req  # known before queued: a withdraw always finds what was queued
@@ -448,6 +474,8 @@ class Engine:
         if not self.async_scheduling:
             return finished + self._resolve(flight)
         self.in_flight = flight
+        if flight.prev_finished is not None:
+            return finished + flight.prev_finished
         return finished + (self._resolve(prev) if prev is not None else [])
 
     def _needs_host_tokens(self, out: SchedulerOutput) -> bool:
@@ -465,6 +493,11 @@ class Engine:
             rows = {s.seq.seq_id: r0 for s, r0, n in prev.step.samples if n == 1}
             prev_tokens = PrevTokens(prev.sampled.tokens, rows)
         step = self.runner.run(out, prev_tokens)
+        prev_finished = None
+        if prev is not None and any(s.seq.grammar is not None for s, _, _ in step.samples):
+            # a grammar mask needs the previous tokens on the host: they arrive, and the matchers
+            # advance, while the device runs this step's forward
+            prev_finished = self._resolve(prev)
         for seq, first, logits in step.prompt_logits:
             self.output.record_prompt_logprobs(seq, first, logits)
         rows = []
@@ -474,8 +507,11 @@ class Engine:
             else:  # a verification row: position j follows drafts 0..j-1
                 drafts = s.seq.draft_token_ids[: s.num_drafts]
                 rows.extend(SampleRow(s.seq, drafts[:j]) for j in range(n))
-        sampled = launch(self.ops, step.sample_logits, rows, self.eos_ids, self.platform.copy_to_host) if rows else None
-        return InFlight(out, step, sampled, t0)
+        sampled = None
+        if rows:
+            bitmask = structured.bitmask(rows, self.model_config.vocab_size)
+            sampled = launch(self.ops, step.sample_logits, rows, self.eos_ids, self.platform.copy_to_host, bitmask)
+        return InFlight(out, step, sampled, t0, prev_finished)
 
     def _resolve(self, flight: InFlight) -> list[Request]:
         """Bring a launched step's tokens to the host: verify drafts, update the scheduler, check
@@ -489,7 +525,9 @@ class Engine:
             if s.num_drafts:
                 drafts = s.seq.draft_token_ids[: s.num_drafts]
                 if len(s.seq.draft_probs) >= s.num_drafts and rejection.uses_rejection(s.seq.params, self.speculative.acceptance):
-                    tokens, logprobs = self._rejection_verify(s.seq, flight.step.sample_logits[r0 : r0 + n], drafts, tokens, logprobs)
+                    mask = flight.sampled.bitmask
+                    tokens, logprobs = self._rejection_verify(s.seq, flight.step.sample_logits[r0 : r0 + n], drafts, tokens, logprobs,
+                                                              None if mask is None else mask[r0 : r0 + n])
                 else:
                     tokens = verify(tokens, drafts)
                 s.seq.spec_stats.add(s.num_drafts, len(tokens) - 1)
@@ -530,12 +568,15 @@ class Engine:
             ))
         return finished
 
-    def _rejection_verify(self, seq: Sequence, logits: torch.Tensor, drafts: list[int], sampled: list[int], logprobs: list):
+    def _rejection_verify(self, seq: Sequence, logits: torch.Tensor, drafts: list[int], sampled: list[int], logprobs: list,
+                          bitmask: torch.Tensor | None = None):
         """Speculative sampling of one verification row (``spec_decode.rejection``): its tokens and
-        their (logprob, top logprobs), computed again where a token is not the row's own sample."""
+        their (logprob, top logprobs), computed again where a token is not the row's own sample.
+        ``bitmask``: the rows' grammar masks (the target's distribution p is the masked one)."""
         rows = [SampleRow(seq, drafts[:j]) for j in range(len(drafts) + 1)]
         q = torch.stack(seq.draft_probs[: len(drafts)])
-        tokens = rejection.accept(probabilities(logits, rows, self.eos_ids), q, drafts, seq.seed, len(seq.output_token_ids), sampled[-1])
+        p = probabilities(logits, rows, self.eos_ids, bitmask)
+        tokens = rejection.accept(p, q, drafts, seq.seed, len(seq.output_token_ids), sampled[-1])
         k = seq.params.logprobs
         for j, token in enumerate(tokens):
             if k is not None and token != sampled[j]:

@@ -2,17 +2,22 @@
 
 ``Scheduler.update`` hands each sequence's accepted tokens to ``OutputProcessor.process``, which
 appends them in order: records their logprobs, detokenises when a stop string needs it, and
-finishes the sequence at EOS, a stop token, a stop string, ``max_tokens`` or ``max_model_len``.
+finishes the sequence at EOS, a stop token, a stop string, ``max_tokens`` or ``max_model_len``,
+or when a constrained sequence's grammar has accepted EOS (``ignore_eos`` cannot extend it).
 Tokens after the one that finished it (accepted drafts beyond a stop) are dropped: they were
 never the sequence's output.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.sampling.sampler import top_logprobs
+
+log = logging.getLogger("deepinfer")
 
 
 class OutputProcessor:
@@ -26,6 +31,12 @@ class OutputProcessor:
         sequence asked for them) until one finishes it. Returns True when it finished."""
         for i, token in enumerate(tokens):
             seq.output_token_ids.append(token)
+            if seq.grammar is not None and not seq.grammar.accept_token(token):
+                # the mask allowed only tokens the matcher accepts: a kernel or matcher bug, this sequence alone ends
+                log.error("request %s: token %d is not allowed by its grammar; the sequence ends here", seq.request_id, token)
+                seq.finish_reason, seq.stop_reason = "abort", None
+                seq.text = self.detokenize(seq, len(seq.output_token_ids))
+                return True
             if seq.output_logprobs is not None:
                 logprob, top = logprobs[i]
                 seq.cumulative_logprob += logprob
@@ -39,6 +50,8 @@ class OutputProcessor:
         p = seq.params
         reason, stop = None, None
         if not p.ignore_eos and token in self.eos_ids:
+            reason = "stop"
+        elif seq.grammar is not None and seq.grammar.is_terminated():  # the grammar took EOS: nothing may follow
             reason = "stop"
         elif token in p.stop_token_ids:
             reason, stop = "stop", token

@@ -59,6 +59,7 @@ class Sequence:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     spec_stats: AcceptanceStats = field(default_factory=AcceptanceStats)  # drafts verified / accepted (speculative decoding)
+    grammar: object | None = None  # xgrammar matcher of a constrained sequence (sampling.structured), fed its outputs
 
     @property
     def num_tokens(self) -> int:

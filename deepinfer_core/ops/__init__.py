@@ -27,6 +27,7 @@ REFERENCE_OPS: dict[str, Callable] = {
     "mla_prefill_attention": attention.mla_prefill_attention,
     "mla_decode_attention": attention.mla_decode_attention,
     "sample_tokens": sampling.sample_tokens,
+    "apply_token_bitmask": sampling.apply_token_bitmask,
     # DeepSeek-V4
     "rms_norm_f32": norm.rms_norm_f32,
     "rms_normalize": norm.rms_normalize,

@@ -83,3 +83,18 @@ def _restrict(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, mi
     # logit": tokens tied with it are kept too, whatever order the sort left equal logits in.
     last = (keep.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
     return scaled.masked_fill(scaled < sorted_logits.gather(1, last), float("-inf"))
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` [N, V] (float32) with every token a row's grammar forbids set to -inf; returns a
+    new [N, V] float32 tensor (inputs are not modified).
+
+    bitmask [N, W] int32, W >= ceil(V / 32) (xgrammar's layout): token t of row i is allowed when
+    bit t % 32 (least significant first) of word bitmask[i, t // 32] is set; a row of -1 words
+    allows every token. Words past the vocabulary are ignored. Allowed logits are unchanged
+    (bit for bit), whatever they are.
+    """
+    vocab = logits.shape[-1]
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).flatten(1)[:, :vocab].bool()
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))

@@ -2,7 +2,57 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+import json
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+STRUCTURED_KINDS = ("json", "regex", "grammar", "choice", "json_object")
+
+
+class StructuredOutputs(BaseModel):
+    """What a constrained request's output must be: exactly one of a JSON schema (``json``: a
+    dict or its JSON text), a regular expression (``regex``), an EBNF grammar in xgrammar's
+    GBNF dialect (``grammar``, with a ``root`` rule), one of a list of strings (``choice``), or
+    any JSON object (``json_object=True``). vLLM's field names; ``sampling.structured`` compiles it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    json_schema: dict | str | None = Field(None, validation_alias=AliasChoices("json", "json_schema"))
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [k for k in STRUCTURED_KINDS if self._value(k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"so_args must set exactly one of {', '.join(STRUCTURED_KINDS)} (json_object as true); "
+                + (f"got {', '.join(given)}" if given else "got none")
+            )
+        if self.choice is not None and not self.choice:
+            raise ValueError("so_args['choice'] is an empty list; give at least one string")
+        for k in ("regex", "grammar"):
+            if self._value(k) == "":
+                raise ValueError(f"so_args[{k!r}] is empty")
+        return self
+
+    def _value(self, kind: str):
+        return self.json_schema if kind == "json" else getattr(self, kind)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if self._value(k) not in (None, False))
+
+    def text(self) -> str:
+        """The constraint as the text xgrammar compiles (the cache key with ``kind``)."""
+        kind = self.kind
+        if kind == "json":
+            return self.json_schema if isinstance(self.json_schema, str) else json.dumps(self.json_schema)
+        if kind == "choice":
+            return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
+        return "" if kind == "json_object" else self._value(kind)
 
 
 class SamplingParams(BaseModel):
@@ -12,7 +62,8 @@ class SamplingParams(BaseModel):
     vocabulary keeps it all. A ``seed`` makes the request's samples reproducible whatever batch
     it runs in; without one, samples derive from the engine seed (``LLM(seed=...)``). Floats
     must be finite. ``n`` is at most 4096 (checked when the request is added); samples beyond
-    the engine's ``max_num_seqs`` run in waves.
+    the engine's ``max_num_seqs`` run in waves. ``so_args`` constrains the output to a JSON
+    schema, regex, grammar or list of choices (``StructuredOutputs``).
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
@@ -35,6 +86,8 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(None, ge=0)
     prompt_logprobs: int | None = Field(None, ge=0)
     skip_special_tokens: bool = True
+    # structured outputs (DeepSeek's name so_args; vLLM's structured_outputs / guided_decoding)
+    so_args: StructuredOutputs | None = Field(None, validation_alias=AliasChoices("so_args", "structured_outputs", "guided_decoding"))
 
     @field_validator("stop", mode="before")
     @classmethod

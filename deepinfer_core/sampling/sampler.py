@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer_core.engine.sequence import Sequence
-from deepinfer_core.ops.sampling import sampling_probs
+from deepinfer_core.ops.sampling import apply_token_bitmask, sampling_probs
 from deepinfer_core.platform import to_device
 
 NEG_INF = float("-inf")
@@ -126,7 +126,8 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence | SampleRow], eos_
     rows, cols = [], []
     for i, s in enumerate(seqs):
         if s.num_outputs < s.params.min_tokens:
-            banned = list(s.params.stop_token_ids) + ([] if s.params.ignore_eos else list(eos_ids))
+            # a grammar decides when a constrained output may end (its mask allows EOS exactly then)
+            banned = list(s.params.stop_token_ids) + ([] if s.params.ignore_eos or s.seq.grammar is not None else list(eos_ids))
             rows += [i] * len(banned)
             cols += banned
     if rows:
@@ -142,6 +143,7 @@ class SampledBatch:
     tokens: torch.Tensor  # [N] int64, on the device
     host: object  # Platform.copy_to_host handle: tokens, finite flags, logprob data
     wanted: list[int]  # rows that asked for logprobs
+    bitmask: torch.Tensor | None = None  # the grammar masks the rows were sampled under (host int32 [N, W])
 
     def resolve(self) -> list[tuple[int, float | None, dict[int, float] | None]]:
         """(token, logprob, top logprobs) per row, the last two None unless its sequence asked for them."""
@@ -196,20 +198,29 @@ def _row_tensors(rows: list[SampleRow], vocab: int, device: torch.device):
     return to_device(floats, device), to_device(ints, device), host_params
 
 
-def probabilities(logits: torch.Tensor, rows: list[Sequence | SampleRow], eos_ids: tuple[int, ...] = ()) -> torch.Tensor:
+def probabilities(logits: torch.Tensor, rows: list[Sequence | SampleRow], eos_ids: tuple[int, ...] = (),
+                  bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """[N, V] float32: the distribution ``launch`` samples each row of ``logits`` from (penalties,
-    min_tokens, temperature, top-k / top-p / min-p); a greedy row is a point mass on its token."""
+    min_tokens, the grammar ``bitmask``, temperature, top-k / top-p / min-p); a greedy row is a
+    point mass on its token."""
     rows = _rows(rows)
     floats, ints, _ = _row_tensors(rows, logits.shape[-1], logits.device)
-    return sampling_probs(apply_penalties(logits, rows, eos_ids), floats[0], ints[0], floats[1], floats[2])
+    processed = apply_penalties(logits, rows, eos_ids)
+    if bitmask is not None:
+        processed = apply_token_bitmask(processed, bitmask)
+    return sampling_probs(processed, floats[0], ints[0], floats[1], floats[2])
 
 
-def launch(ops, logits: torch.Tensor, rows: list[Sequence | SampleRow], eos_ids: tuple[int, ...] = (), copy_to_host=_HostNow) -> SampledBatch:
+def launch(ops, logits: torch.Tensor, rows: list[Sequence | SampleRow], eos_ids: tuple[int, ...] = (), copy_to_host=_HostNow,
+           bitmask: torch.Tensor | None = None) -> SampledBatch:
     """Sample one token per row of ``logits`` [N, V] (float32) on its device; the copy of the
-    tokens (and of the logprobs rows asked for) to the host is started with ``copy_to_host``."""
+    tokens (and of the logprobs rows asked for) to the host is started with ``copy_to_host``.
+    ``bitmask`` (host int32 [N, W], ``sampling.structured``): the tokens each row's grammar allows."""
     rows = _rows(rows)
     device, vocab = logits.device, logits.shape[-1]
     processed = apply_penalties(logits, rows, eos_ids)
+    if bitmask is not None:
+        processed = ops.apply_token_bitmask(processed, to_device(bitmask, device))
     params = [r.params for r in rows]
     floats, ints, host_params = _row_tensors(rows, vocab, device)
     tokens = ops.sample_tokens(processed, floats[0], ints[0], floats[1], floats[2], ints[1], ints[2], host_params=host_params)
@@ -222,7 +233,7 @@ def launch(ops, logits: torch.Tensor, rows: list[Sequence | SampleRow], eos_ids:
         k = min(max(params[i].logprobs for i in wanted), vocab)
         values, ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
         out += [logprobs.gather(1, tokens.index_select(0, index)[:, None])[:, 0], values, ids]
-    return SampledBatch(rows, tokens, copy_to_host(out), wanted)
+    return SampledBatch(rows, tokens, copy_to_host(out), wanted, bitmask)
 
 
 def sample(ops, logits: torch.Tensor, seqs: list[Sequence | SampleRow], eos_ids: tuple[int, ...] = ()) -> list[tuple[int, float | None, dict[int, float] | None]]:

@@ -33,7 +33,7 @@ DRIVER_FILES: tuple[str, ...] = ("/dev/nvidiactl", "/proc/driver/nvidia/version"
 log = logging.getLogger("deepinfer")
 SUPPORTED = "sm_90 and sm_100"
 # Kernel modules under deepinfer_nvidia_sm100.kernels, each exporting OPS = {op name: callable}.
-KERNEL_MODULES = ("elementwise", "fp8_linear", "cache", "mla_decode", "mla_prefill", "moe", "sampling")
+KERNEL_MODULES = ("elementwise", "fp8_linear", "cache", "mla_decode", "mla_prefill", "moe", "sampling", "bitmask")
 # Decode batch sizes captured as CUDA graphs (capped by the engine's max_num_seqs).
 # The step budget (prefill chunk) by measurement: H200, V2-Lite shape (27 layers, bf16), 128 prompts
 # of 1024 tokens through LLM.generate prefill at 27.6k tokens/s with 2048, 81.2k with 8192 and

@@ -1,0 +1,155 @@
+"""Structured outputs, measured through ``LLM.generate``: decode tokens/s with every request
+constrained by a JSON schema against the same requests unconstrained, and the host cost of one
+grammar mask.
+
+Parts (``--parts``, comma-separated):
+
+* ``e2e``: the embedded default model, B requests (``--batches``), ``--max-tokens`` tokens each:
+  free (ignore_eos) against every request under ``SCHEMA``. The schema is an array of at least
+  ``MIN_ITEMS`` integers, so every constrained request also runs to max_tokens, and both sides
+  emit the same number of tokens. First call and best repeated call; tokens/s count the tokens
+  the outputs hold.
+* ``mask``: the host time of ``structured.bitmask`` for B rows, each at a position inside
+  an array of numbers (``[0, 1`` ...: few tokens allowed) and inside a string of an array of
+  strings (``["ab``: almost every token allowed, xgrammar's dearest case). It is run for the default
+  model's tokenizer and for a synthetic vocabulary of ``--synthetic-vocab`` strings, to show
+  how the cost grows with a DeepSeek-size vocabulary. No tokenizer of that size is stored
+  here; the synthetic strings are the default tokenizer's pieces, their pairs, and digit and
+  letter runs.
+
+Writes ``structured.json`` (and prints every point) under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.generate import guarded, metadata, sync
+
+MIN_ITEMS = 200  # array items: more tokens than any max_tokens here, so no request ends early
+SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": MIN_ITEMS}
+PROMPT = "numbers = ["
+
+
+def e2e(args) -> list[dict]:
+    from deepinfer_core import LLM, SamplingParams
+
+    llm = LLM(accelerator=args.accelerator, dtype=args.dtype, progress=False, max_num_seqs=max(args.batches))
+    out = []
+    for batch in args.batches:
+        for mode in ("free", "json"):
+            so = {"json": SCHEMA} if mode == "json" else None
+            params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, so_args=so)
+            runs = []
+            for _ in range(1 + args.repeats):
+                sync(llm.engine.device)
+                t = time.perf_counter()
+                outputs = llm.generate([PROMPT] * batch, params, use_tqdm=False)
+                sync(llm.engine.device)
+                runs.append((time.perf_counter() - t, sum(len(c.token_ids) for o in outputs for c in o.outputs)))
+            (first_s, tokens), best = runs[0], min(r[0] for r in runs[1:])
+            point = {"mode": mode, "batch": batch, "first_s": first_s, "repeat_s": best, "emitted_tokens": tokens,
+                     "tokens_per_s_first": tokens / first_s, "tokens_per_s": tokens / best,
+                     "async_scheduling": llm.engine.async_scheduling,
+                     "finish_reasons": sorted({c.finish_reason for o in outputs for c in o.outputs})}
+            out.append(point)
+            print(f"[e2e] {mode} B={batch}: {point['tokens_per_s']:.0f} tok/s repeated ({point['tokens_per_s_first']:.0f} first call)", flush=True)
+    free = {p["batch"]: p["tokens_per_s"] for p in out if p["mode"] == "free"}
+    for p in out:
+        p["over_free"] = p["tokens_per_s"] / free[p["batch"]]
+    return out
+
+
+def synthetic_vocab(tokenizer, size: int) -> list[str]:
+    """``size`` distinct strings: the tokenizer's own pieces, then pairs of them, then digit and
+    letter runs (a stand-in for a large BPE vocabulary's mix of words, fragments and numbers)."""
+    pieces = [tokenizer.convert_tokens_to_string([t]) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))]
+    vocab, seen = [], set()
+    for s in pieces:
+        vocab.append(s)
+        seen.add(s)
+    i = 0
+    while len(vocab) < size:
+        a, b = pieces[i % len(pieces)], pieces[(i * 7919 + 13) % len(pieces)]
+        for s in (a + b, str(i), "x" * (1 + i % 7) + str(i % 100)):
+            if s not in seen and len(vocab) < size:
+                vocab.append(s)
+                seen.add(s)
+        i += 1
+    return vocab
+
+
+def mask(args) -> list[dict]:
+    import xgrammar
+
+    from deepinfer_core.api import resolve_model_dir
+    from deepinfer_core.engine.engine import load_tokenizer
+    from deepinfer_core.engine.sequence import Sequence
+    from deepinfer_core.sampling import structured
+    from deepinfer_core.sampling.params import SamplingParams
+    from deepinfer_core.sampling.sampler import SampleRow
+
+    tokenizer = load_tokenizer(resolve_model_dir(None))
+    infos = {"default": (xgrammar.TokenizerInfo.from_huggingface(tokenizer, stop_token_ids=[tokenizer.eos_token_id]), len(tokenizer))}
+    vocab = synthetic_vocab(tokenizer, args.synthetic_vocab)
+    infos[f"synthetic-{len(vocab)}"] = (xgrammar.TokenizerInfo(vocab, stop_token_ids=[0]), len(vocab))
+    params = SamplingParams(so_args={"json": SCHEMA})
+    states = {  # name: (schema, the text each row's matcher has accepted, by row index)
+        "number": (SCHEMA, lambda i: "[" + ", ".join(str(j) for j in range(1 + i % 9))),
+        "string": ({"type": "array", "items": {"type": "string"}}, lambda i: '["' + "ab" * (1 + i % 5)),
+    }
+    out = []
+    for name, (info, size) in infos.items():
+        compiler = xgrammar.GrammarCompiler(info)
+        for state, (schema, prefix) in states.items():
+            compiled = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+            for batch in args.batches:
+                rows = []
+                for i in range(batch):
+                    matcher = xgrammar.GrammarMatcher(compiled)
+                    assert matcher.accept_string(prefix(i)), prefix(i)
+                    rows.append(SampleRow(Sequence(i, str(i), 0, [1], params, 0, grammar=matcher)))
+                times = []
+                for _ in range(20):
+                    t = time.perf_counter()
+                    structured.bitmask(rows, size)
+                    times.append(time.perf_counter() - t)
+                median = sorted(times)[len(times) // 2]
+                point = {"vocab": name, "vocab_size": size, "state": state, "batch": batch, "ms": 1e3 * median, "us_per_row": 1e6 * median / batch}
+                out.append(point)
+                print(f"[mask] {name} {state} B={batch}: {point['ms']:.3f} ms ({point['us_per_row']:.1f} us per row)", flush=True)
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--parts", default="e2e,mask")
+    p.add_argument("--accelerator")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--synthetic-vocab", type=int, default=129280, help="mask part: DeepSeek-V3's vocabulary size")
+    p.add_argument("--out", type=Path, default=Path("bench_results"))
+    args = p.parse_args(argv)
+    args.batches = [int(v) for v in args.batches.split(",")]
+    args.model, args.layers = "default", None
+    report = {"meta": metadata(args), "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "structured.json"
+    for part, fn in (("e2e", e2e), ("mask", mask)):
+        if part in args.parts.split(","):
+            report[part] = guarded(fn, args)
+            report["meta"]["finished"] = datetime.datetime.now(datetime.UTC).isoformat()
+            path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Structured outputs: ``SamplingParams.so_args`` compiled by xgrammar, one matcher per sequence,
+and the token bitmask of every sample row.
+
+A constraint (``params.StructuredOutputs``) is compiled once per distinct text: the
+compiled grammars are cached by (kind, text). JSON (a schema, or any object for
+``json_object``) is generated compact, without free whitespace: a small model can loop on
+whitespace a grammar leaves free. Each sequence gets its own ``xgrammar.GrammarMatcher``
+(``Sequence.grammar``), which accepts the sequence's output tokens as the output processor
+appends them. A preempted sequence keeps its outputs, and so its matcher state, through the
+recompute. Before a step samples, ``bitmask`` fills one row of 32-bit words per sample
+row on the host: bit t set means token t may come next. The backend's ``apply_token_bitmask``
+op then sets the forbidden logits to -inf on the device. Free rows get -1 words (everything
+allowed), and a batch without constrained rows gets no mask at all.
+
+The matcher's stop tokens are the model's EOS ids, so EOS is allowed exactly when the grammar
+accepts the output so far. Once the matcher has accepted EOS (or the grammar can take nothing
+more) the sequence is finished (``OutputProcessor``), whatever ``ignore_eos`` says.
+
+Speculative decoding: a verification row at draft position j comes after drafts 0..j-1, so
+its mask is filled with the matcher advanced through those drafts, and rolled back afterwards.
+If the matcher rejects a draft, the rows after it cannot be reached: the target's token at
+that draft's position is sampled from a mask that forbids the draft, so verification stops
+there. Those rows keep an all-ones mask.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import torch
+
+from deepinfer_core.sampling.params import StructuredOutputs
+
+CACHE_ENTRIES = 512  # compiled grammars kept (least recently used dropped)
+_XGRAMMAR_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+\.cc:\d+: ")  # its C++ log position: no use to a user
+DESCRIPTION = {"json": "JSON schema", "json_object": "JSON object constraint", "regex": "regular expression",
+               "grammar": "EBNF grammar", "choice": "list of choices"}
+
+
+class Grammars:
+    """The engine's grammar compiler for one tokenizer and vocabulary, and its matchers."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
+        import xgrammar
+
+        self.xgr = xgrammar
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_ids))
+        self.compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)  # the cache is ours, bounded
+        self._cache: dict[tuple[str, str], object] = {}
+
+    # ---- compiling ------------------------------------------------------------------------------
+    def compile(self, so: StructuredOutputs):
+        """The compiled grammar of ``so``; ValueError naming what is wrong with an invalid one."""
+        kind, text = so.kind, so.text()
+        key = (kind, text)
+        if key in self._cache:
+            self._cache[key] = self._cache.pop(key)  # most recently used last
+            return self._cache[key]
+        try:
+            if kind == "json":
+                compiled = self.compiler.compile_json_schema(text, any_whitespace=False)
+            elif kind == "json_object":  # any JSON object, compact (free whitespace lets a model loop on it)
+                compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            elif kind == "regex":
+                compiled = self.compiler.compile_regex(text)
+            else:  # grammar, and choice as a grammar of its alternatives
+                compiled = self.compiler.compile_grammar(text)
+        except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own types
+            reason = _XGRAMMAR_PREFIX.sub("", " ".join(str(e).split())).replace("Check failed: (error.empty()) is false: ", "")
+            raise ValueError(f"so_args[{kind!r}] is not a valid {DESCRIPTION[kind]}: {reason[:500] or type(e).__name__}") from None
+        self._cache[key] = compiled
+        while len(self._cache) > CACHE_ENTRIES:
+            self._cache.pop(next(iter(self._cache)))
+        return compiled
+
+    def matcher(self, compiled):
+        """A fresh matcher of ``compiled`` (one per sequence: each of a request's n samples)."""
+        return self.xgr.GrammarMatcher(compiled)  # rollback is unbounded in xgrammar 0.2
+
+
+def bitmask(rows, vocab_size: int) -> torch.Tensor | None:
+    """int32 [len(rows), ceil(vocab_size / 32)] on the host for ``rows`` (sampler.SampleRow), or
+    None when no row's sequence is constrained. Rows without drafts are filled together by
+    xgrammar's batch matcher (its threads); a verification row's drafts are advanced through and
+    rolled back. A row may not have tokens still on the device (``pending``): the host needs them."""
+    if not any(r.seq.grammar is not None for r in rows):
+        return None
+    mask = torch.full((len(rows), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    together: tuple[list, list[int]] = ([], [])  # (matchers, rows) filled by one batch call
+    advanced: dict[int, tuple[object, int]] = {}  # seq_id -> (matcher, drafts accepted so far)
+    for i, row in enumerate(rows):
+        matcher = row.seq.grammar
+        if matcher is None or row.seq.is_finished:
+            continue
+        if row.pending:
+            raise AssertionError(f"grammar mask of sequence {row.seq.seq_id} with {row.pending} tokens still on the device")
+        if not row.drafts:
+            if not matcher.is_terminated():
+                together[0].append(matcher)
+                together[1].append(i)
+            continue
+        _, n = advanced.get(row.seq.seq_id, (matcher, 0))
+        while n < len(row.drafts) and matcher.accept_token(row.drafts[n]):
+            n += 1
+        advanced[row.seq.seq_id] = (matcher, n)
+        if n == len(row.drafts) and not matcher.is_terminated():
+            matcher.fill_next_token_bitmask(mask, i)
+    for matcher, n in advanced.values():
+        if n:
+            matcher.rollback(n)
+    if together[0]:
+        _batch_matcher().batch_fill_next_token_bitmask(together[0], mask, together[1])
+    return mask
+
+
+@functools.cache
+def _batch_matcher():
+    """xgrammar's batch mask filler (its own thread pool), made once per process."""
+    import xgrammar
+
+    return xgrammar.BatchGrammarMatcher()

@@ -164,3 +164,40 @@ def test_mtp_on_gpu_emits_what_plain_decoding_does():
     for params in cases:
         assert _tokens(spec.generate(code, params, use_tqdm=False)) == _tokens(plain.generate(code, params, use_tqdm=False))
     assert spec.engine.spec_stats.acceptance_by_position[0] > 0.3
+
+
+def _bitwise(outs) -> list:
+    return [(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outs]
+
+
+@pytest.mark.parametrize("name", ["v3_grouped", "v3_fp8"])
+def test_batch_invariant_mode_on_gpu_is_bitwise_in_any_batch_and_after_preemption(tmp_path, name):
+    """bfloat16 on the nvidia backend's batch-invariant table (decode graphs on, overlapped steps):
+    a greedy and a seeded request give the same tokens and every logprob bit alone, beside 1..15
+    random neighbours, and when a tight cache preempts and recomputes them."""
+    import random
+
+    path = tmp_path / name
+    write_checkpoint(name, path)
+    kw = dict(model=str(path), accelerator="nvidia", dtype="bfloat16", progress=False, batch_invariant=True)
+    llm = LLM(**kw)
+    assert llm.engine.ops.batch_invariant and llm.engine.runner.graphs.graphs and llm.engine.async_scheduling
+    rng = random.Random(0)
+    target = [rng.randrange(2, 150) for _ in range(37)]
+    cases = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2),
+             SamplingParams(temperature=0.9, top_p=0.8, seed=11, max_tokens=16, ignore_eos=True, logprobs=2)]
+    for params in cases:
+        alone = _bitwise(llm.generate([target], params, use_tqdm=False))[0]
+        for size in (2, 3, 5, 8, 13, 16):
+            others = [target[: rng.randint(0, 30)] + [rng.randrange(2, 150) for _ in range(rng.randint(1, 60))] for _ in range(size - 1)]
+            where = rng.randrange(size)
+            neighbours = [SamplingParams(temperature=rng.choice([0, 1.0]), top_k=rng.choice([0, 5]), seed=rng.randrange(99),
+                                         max_tokens=rng.randint(1, 20), ignore_eos=True) for _ in others]
+            outs = llm.generate(others[:where] + [target] + others[where:], neighbours[:where] + [params] + neighbours[where:],
+                                use_tqdm=False)
+            assert _bitwise(outs)[where] == alone, (size, params.temperature)
+    prompts = [[rng.randrange(2, 150) for _ in range(rng.randint(5, 40))] for _ in range(24)]
+    big = _bitwise(llm.generate(prompts, cases[0], use_tqdm=False))
+    tight = LLM(num_kv_blocks=6, max_model_len=64, **kw)
+    assert _bitwise(tight.generate(prompts, cases[0], use_tqdm=False)) == big
+    assert tight.engine.num_preemptions > 0

@@ -28,7 +28,7 @@ ON_GPU = torch.cuda.is_available()
 # vocabulary, 128-head prefill and the YaRN tables of 163840 positions.
 CPU_MAX_ELEMENTS = 1 << 21
 CPU_EXAMPLES = 4
-OPS = nvidia.deepinfer_ops(platform=None, model_config=None)  # the table the engine and the CLI get
+OPS = nvidia.deepinfer_ops(platform=None, model_config=None, batch_invariant=False)  # the table the engine and the CLI get
 
 
 def _declared_without_draws(op: str, fn, dtype: torch.dtype, device) -> int:

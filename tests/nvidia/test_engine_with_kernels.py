@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer_core import LLM, SamplingParams
-from deepinfer_core.ops import REFERENCE_OPS, V4_OP_NAMES, OpTable
+from deepinfer_core.ops import REFERENCE_OPS, V4_OP_NAMES, OpTable, reference_ops
 from tests.hf_checkpoints import write_checkpoint
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton): the NVIDIA kernels cannot run")
@@ -34,14 +34,15 @@ def use_kernels(monkeypatch, device):
     original = plugins.load_backend
 
     def enable(fp8: bool = False) -> None:
-        def load_backend(requested=None, model_config=None):
+        def load_backend(requested=None, model_config=None, batch_invariant=False):
             from deepinfer_nvidia_sm100 import backend as nvidia
 
-            manager, backend, platform, _, limits = original("cpu", model_config)
+            manager, backend, platform, _, limits = original("cpu", model_config, batch_invariant)
             platform.fp8_weights = fp8
-            impls = nvidia.deepinfer_ops(platform=platform, model_config=model_config)  # the plugin's own table
+            impls = nvidia.deepinfer_ops(platform=platform, model_config=model_config, batch_invariant=batch_invariant)  # the plugin's own table
             providers = {**dict.fromkeys(REFERENCE_OPS, "reference"), **dict.fromkeys(impls, "nvidia")}
-            return manager, backend, platform, OpTable({**REFERENCE_OPS, **impls}, providers), limits  # V4 ops: reference
+            fallback = reference_ops(batch_invariant)  # V4 ops: reference
+            return manager, backend, platform, OpTable({**fallback, **impls}, providers, batch_invariant), limits
 
         monkeypatch.setattr(plugins, "load_backend", load_backend)
 
@@ -79,3 +80,26 @@ def test_fp8_checkpoint_kept_quantised(tmp_path, use_kernels):
         for pos in range(1, len(ids)):
             ref_lp, lp = a.prompt_logprobs[pos][ids[pos]], b.prompt_logprobs[pos][ids[pos]]
             assert abs(ref_lp - lp) <= LOGPROB_ATOL, (pos, ref_lp, lp)
+
+
+def test_batch_invariant_kernels_drive_the_engine(tmp_path, use_kernels):
+    """The NVIDIA batch-invariant table end to end: prompts computed as rows through the decode
+    kernel (no KV split), one GEMM tile for every batch, full-sort sampling; greedy tokens and
+    logprobs as the reference's batch-invariant engine gives them, with chunked prefill and
+    preemptions. (Bitwise invariance is the GPU test's: the interpreter's dots are numpy's.)"""
+    path = tmp_path / "fp8"
+    write_checkpoint("v3_fp8", path)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    kw = dict(model=str(path), accelerator="cpu", dtype="float32", progress=False, batch_invariant=True)
+    expected = LLM(**kw).generate(PROMPTS, params, use_tqdm=False)
+    use_kernels(fp8=True)
+    llm = LLM(max_num_batched_tokens=8, num_kv_blocks=3, block_size=8, **kw)
+    assert llm.engine.ops.batch_invariant and llm.engine.model.keep_fp8
+    assert {op for op, impl in llm.engine.ops.implementations.items() if "batch-invariant" in impl} >= {
+        "linear", "fp8_block_linear", "head_linear", "mla_decode_attention", "moe_route", "moe_experts", "sample_tokens"}
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert llm.engine.num_preemptions > 0
+    for a, b in zip(expected, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys() and all(abs(la[t] - lb[t]) <= LOGPROB_ATOL for t in la), (la, lb)

@@ -58,8 +58,8 @@ def deepinfer_backend() -> BackendInfo:
     return BackendInfo(
         name=NAME,
         priority=100,
-        min_spec_version=2,
-        max_spec_version=2,  # 2: mla_decode_attention takes query_start_loc (several query rows per sequence)
+        min_spec_version=3,
+        max_spec_version=3,  # 3: deepinfer_ops builds a batch-invariant table when asked
         description="NVIDIA Hopper sm_90 / Blackwell sm_100 GPUs (CUDA): Triton kernels, FP8 GEMMs, CUDA graphs",
     )
 
@@ -149,13 +149,17 @@ def deepinfer_platform():
         graph_capture=True,  # every decode-path op below is free of host synchronisation
         graphs=CudaGraphs,
         async_scheduling=True,  # one stream: launched work runs in order
-        batch_invariant=False,
+        batch_invariant=True,  # deepinfer_ops(batch_invariant=True): the kernels' INVARIANT_OPS
         extra={"capability": capability, "device_name": torch.cuda.get_device_name(index)},
     )
 
 
 @hookimpl
-def deepinfer_ops(platform, model_config):
+def deepinfer_ops(platform, model_config, batch_invariant):
+    """Every kernel module's OPS; with ``batch_invariant``, its INVARIANT_OPS replace them (the ops
+    whose tiles or splits would follow the batch: GEMMs, expert GEMMs and routing logits, decode
+    attention's KV splits, sampling's ranking). Norms, RoPE, activations, cache writes and masks
+    already work one row per program."""
     import importlib
 
     block = getattr(model_config, "fp8_block", None) if model_config is not None else None
@@ -177,6 +181,8 @@ def deepinfer_ops(platform, model_config):
                 f"failed with {e}; install torch's CUDA build or `pip install triton`"
             ) from e
         ops.update(module.OPS)
+        if batch_invariant:
+            ops.update(getattr(module, "INVARIANT_OPS", {}))
     return ops
 
 

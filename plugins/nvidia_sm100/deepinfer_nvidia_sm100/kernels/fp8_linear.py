@@ -91,14 +91,32 @@ def fp8_config(m: int, n: int, k: int, bk: int, x_dtype: torch.dtype, device: to
     converted = {W8A16: block_n * bk * x_bytes, W8A8_FUSED: block_m * bk, W8A8_PREQUANT: 0}[mode]
     stages = max(2, min(stages, (FP8_SMEM_BUDGET - converted) // per_stage))
 
-    k_blocks = triton.cdiv(k, bk)
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    target = FP8_SPLIT_K_CTAS_PER_SM * num_sms(device, INTERPRETER_SMS)
-    split = 1
-    if tiles < target:
-        split = max(1, min(triton.cdiv(target, tiles), k_blocks // FP8_SPLIT_K_MIN_K_BLOCKS))
-        split = triton.cdiv(k_blocks, triton.cdiv(k_blocks, split))  # no empty splits
+    split = _split_k(triton.cdiv(m, block_m) * triton.cdiv(n, block_n), triton.cdiv(k, bk), device)
     return Fp8Config(block_m, block_n, warps, stages, split, mode)
+
+
+def _split_k(tiles: int, k_blocks: int, device: torch.device) -> int:
+    """K splits for ``tiles`` output tiles: enough to put FP8_SPLIT_K_CTAS_PER_SM programs per SM
+    in flight, each split at least FP8_SPLIT_K_MIN_K_BLOCKS weight blocks long, none empty."""
+    target = FP8_SPLIT_K_CTAS_PER_SM * num_sms(device, INTERPRETER_SMS)
+    if tiles >= target:
+        return 1
+    split = max(1, min(triton.cdiv(target, tiles), k_blocks // FP8_SPLIT_K_MIN_K_BLOCKS))
+    return triton.cdiv(k_blocks, triton.cdiv(k_blocks, split))
+
+
+def invariant_config(n: int, k: int, bk: int, x_dtype: torch.dtype, w_bytes: int, device: torch.device) -> Fp8Config:
+    """The one launch configuration of every [m, k] x [n, k]^T product in batch-invariant mode,
+    whatever m: the decode tile, W8A16 (the weight widened; plain weights as they are), and the
+    K splits decode would get for one row tile, so that each output element sums the same
+    products in the same order (split by split, then the splits in order) for any m."""
+    block_m, block_n, warps, stages = FP8_DECODE_TILE
+    x_bytes = torch.finfo(x_dtype).bits // 8
+    per_stage = block_m * bk * x_bytes + block_n * bk * w_bytes
+    converted = block_n * bk * x_bytes if w_bytes != x_bytes else 0  # the widened weight tile
+    stages = max(2, min(stages, (FP8_SMEM_BUDGET - converted) // per_stage))
+    split = _split_k(triton.cdiv(n, block_n), triton.cdiv(k, bk), device)
+    return Fp8Config(block_m, block_n, warps, stages, split, W8A16)
 
 
 @triton.jit
@@ -148,6 +166,7 @@ def _fp8_block_gemm_kernel(
     stride_wn, stride_wk,
     stride_sn, stride_sk,
     stride_os, stride_om, stride_on,
+    stride_xh, stride_wh, stride_oh,  # grid axis 2 (head_linear's heads): one product per head; 0 otherwise
     # constexpr: under numpy 2.4, Triton 3.6's interpreter cannot loop to a runtime bound
     K_BLOCKS_PER_SPLIT: tl.constexpr,
     BN_SCALE: tl.constexpr,  # the weight block's bn (rows of W per scale row)
@@ -159,6 +178,10 @@ def _fp8_block_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
+    head = tl.program_id(2).to(tl.int64)
+    x_ptr += head * stride_xh
+    w_ptr += head * stride_wh
+    out_ptr += head * stride_oh
     # Grouped tile order: GROUP_M row tiles share each column (weight) tile while it is in L2.
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -269,7 +292,6 @@ def fp8_block_linear_with_config(
     k_blocks = triton.cdiv(k, bk)
     per_split = triton.cdiv(k_blocks, cfg.split_k)
     splits = triton.cdiv(k_blocks, per_split) if k_blocks else 1
-    has_bias = bias is not None
     target = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
     a, a_scale = x2, out  # (a_scale unused unless pre-quantised)
     if cfg.mode == W8A8_PREQUANT:
@@ -282,23 +304,36 @@ def fp8_block_linear_with_config(
             BLOCK_M=FP8_QUANT_BLOCK_M, BLOCK_K=bk,
             INTERPRET=not x.is_cuda,
         )
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)
+    _launch_gemm(a, a_scale, weight, weight_scale_inv, bias, target, out, (m, n, k), (bn, bk), cfg, per_split, splits)
+    return out.view(*lead, n)
+
+
+def _launch_gemm(a, a_scale, weight, weight_scale_inv, bias, target, out, mnk, block, cfg: Fp8Config, per_split: int, splits: int,
+                 heads: int = 1, head_strides: tuple[int, int, int] = (0, 0, 0)) -> None:
+    """The GEMM kernel (and the split-K sum when splits > 1) of ``a`` [m, k] (a strided view)
+    into ``target``; with ``heads`` > 1 one product per head (grid axis 2), a's, the weight's and
+    the output's head strides in ``head_strides`` (one split then)."""
+    m, n, k = mnk
+    bn, bk = block
+    has_bias = bias is not None
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits, heads)
     _fp8_block_gemm_kernel[grid](
         a, a_scale, weight, weight_scale_inv, bias if has_bias else out, target,
         m, n, k,
-        a.stride(0), a.stride(1), a_scale.stride(0),
-        weight.stride(0), weight.stride(1),
+        a.stride(0), a.stride(-1), a_scale.stride(0),
+        weight.stride(-2), weight.stride(-1),
         weight_scale_inv.stride(0), weight_scale_inv.stride(1),
-        target.stride(0) if splits > 1 else 0, target.stride(-2), target.stride(-1),
+        target.stride(0) if splits > 1 else 0, target.stride(-2) if heads == 1 else target.stride(0), target.stride(-1),
+        *head_strides,
         K_BLOCKS_PER_SPLIT=per_split,
         BN_SCALE=bn,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
         GROUP_M=FP8_GROUP_M,
         MODE=cfg.mode,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         SPLIT=splits > 1,
         HAS_BIAS=has_bias,
-        INTERPRET=not x.is_cuda,
+        INTERPRET=not a.is_cuda,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -311,7 +346,6 @@ def fp8_block_linear_with_config(
             HAS_BIAS=has_bias,
             BLOCK_N=FP8_REDUCE_BLOCK_N,
         )
-    return out.view(*lead, n)
 
 
 def fp8_block_linear(
@@ -333,14 +367,81 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def head_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """out[t, h] = weight[h] @ x[t, h] (see deepinfer_core.ops.linear.head_linear; cuBLAS)."""
+    return torch.einsum("thk,hnk->thn", x, weight)
+
+
+# ---- batch-invariant forms (deepinfer_ops(batch_invariant=True)) ------------------------------
+# Every product runs the same tile (FP8_DECODE_TILE), W8A16 and the K splits chosen from (N, K)
+# alone (invariant_config): an output element sums the same products in the same order at any M.
+# Plain weights go through the same kernel with unit scales (a stride-0 tensor of ones: the
+# rescale multiplies by 1.0, exact), stepping K by PLAIN_BLOCK_K.
+PLAIN_BLOCK_K = 128
+
+
+_ONES: dict[torch.device, torch.Tensor] = {}  # one 1.0 per device, made outside graph capture
+
+
+def _unit_scales(n: int, k: int, device: torch.device) -> torch.Tensor:
+    """Scales [n, k blocks] of a plain weight for blocks (1, PLAIN_BLOCK_K): all 1.0, one value in
+    memory (kept per device, so that graph replays launch no fill for it)."""
+    one = _ONES.get(device)
+    if one is None:
+        one = torch.ones(1, 1, dtype=torch.float32, device=device)
+        if not (one.is_cuda and torch.cuda.is_current_stream_capturing()):  # a capture's pool is the graph's
+            _ONES[device] = one
+    return one.expand(n, triton.cdiv(k, PLAIN_BLOCK_K))
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear``, batch-invariant (the Triton GEMM with unit scales)."""
+    n, k = weight.shape
+    cfg = invariant_config(n, k, PLAIN_BLOCK_K, x.dtype, weight.element_size(), x.device)
+    return fp8_block_linear_with_config(x, weight, _unit_scales(n, k, x.device), (1, PLAIN_BLOCK_K), bias, cfg)
+
+
+def invariant_fp8_block_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``fp8_block_linear``, batch-invariant (W8A16 at every M)."""
+    n, k = weight.shape
+    cfg = invariant_config(n, k, int(block[1]), x.dtype, 1, x.device)
+    return fp8_block_linear_with_config(x, weight, weight_scale_inv, block, bias, cfg)
+
+
+def invariant_head_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``head_linear``, batch-invariant: the Triton GEMM with one product per head (grid axis 2)."""
+    t, heads, k = x.shape
+    n = weight.shape[1]
+    out = torch.empty((t, heads, n), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    cfg = invariant_config(n, k, PLAIN_BLOCK_K, x.dtype, weight.element_size(), x.device)._replace(split_k=1)
+    per_split = triton.cdiv(k, PLAIN_BLOCK_K)
+    rows = x[:, 0]  # head 0's [t, k] view: the kernel adds head * stride for the others
+    _launch_gemm(rows, out, weight[0], _unit_scales(n, k, x.device), None, out, out, (t, n, k), (1, PLAIN_BLOCK_K), cfg, per_split, 1,
+                 heads=heads, head_strides=(x.stride(1), weight.stride(0), out.stride(1)))
+    return out
+
+
 fp8_block_linear.impl = (
     "triton: block-FP8 GEMM, BLOCK_K = bk, per-block fp32 rescale; W8A16 below "
     f"{FP8_W8A8_MIN_M} rows, dynamic 1 x bk e4m3 activation quantisation (W8A8, "
     f"{'fused' if FP8_W8A8_MODE == W8A8_FUSED else 'pre-pass'}) above; deterministic split-K for few tiles"
 )
 linear.impl = "cublas: torch.nn.functional.linear"
+head_linear.impl = "cublas: torch.einsum (one batched GEMM over the heads)"
+invariant_linear.impl = invariant_fp8_block_linear.impl = invariant_head_linear.impl = (
+    "triton, batch-invariant: the block GEMM at one tile, W8A16, K splits from (N, K) alone"
+)
 
-OPS = {"fp8_block_linear": fp8_block_linear, "linear": linear}
+OPS = {"fp8_block_linear": fp8_block_linear, "linear": linear, "head_linear": head_linear}
+INVARIANT_OPS = {"fp8_block_linear": invariant_fp8_block_linear, "linear": invariant_linear, "head_linear": invariant_head_linear}
 
 
 # ---- benchmark (the lead runs it on the GPU) --------------------------------------------------

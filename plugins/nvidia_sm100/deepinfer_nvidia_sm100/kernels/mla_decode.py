@@ -258,6 +258,25 @@ def mla_decode_attention(
     Graph-capture safe: the grid and the tuning depend on shapes only (T query rows, B
     sequences, the block-table width W), and each program maps its row to its sequence on the
     device."""
+    return _decode(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, scale, split=True)
+
+
+def invariant_mla_decode_attention(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``mla_decode_attention``, batch-invariant: no split of a row's entries (the number of splits
+    follows the batch), so each program walks its row's entries BLOCK_N at a time from the first,
+    whatever the batch and its sequence's query length."""
+    return _decode(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, scale, split=False)
+
+
+def _decode(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, scale: float, split: bool) -> torch.Tensor:
     rows, num_heads, d_c = q_latent.shape
     num_seqs = seq_lens.shape[0]
     d_r = q_pe.shape[-1]
@@ -271,7 +290,7 @@ def mla_decode_attention(
     block_h, block_n, num_warps = _tile_config(num_heads, kv_cache.dtype)
     head_blocks = triton.cdiv(num_heads, block_h)
     # every query row is a "batch" entry of the grid: the tuning counts rows
-    num_splits = _num_splits(rows, head_blocks, block_tables.shape[1] * block_size, q_latent.device, block_h)
+    num_splits = _num_splits(rows, head_blocks, block_tables.shape[1] * block_size, q_latent.device, block_h) if split else 1
     min_split = triton.cdiv(_min_split_tokens(rows), block_n) * block_n
     block_dc = max(16, triton.next_power_of_2(d_c))
     block_dr = max(16, triton.next_power_of_2(d_r))
@@ -354,4 +373,7 @@ def _bench_one(model: str, heads: int, scale: float, batch: int, seq: int, q_len
     }
 
 
+invariant_mla_decode_attention.impl = "triton, batch-invariant: paged flash-decoding without KV splits, head blocks x query rows"
+
 OPS = {"mla_decode_attention": mla_decode_attention}
+INVARIANT_OPS = {"mla_decode_attention": invariant_mla_decode_attention}

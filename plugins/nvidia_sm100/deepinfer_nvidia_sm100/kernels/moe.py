@@ -53,7 +53,7 @@ import triton.language as tl
 
 from deepinfer_core.ops.moe import SCORING_FUNCS, TOPK_METHODS
 from deepinfer_core.conformance.checkpoints import FP8_MAX
-from deepinfer_nvidia_sm100.kernels.fp8_linear import E4M3_MAX, round_to_e4m3
+from deepinfer_nvidia_sm100.kernels.fp8_linear import E4M3_MAX, invariant_linear, round_to_e4m3
 
 # ---- tunables (sweep on the GPU) -------------------------------------------------------------
 ROUTE_ELEMS_PER_WARP = 256  # a routing row of BLOCK_G * BLOCK_S experts gets this many per warp
@@ -189,6 +189,33 @@ def moe_route(
     Contract: deepinfer_core.ops.moe.moe_route. Ties between equal selection scores go to the
     lowest expert id; the k slots come in selection order.
     """
+    return _route(x, gate_weight, correction_bias, F.linear, top_k=top_k, scoring_func=scoring_func, topk_method=topk_method,
+                  n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
+                  routed_scaling_factor=routed_scaling_factor)
+
+
+def invariant_moe_route(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    *,
+    top_k: int,
+    scoring_func: str,
+    topk_method: str,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe_route``, batch-invariant: the float32 gate logits from the batch-invariant GEMM."""
+    return _route(x, gate_weight, correction_bias, invariant_linear, top_k=top_k, scoring_func=scoring_func,
+                  topk_method=topk_method, n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
+                  routed_scaling_factor=routed_scaling_factor)
+
+
+def _route(x, gate_weight, correction_bias, matmul, *, top_k: int, scoring_func: str, topk_method: str, n_group: int,
+           topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing kernel after ``matmul`` (F.linear's signature) made the float32 gate logits."""
     if scoring_func not in SCORING_FUNCS:
         raise ValueError(f"scoring_func {scoring_func!r} is not supported; expected one of {SCORING_FUNCS}")
     if topk_method not in TOPK_METHODS:
@@ -206,7 +233,7 @@ def moe_route(
     ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=x.device)
     if num_tokens == 0:
         return weights, ids
-    logits = F.linear(x.float(), gate_weight.float())  # as the reference: bit-identical logits
+    logits = matmul(x.float(), gate_weight.float())  # F.linear: as the reference, bit-identical logits
     groups = n_group if grouped else 1
     group_size = num_experts // groups
     has_bias = topk_method == "noaux_tc" and correction_bias is not None
@@ -625,7 +652,24 @@ def moe_experts(
     return _run_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, tiles, act_quant)
 
 
+def invariant_moe_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """``moe_experts``, batch-invariant: the decode tiles (EXPERT_TILES' first) and W8A16 whatever
+    the number of tokens, so a pair's products, and its token's slot sum, never follow the batch."""
+    return _run_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, EXPERT_TILES[0][1], False)
+
+
 moe_experts.impl = "triton: expert-sorted padded M-blocks, grouped GEMMs (fused SwiGLU; FP8 W8A16), slot sum"
+invariant_moe_route.impl = "triton, batch-invariant: " + moe_route.impl.removeprefix("triton: ") + "; gate logits by the invariant GEMM"
+invariant_moe_experts.impl = "triton, batch-invariant: " + moe_experts.impl.removeprefix("triton: ") + ", one tile for every batch"
 
 
 # ============================================================================================
@@ -711,3 +755,4 @@ def bench(device: str = "cuda") -> list[dict]:
 
 
 OPS = {"moe_route": moe_route, "moe_experts": moe_experts}
+INVARIANT_OPS = {"moe_route": invariant_moe_route, "moe_experts": invariant_moe_experts}

@@ -250,10 +250,12 @@ def _summary(temperature, top_k, top_p, min_p, vocab: int) -> list[int]:
     return torch.cat([flags, torch.where(ranked & has_k, top_k, 0).amax(dim=0, keepdim=True)]).tolist()
 
 
-def _thresholds(logits, temperature, top_k, top_p, min_p, host_read: bool, host_params=None):
+def _thresholds(logits, temperature, top_k, top_p, min_p, host_read: bool, host_params=None, full_sort: bool = False):
     """Per-row raw-logit threshold [N] float32 of the top-k / top-p / min-p support, or None when
     no sampled row restricts. ``host_params`` (CPU copies of temperature, top_k, top_p, min_p), or
-    else ``host_read`` (one device-to-host read), pick the cheapest way."""
+    else ``host_read`` (one device-to-host read), pick the cheapest way; ``full_sort``: rows are
+    ranked by a sort of the whole vocabulary, never by a top-k as wide as the batch's largest
+    (whose softmax and cumulative sum would follow the other rows: batch-invariant sampling)."""
     rows, vocab = logits.shape
     sampled, has_k, has_p, ranked, minp = _restrictions(temperature, top_k, top_p, min_p, vocab)
     width = vocab
@@ -261,7 +263,7 @@ def _thresholds(logits, temperature, top_k, top_p, min_p, host_read: bool, host_
         any_ranked, any_minp, any_unbounded, max_k = _summary(*(host_params or (temperature, top_k, top_p, min_p)), vocab)
         if not (any_ranked or any_minp):
             return None
-        width = 0 if not any_ranked else vocab if any_unbounded else max_k
+        width = 0 if not any_ranked else vocab if any_unbounded or full_sort else max_k
     t = torch.where(sampled, temperature.float(), 1.0)[:, None]
     threshold = torch.full((rows,), float("-inf"), device=logits.device)
     if width:
@@ -298,6 +300,26 @@ def sample_tokens(
 ) -> torch.Tensor:
     """See deepinfer_core.ops.sampling.sample_tokens (same contract). With ``host_params`` the
     choice of threshold computation is made on the host: no device-to-host read."""
+    return _sample(logits, temperature, top_k, top_p, min_p, seeds, steps, host_params, full_sort=False)
+
+
+def invariant_sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    *,
+    host_params: tuple[torch.Tensor, ...] | None = None,
+) -> torch.Tensor:
+    """``sample_tokens``, batch-invariant: a row's noise and race never depend on the batch; its
+    top-k / top-p threshold comes from a sort of its whole row whenever any row is ranked."""
+    return _sample(logits, temperature, top_k, top_p, min_p, seeds, steps, host_params, full_sort=True)
+
+
+def _sample(logits, temperature, top_k, top_p, min_p, seeds, steps, host_params, full_sort: bool) -> torch.Tensor:
     rows = logits.shape[0]
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
@@ -305,7 +327,8 @@ def sample_tokens(
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     capturing = logits.is_cuda and torch.cuda.is_current_stream_capturing()
-    threshold = _thresholds(logits, temperature, top_k, top_p, min_p, host_read=not capturing, host_params=host_params)
+    threshold = _thresholds(logits, temperature, top_k, top_p, min_p, host_read=not capturing, host_params=host_params,
+                            full_sort=full_sort)
     return _race(logits, temperature.contiguous(), threshold, seeds.contiguous(), steps.contiguous(), out)
 
 
@@ -372,4 +395,7 @@ def bench(device="cuda") -> list[dict]:
     return results
 
 
+invariant_sample_tokens.impl = "triton, batch-invariant: " + sample_tokens.impl.removeprefix("triton: ") + ", ranked by a full sort"
+
 OPS = {"sample_tokens": sample_tokens}
+INVARIANT_OPS = {"sample_tokens": invariant_sample_tokens}

@@ -70,8 +70,8 @@ def step_weight_bytes(model, batch: int) -> float:
         else:
             total += nbytes
     for _, attn in model.attention_layers():
-        if attn.w_uk is not None and not _is_mtp(attn, model):
-            total += (attn.w_uk.numel() + attn.w_uv.numel()) * attn.w_uk.element_size()
+        if attn.w_uk_t is not None and not _is_mtp(attn, model):
+            total += (attn.w_uk_t.numel() + attn.w_uv.numel()) * attn.w_uk_t.element_size()
     return total
 
 

@@ -107,6 +107,8 @@ class LLM:
     compression rate for V4).
     speculative_config, as vLLM spells it: ``{"method": "ngram", "num_speculative_tokens": k,
     "prompt_lookup_max": n}`` (prompt-lookup drafts, verified exactly).
+    batch_invariant: bitwise the same logits and tokens for a request whatever batch it runs in
+    and whether or not it was preempted (None reads DEEPINFER_BATCH_INVARIANT; off by default).
     """
 
     def __init__(
@@ -125,6 +127,7 @@ class LLM:
         enforce_eager: bool = False,
         enable_prefix_caching: bool = True,
         speculative_config: dict | None = None,
+        batch_invariant: bool | None = None,
         progress: bool = True,
     ):
         env = settings()
@@ -142,6 +145,7 @@ class LLM:
             enforce_eager=enforce_eager,
             enable_prefix_caching=enable_prefix_caching,
             speculative_config=speculative_config,
+            batch_invariant=env.batch_invariant if batch_invariant is None else batch_invariant,
         )
         if dtype == "auto" and env.dtype:
             dtype = env.dtype

@@ -51,11 +51,11 @@ def _backends(args: argparse.Namespace) -> int:
     try:
         backend = manager.select(requested)
         print(f"Selected: {backend.name} ({how})")
-        platform, ops, _, fallback = manager.load(backend, model_config=None)
+        platform, ops, _, fallback = manager.load(backend, model_config=None, batch_invariant=args.batch_invariant)
     except BackendError as e:
         print(f"error: {_one_line(str(e))}", file=sys.stderr)
         return 1
-    print(f"Platform: {platform.name} on {platform.device}")
+    print(f"Platform: {platform.name} on {platform.device}" + (" (batch-invariant op table)" if args.batch_invariant else ""))
     own = len(OP_NAMES) - len(fallback) if backend.name != REFERENCE_BACKEND else len(OP_NAMES)
     print(f"Ops: {own} of {len(OP_NAMES)} from {backend.name}" + (f", {len(fallback)} fall back to the reference" if backend.name != REFERENCE_BACKEND else ""))
     op_width = max(len(name) for name in OP_NAMES)
@@ -92,7 +92,7 @@ def _generate(args: argparse.Namespace) -> int:
     spec = {"method": "mtp", "num_speculative_tokens": args.mtp} if args.mtp else spec
     try:
         llm = LLM(model=args.model, accelerator=args.accelerator, enable_prefix_caching=not args.no_prefix_caching,
-                  speculative_config=spec)
+                  speculative_config=spec, batch_invariant=args.batch_invariant or None)
         outputs = llm.generate(args.prompt, params)
     except (BackendError, GenerationError, ValueError) as e:  # ValueError: bad config, checkpoint, request or parameter
         print(f"error: {_one_line(str(e))}", file=sys.stderr)
@@ -114,8 +114,8 @@ def _conformance(args: argparse.Namespace) -> int:
 
     backend = args.backend or settings().accelerator
     if args.e2e:
-        if args.ops or args.replay is not None:
-            print("error: --ops and --replay select op checks; they do not apply to --e2e", file=sys.stderr)
+        if args.ops or args.replay is not None or args.batch_invariant:
+            print("error: --ops, --replay and --batch-invariant select op checks; they do not apply to --e2e", file=sys.stderr)
             return 2
         from deepinfer_core.conformance import e2e
 
@@ -133,7 +133,8 @@ def _conformance(args: argparse.Namespace) -> int:
     try:
         dtypes = [dtype_from_name(d) for d in _split(args.dtype) or []] or None
         report = ops_suite.run_suite(backend, ops=_split(args.ops), dtypes=dtypes, examples=examples, seed=args.seed,
-                                     progress=not args.quiet, explore_max_elements=explore, max_elements=args.max_elements)
+                                     progress=not args.quiet, explore_max_elements=explore, max_elements=args.max_elements,
+                                     batch_invariant=args.batch_invariant)
     except (BackendError, SpecError, ValueError) as e:
         print(f"error: {_one_line(str(e))}", file=sys.stderr)
         return 2
@@ -169,7 +170,7 @@ def _replay(args: argparse.Namespace, backend: str | None) -> int:
         print(f"error: --replay: {_one_line(str(e))}", file=sys.stderr)
         return 2
     try:
-        report = ops_suite.replay(backend, case)
+        report = ops_suite.replay(backend, case, batch_invariant=args.batch_invariant)
     except (BackendError, SpecError, ValueError) as e:
         print(f"error: {_one_line(str(e))}", file=sys.stderr)
         return 2
@@ -181,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("backends", help="list installed backends, the one selected, and who provides each op")
     p.add_argument("--accelerator", help="backend to select (default: DEEPINFER_ACCELERATOR, else automatic)")
+    p.add_argument("--batch-invariant", action="store_true", help="show the backend's batch-invariant op table")
     p.set_defaults(func=_backends)
     g = sub.add_parser("generate", help="generate completions for prompts")
     g.add_argument("--model", help="HF checkpoint directory or repo id (default: DEEPINFER_HF_MODEL_DIR or the built-in tiny model)")
@@ -193,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-prefix-caching", action="store_true", help="recompute every prompt (no reuse of cached prefixes)")
     g.add_argument("--ngram", type=int, default=0, metavar="K", help="speculative decoding: K prompt-lookup draft tokens per step")
     g.add_argument("--mtp", type=int, default=0, metavar="K", help="speculative decoding: K draft tokens per step from the model's MTP module")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="bitwise the same output for a prompt whatever batch it runs in (DEEPINFER_BATCH_INVARIANT=1)")
     g.set_defaults(func=_generate)
     from deepinfer_core.conformance.ops_suite import DEFAULT_EXAMPLES, DEFAULT_EXPLORE_MAX_ELEMENTS
 
@@ -219,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--replay", metavar="CASE",
                    help="run exactly one case, the JSON object a failing row of the report prints (op, dtype, dims, value seed), "
                    "on the backend and print its verdict")
+    c.add_argument("--batch-invariant", action="store_true",
+                   help="op level: check the backend's batch-invariant op table (what LLM(batch_invariant=True) runs)")
     c.add_argument("--json", help="also write the report as JSON to this path")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.add_argument("--e2e", action="store_true", help="end-to-end: per-sample perplexity and greedy tokens against the platform baseline")

@@ -39,6 +39,10 @@ class Settings(BaseSettings):
     async_scheduling: bool | None = Field(
         None, description="Overlapped scheduling (launch step N+1 while step N runs): 0 off, 1 on; unset: on where the platform supports it."
     )
+    batch_invariant: bool = Field(
+        False, description="1: batch-invariant inference (bitwise the same logits for a request whatever batch it runs in, "
+                           "preempted or not) when LLM() is not given batch_invariant."
+    )
     use_nextn_decode: int | None = Field(
         None, ge=0, le=16,
         description="DeepSeek's switch: K > 0 drafts K tokens per step with the model's own drafter (MTP; DSpark on "
@@ -453,6 +457,10 @@ class EngineConfig(BaseModel):
     # Reuse the KV blocks of prompt prefixes computed before (and across the n samples of a request).
     enable_prefix_caching: bool = True
     speculative_config: SpeculativeConfig | None = None
+    # Each request's logits bitwise the same whatever else runs beside it and whether or not it was
+    # preempted and recomputed: the backend's batch-invariant op table, every token computed as a
+    # decode row (needs a backend whose platform supports it, and an MLA model).
+    batch_invariant: bool = False
 
 
 class SpeculativeConfig(BaseModel):

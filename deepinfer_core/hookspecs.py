@@ -46,7 +46,13 @@ PROJECT = "deepinfer"
 #      version 1's took one row per sequence and no ``query_start_loc``. ``sample_tokens`` takes
 #      the keyword-only ``host_params`` (CPU copies of its parameters: no device read). Platform
 #      gains ``graphs`` (the graph capture/replay object) and ``async_scheduling``.
-SPEC_VERSION = 2
+#   3: ``deepinfer_ops`` takes ``batch_invariant``: when True it must return a batch-invariant
+#      table (every op's result for a row independent of the rest of the batch), and
+#      ``Platform.batch_invariant`` says whether the backend can (no longer informational). New
+#      ops ``head_linear`` (MLA's per-head absorbed projections, which the model computed with
+#      torch.einsum) and ``apply_token_bitmask`` (grammar masks); a backend that leaves them out
+#      gets the reference's, as for any op.
+SPEC_VERSION = 3
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -168,7 +174,7 @@ class BackendSpec:
         """
 
     @hookspec(firstresult=True)
-    def deepinfer_ops(self, platform: Platform, model_config: ModelConfig | None) -> dict[str, Callable]:
+    def deepinfer_ops(self, platform: Platform, model_config: ModelConfig | None, batch_invariant: bool) -> dict[str, Callable]:
         """Return ``{op_name: callable}`` for the ops this backend implements.
 
         Called once at start-up, for the selected backend. Each callable must follow the
@@ -178,6 +184,17 @@ class BackendSpec:
         is ``None`` when the table is built without a model (e.g. for conformance checks); a
         backend may use it to choose kernels for the model's shapes. Unknown op names are an
         error.
+
+        ``batch_invariant`` (asked for only when ``Platform.batch_invariant`` is True): every op's
+        result for a row (a token; a query row of ``mla_decode_attention``; a sampled row) must be
+        bitwise the same whatever else is in the call and however many rows it has, CUDA-graph
+        padding included: no kernel choice, tile, split of a reduction (split-K, split-KV) or
+        summation order taken from the number of rows. ``mla_decode_attention`` must also give a
+        row the same bits whatever query length its sequence has in the call: a batch-invariant
+        engine computes prompt tokens through it, as rows as long as the prompt chunk (so a
+        prompt token, a token recomputed after a preemption and a decoded token go through the
+        same arithmetic); ``mla_prefill_attention`` is not called then. Ops left out come from
+        the reference's batch-invariant table (``deepinfer_core.ops.invariant``).
         """
 
     @hookspec(firstresult=True)

@@ -63,7 +63,8 @@ class Platform:
     graphs: a factory of the platform's GraphBackend (None: no graphs).
     async_scheduling: the engine may launch step N+1 before step N's tokens reach the host
         (overlapped scheduling); the device runs launched work in order.
-    batch_invariant: ops give the same per-row result whatever the batch they run in.
+    batch_invariant: the backend can build a batch-invariant op table (``deepinfer_ops`` with
+        ``batch_invariant=True``); the engine refuses ``LLM(batch_invariant=True)`` otherwise.
     """
 
     name: str

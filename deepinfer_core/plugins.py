@@ -19,7 +19,7 @@ import pluggy
 
 from deepinfer_core import hook_checks, hookspecs
 from deepinfer_core.hookspecs import SPEC_VERSION, BackendInfo, ProbeResult, SchedulerLimits, StepStats
-from deepinfer_core.ops import OP_NAMES, REFERENCE_OPS, OpTable
+from deepinfer_core.ops import OP_NAMES, REFERENCE_OPS, OpTable, reference_ops
 
 log = logging.getLogger("deepinfer")
 
@@ -261,8 +261,9 @@ class PluginManager:
         return [b.name for b in self.backends.values() if b.available]
 
     # ---- loading -----------------------------------------------------------------------------
-    def load(self, backend: Backend, model_config: Any = None) -> tuple[Any, OpTable, SchedulerLimits | None, list[str]]:
-        """Platform, OpTable, scheduler limits, and the list of ops that fell back to the reference."""
+    def load(self, backend: Backend, model_config: Any = None, batch_invariant: bool = False) -> tuple[Any, OpTable, SchedulerLimits | None, list[str]]:
+        """Platform, OpTable, scheduler limits, and the list of ops that fell back to the reference.
+        ``batch_invariant``: the backend's batch-invariant table (BackendError if it has none)."""
         try:
             platform = self._call(backend.name, "deepinfer_platform")
         except BackendError:
@@ -272,7 +273,15 @@ class PluginManager:
         if platform is None:
             raise BackendError(f"backend {backend.name!r} does not implement deepinfer_platform()")
         self._require(backend, "deepinfer_platform()", hook_checks.platform_problems(platform, backend.name))
-        ops = self.resolve_ops(backend, platform, model_config)
+        if batch_invariant and not platform.batch_invariant:
+            able = [b.name for b in self.backends.values() if b.available and b.name != backend.name]
+            raise BackendError(
+                f"backend {backend.name!r} ({platform.name}) does not support batch-invariant inference (its platform "
+                f"says batch_invariant=False); run without batch_invariant / DEEPINFER_BATCH_INVARIANT, or choose a "
+                f"backend that supports it with DEEPINFER_ACCELERATOR (the reference backend, cpu, always does; "
+                f"available here: {', '.join(able) or 'none other'})"
+            )
+        ops = self.resolve_ops(backend, platform, model_config, batch_invariant)
         limits = None
         if model_config is not None:
             try:
@@ -288,10 +297,12 @@ class PluginManager:
             )
         return platform, ops, limits, fallback
 
-    def resolve_ops(self, backend: Backend, platform: Any, model_config: Any = None) -> OpTable:
-        """The backend's ops, completed with reference ones; required ops must be the backend's own."""
+    def resolve_ops(self, backend: Backend, platform: Any, model_config: Any = None, batch_invariant: bool = False) -> OpTable:
+        """The backend's ops, completed with reference ones (batch-invariant ones for a
+        batch-invariant table); required ops must be the backend's own."""
         try:
-            provided: dict[str, Callable] = self._call(backend.name, "deepinfer_ops", platform=platform, model_config=model_config) or {}
+            provided: dict[str, Callable] = self._call(backend.name, "deepinfer_ops", platform=platform, model_config=model_config,
+                                                       batch_invariant=batch_invariant) or {}
         except Exception as e:
             raise BackendError(f"backend {backend.name!r}: deepinfer_ops() raised {type(e).__name__}: {e}") from e
         if not isinstance(provided, dict):
@@ -318,9 +329,10 @@ class PluginManager:
                 f"backend {backend.name!r} declares ops {missing_required} as required (no fallback allowed) "
                 f"but its op table lacks them"
             )
-        impls = {name: provided.get(name, REFERENCE_OPS[name]) for name in OP_NAMES}
+        fallback = reference_ops(batch_invariant)
+        impls = {name: provided.get(name, fallback[name]) for name in OP_NAMES}
         providers = {name: backend.name if name in provided else REFERENCE_BACKEND for name in OP_NAMES}
-        return OpTable(impls, providers)
+        return OpTable(impls, providers, batch_invariant)
 
     @staticmethod
     def _require(backend: Backend, hook: str, problems: list[str]) -> None:
@@ -358,10 +370,10 @@ def _is_core_reference(backend: Backend) -> bool:
     return backend.name == REFERENCE_BACKEND and backend.distribution in (CORE_DISTRIBUTION, "")
 
 
-def load_backend(requested: str | None = None, model_config: Any = None):
+def load_backend(requested: str | None = None, model_config: Any = None, batch_invariant: bool = False):
     """Discover, select and load. Returns (PluginManager, Backend, Platform, OpTable, SchedulerLimits|None)."""
     manager = PluginManager()
     manager.discover()
     backend = manager.select(requested)
-    platform, ops, limits, _ = manager.load(backend, model_config)
+    platform, ops, limits, _ = manager.load(backend, model_config, batch_invariant)
     return manager, backend, platform, ops, limits

@@ -177,8 +177,8 @@ def _backend_with(op: str, fn):
 
     real = ops_suite.resolve_backend
 
-    def resolve(backend):
-        chosen, platform, table = real(backend)
+    def resolve(backend, batch_invariant=False):
+        chosen, platform, table = real(backend, batch_invariant)
         return chosen, platform, OpTable({**REFERENCE_OPS, op: fn}, table.providers)
 
     return resolve

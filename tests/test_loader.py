@@ -106,7 +106,7 @@ def test_fp8_dequantised_and_kept(fp8):
     assert "model.layers.1.mlp.experts.gate_up_proj_scale_inv" in kept.state_dict()
     assert "model.layers.1.self_attn.q_b_proj.weight_scale_inv" not in deq.state_dict()
     torch.testing.assert_close(attn_k.q_b_proj.dequantized_weight(torch.float32), attn_d.q_b_proj.weight, atol=0, rtol=0)
-    torch.testing.assert_close(attn_k.w_uk, attn_d.w_uk, atol=0, rtol=0)
+    torch.testing.assert_close(attn_k.w_uk_t, attn_d.w_uk_t, atol=0, rtol=0)
     ek, ed = kept.model.layers[2].mlp.experts, deq.model.layers[2].mlp.experts
     for e in range(ek.gate_up_proj.shape[0]):
         w = dequantize_fp8_block(ek.gate_up_proj[e], ek.gate_up_proj_scale_inv[e], ek.block, torch.float32)
@@ -321,7 +321,7 @@ def _dummy_v3(tmp_path, seed: int):
 
 def test_dummy_weights_are_what_the_docstring_promises(tmp_path):
     model = _dummy_v3(tmp_path, seed=0)
-    assert model.model.layers[0].self_attn.w_uk is not None  # post_load ran
+    assert model.model.layers[0].self_attn.w_uk_t is not None  # post_load ran
     params = dict(model.named_parameters())
     normalised, biases = [], []
     for name, p in params.items():

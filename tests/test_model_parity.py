@@ -329,7 +329,7 @@ def test_bfloat16_prefill_and_decode(tmp_path, name, keep_fp8):
     config = ModelConfig.from_dir(path)
     ours = get_model_class(config.model_type)(config, OpTable.reference(), torch.bfloat16, torch.device("cpu"), keep_fp8=keep_fp8)
     load_model(path, config, ours, progress=False)
-    assert ours.model.layers[0].self_attn.w_uk.dtype == torch.bfloat16
+    assert ours.model.layers[0].self_attn.w_uk_t.dtype == torch.bfloat16
     tokens = prompt(hf.config.vocab_size, 12, seed=13)
     with torch.no_grad():
         golden = hf(torch.tensor([tokens])).logits[0].float()

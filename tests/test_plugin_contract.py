@@ -193,10 +193,10 @@ def test_a_bad_backend_info_is_a_broken_plugin(info, needle):
 def test_a_backend_that_declares_no_spec_version_is_refused():
     """BackendInfo's default range (1..1) is the first contract's, which this core no longer speaks
     (version 2 changed mla_decode_attention's signature): such a backend is broken, not loaded."""
-    assert SPEC_VERSION == 2 and (BackendInfo("x", 1).min_spec_version, BackendInfo("x", 1).max_spec_version) == (1, 1)
+    assert SPEC_VERSION == 3 and (BackendInfo("x", 1).min_spec_version, BackendInfo("x", 1).max_spec_version) == (1, 1)
     backend = PluginManager().add("x", _backend("x", deepinfer_backend=lambda: BackendInfo(name="x", priority=1)))
     assert not backend.available
-    assert "supports hookspec versions 1..1, but this deepinfer core speaks version 2" in backend.error, backend.error
+    assert "supports hookspec versions 1..1, but this deepinfer core speaks version 3" in backend.error, backend.error
 
 
 def test_a_bad_probe_result_is_a_broken_plugin():

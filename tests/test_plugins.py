@@ -341,7 +341,7 @@ def test_nvidia_capability_gate_and_platform(tmp_path, monkeypatch, capability, 
     assert set(platform.supported_dtypes) == {torch.bfloat16, torch.float16, torch.float32}
     assert platform.fp8_weights is True and platform.graph_capture is True
     pytest.importorskip("triton", reason="the NVIDIA kernels need triton")
-    ops = backend.deepinfer_ops(platform=platform, model_config=None)
+    ops = backend.deepinfer_ops(platform=platform, model_config=None, batch_invariant=False)
     # no V2/V3 op falls back to the reference; the DeepSeek-V4 ops have no NVIDIA kernels yet
     assert set(ops) == set(OP_NAMES) - set(V4_OP_NAMES)
     assert all(callable(fn) and fn.impl.startswith(("triton", "cublas", "torch")) for fn in ops.values()), {n: getattr(f, "impl", None) for n, f in ops.items()}
@@ -362,7 +362,7 @@ def test_nvidia_keeps_fp8_weights_only_for_blocks_its_kernels_take(block, kept):
     from deepinfer_nvidia_sm100 import backend
 
     platform = Platform(name="nvidia-sm90", device="cuda:0", backend="nvidia", fp8_weights=True)
-    backend.deepinfer_ops(platform=platform, model_config=SimpleNamespace(fp8_block=block))
+    backend.deepinfer_ops(platform=platform, model_config=SimpleNamespace(fp8_block=block), batch_invariant=False)
     assert platform.fp8_weights is kept
 
 

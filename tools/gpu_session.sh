@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (the `device` tool): install the carried wheels and this repo,
 # run the GPU tests, then the benchmarks; everything lands in $OUT.
-#   bash tools/gpu_session.sh [tests|kernels|e2e|tune|profile|conformance|all|none ...]  (default: all = tests
-#   kernels e2e; conformance: the op suite per dtype, the pytest plugin, the e2e baselines recorded and
-#   re-checked; none: only install, for a command of your own after it)
+#   bash tools/gpu_session.sh [tests|kernels|e2e|tune|profile|conformance|invariant|structured|all|none ...]
+#   (default: all = tests kernels e2e; conformance: the op suite per dtype, the pytest plugin, the e2e
+#   baselines recorded and re-checked; invariant: benchmarks/batch_invariant.py; structured:
+#   benchmarks/structured.py; none: only install, for a command of your own after it).
+#   TEST_PATHS narrows the tests part (default: tests/nvidia tests/test_gpu.py).
 set -uo pipefail
 out="${OUT:-/tmp/out}"
 mkdir -p "$out"
@@ -22,7 +24,7 @@ for part in "${parts[@]}"; do
     tests|all)
       deepinfer backends 2>&1
       timeout "${TESTS_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-4}" -rfE \
-        tests/nvidia tests/test_gpu.py >"$out/tests.log" 2>&1
+        ${TEST_PATHS:-tests/nvidia tests/test_gpu.py} >"$out/tests.log" 2>&1
       tail -40 "$out/tests.log" ;;&
     kernels|all)
       timeout "${KERNELS_TIMEOUT:-230}" python3 -m benchmarks.kernels --out "$out" ${KERNELS_ONLY:+$KERNELS_ONLY} 2>&1 ;;&
@@ -41,6 +43,10 @@ for part in "${parts[@]}"; do
       timeout 150 deepinfer conformance --e2e --refresh --backend nvidia 2>&1
       timeout 150 deepinfer conformance --e2e --backend nvidia --json "$out/e2e_nvidia.json" 2>&1
       cp specs/baselines/offline_decode_ppl.json "$out/" ;;
+    invariant)
+      timeout "${INVARIANT_TIMEOUT:-300}" python3 -m benchmarks.batch_invariant --out "$out" ${INVARIANT_ARGS:-} 2>&1 ;;
+    structured)
+      timeout "${STRUCTURED_TIMEOUT:-120}" python3 -m benchmarks.structured --out "$out" ${STRUCTURED_ARGS:-} 2>&1 ;;
     e2e|all)
       timeout "${E2E_TIMEOUT:-540}" python3 -m benchmarks.e2e --model v2-lite --model v3-slice --hf-peer --out "$out" ${QUICK:+--quick} 2>&1
       python3 -m benchmarks.plots "$out" ;;

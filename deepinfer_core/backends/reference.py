@@ -34,11 +34,11 @@ def deepinfer_probe() -> ProbeResult:
 def deepinfer_platform():
     from deepinfer_core.platform import Platform
 
-    return Platform(name="cpu-reference", device="cpu", backend=NAME)
+    return Platform(name="cpu-reference", device="cpu", backend=NAME, batch_invariant=True)
 
 
 @hookimpl
-def deepinfer_ops(platform, model_config):
-    from deepinfer_core.ops import REFERENCE_OPS
+def deepinfer_ops(platform, model_config, batch_invariant):
+    from deepinfer_core.ops import reference_ops
 
-    return dict(REFERENCE_OPS)
+    return reference_ops(batch_invariant)

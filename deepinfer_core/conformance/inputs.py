@@ -152,6 +152,16 @@ def _linear(d: dict, dtype, r: _Draw):
     return (x, w, bias), {}
 
 
+def _head_linear(d: dict, dtype, r: _Draw):
+    t, h, k, n = d["tokens"], d["heads"], d["in_features"], d["out_features"]
+    x = r.randn(t, h, k + 8, dtype=dtype)[..., :k]  # a strided view, as the model's q_nope
+    if d["transposed_weight"]:  # W_UK^T: a transposed view of [H, K, N]
+        weight = r.randn(h, k, n, dtype=dtype, scale=k ** -0.5).transpose(1, 2)
+    else:
+        weight = r.randn(h, n, k, dtype=dtype, scale=k ** -0.5)
+    return (x, weight), {}
+
+
 def _fp8_block_linear(d: dict, dtype, r: _Draw):
     block = tuple(d["block"])
     x = r.randn(d["tokens"], d["in_features"], dtype=dtype)
@@ -595,6 +605,7 @@ BUILDERS: dict[str, Callable[[dict, torch.dtype, _Draw], tuple[tuple, dict]]] = 
     "rotary_embedding": _rotary_embedding,
     "linear": _linear,
     "fp8_block_linear": _fp8_block_linear,
+    "head_linear": _head_linear,
     "silu_and_mul": _silu_and_mul,
     "moe_route": _moe_route,
     "moe_experts": _moe_experts,
@@ -650,7 +661,7 @@ def make_case(op: str, dims: dict, dtype: torch.dtype, device: torch.device | st
 
 COUNT_DIMS = {
     "rms_norm": ("tokens",), "add_rms_norm": ("tokens",), "rotary_embedding": ("tokens",),
-    "linear": ("tokens",), "fp8_block_linear": ("tokens",), "silu_and_mul": ("tokens",),
+    "linear": ("tokens",), "fp8_block_linear": ("tokens",), "head_linear": ("tokens",), "silu_and_mul": ("tokens",),
     "moe_route": ("tokens",), "moe_experts": ("tokens",), "write_latent_cache": ("tokens", "padding_tokens"),
     "gather_latent_cache": ("slots",), "sample_tokens": ("rows", "greedy_rows"),
     "apply_token_bitmask": ("rows", "free_rows", "single_rows"),

@@ -141,6 +141,7 @@ class SuiteReport:
     ops: list[OpReport] = field(default_factory=list)
     not_provided: list[str] = field(default_factory=list)  # ops the backend leaves to the reference
     replayed: ReplayCase | None = None  # set when the report is of one replayed case (``replay``)
+    batch_invariant: bool = False  # the backend's batch-invariant op table was checked
 
     @property
     def passed(self) -> bool:
@@ -269,30 +270,34 @@ def _explore(op: str, declared: list[dict], run: Callable[[dict, int], None], ex
         raise _CaseFailed(failed.case, Outcome(False, failed.outcome.error, note + failed.outcome.message)) from e
 
 
-def resolve_backend(backend: str | None):
-    """(Backend, Platform, OpTable) of the named (or auto-selected) backend, loaded as the engine loads it."""
+def resolve_backend(backend: str | None, batch_invariant: bool = False):
+    """(Backend, Platform, OpTable) of the named (or auto-selected) backend, loaded as the engine
+    loads it (its batch-invariant table with ``batch_invariant``)."""
     from deepinfer_core.plugins import PluginManager
 
     manager = PluginManager()
     manager.discover()
     chosen = manager.select(backend)
-    platform, table, _, _ = manager.load(chosen, model_config=None)
+    platform, table, _, _ = manager.load(chosen, model_config=None, batch_invariant=batch_invariant)
     return chosen, platform, table
 
 
 def run_suite(backend: str | None, ops: list[str] | None = None, dtypes: list[torch.dtype] | None = None,
               examples: int = DEFAULT_EXAMPLES, seed: int | None = None, progress: bool = True,
-              explore_max_elements: int = DEFAULT_EXPLORE_MAX_ELEMENTS, max_elements: int | None = None) -> SuiteReport:
+              explore_max_elements: int = DEFAULT_EXPLORE_MAX_ELEMENTS, max_elements: int | None = None,
+              batch_invariant: bool = False) -> SuiteReport:
     """Check the ops ``backend`` provides itself (every op for the reference backend).
 
     ``ops`` narrows the set (an op the backend does not provide is an error: it would only test the
-    reference); ``dtypes`` defaults to every dtype the platform supports; ``max_elements`` as ``run_op``.
+    reference); ``dtypes`` defaults to every dtype the platform supports; ``max_elements`` as ``run_op``;
+    ``batch_invariant``: the backend's batch-invariant table (against the same reference and tolerances).
     """
     from tqdm import tqdm
 
-    chosen, platform, table = resolve_backend(backend)
+    chosen, platform, table = resolve_backend(backend, batch_invariant)
     own, dtypes = _selection(chosen, platform, table, ops, dtypes)
-    report = SuiteReport(chosen.name, platform.name, str(platform.device), not_provided=[o for o in BUILDERS if o not in own])
+    report = SuiteReport(chosen.name, platform.name, str(platform.device), not_provided=[o for o in BUILDERS if o not in own],
+                         batch_invariant=batch_invariant)
     if ops:
         own = [o for o in own if o in ops]
     jobs = [(op, dtype) for op in own for dtype in dtypes]
@@ -305,13 +310,13 @@ def run_suite(backend: str | None, ops: list[str] | None = None, dtypes: list[to
     return report
 
 
-def replay(backend: str | None, case: ReplayCase) -> SuiteReport:
+def replay(backend: str | None, case: ReplayCase, batch_invariant: bool = False) -> SuiteReport:
     """Re-run exactly ``case`` (as a failing report row names it) on ``backend``'s own op: a report
     of one row and one case. ValueError as ``run_suite`` for an op the backend does not provide or
     a dtype its platform does not support."""
-    chosen, platform, table = resolve_backend(backend)
+    chosen, platform, table = resolve_backend(backend, batch_invariant)
     _selection(chosen, platform, table, [case.op], [dtype_from_name(case.dtype)])
-    report = SuiteReport(chosen.name, platform.name, str(platform.device), replayed=case)
+    report = SuiteReport(chosen.name, platform.name, str(platform.device), replayed=case, batch_invariant=batch_invariant)
     report.ops.append(replay_case(case, table[case.op], platform.device))
     return report
 
@@ -344,7 +349,8 @@ def format_report(report: SuiteReport) -> str:
         worst = "inf" if r.worst_error == float("inf") else f"{r.worst_error:.3f}"
         rows.append((r.op, r.dtype, r.result, str(r.cases), worst, r.detail()))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    lines = [f"Op conformance of backend {report.backend!r} on platform {report.platform} ({report.device})",
+    table = " (its batch-invariant table)" if report.batch_invariant else ""
+    lines = [f"Op conformance of backend {report.backend!r}{table} on platform {report.platform} ({report.device})",
              "WORST ERROR: the largest |out - ref| / (atol + rtol |ref|) over the cases run; <= 1 passes (specs/ops.toml)."]
     if report.replayed:
         lines.append(f"Replayed one case: {report.replayed.text()}")

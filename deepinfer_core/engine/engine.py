@@ -95,7 +95,15 @@ class Engine:
 
         self.config = engine_config
         self.model_config = ModelConfig.from_dir(model_dir)
-        self.plugins, self.backend, self.platform, self.ops, limits = load_backend(backend_name, self.model_config)
+        model_cls = get_model_class(self.model_config.model_type)
+        if engine_config.batch_invariant and not getattr(model_cls, "supports_batch_invariance", False):
+            raise ConfigError(
+                f"batch_invariant=True is supported for the MLA models (DeepSeek-V2/V3/R1 and the embedded default), not for "
+                f"model_type {self.model_config.model_type!r} yet (its prompt and decode tokens read their attention context "
+                f"along different paths); run it without batch_invariant / DEEPINFER_BATCH_INVARIANT"
+            )
+        self.plugins, self.backend, self.platform, self.ops, limits = load_backend(backend_name, self.model_config,
+                                                                                   engine_config.batch_invariant)
         self.device = self.platform.torch_device
         self.platform.activate()  # kernel launches and graph captures use the current device
         self.dtype = resolve_dtype(dtype, self.model_config, self.platform.supported_dtypes)
@@ -107,7 +115,6 @@ class Engine:
                 self.model_config.fp8_block[0], self.dtype,
             )
             keep_fp8 = False
-        model_cls = get_model_class(self.model_config.model_type)
         self.model = model_cls(self.model_config, self.ops, self.dtype, self.device, keep_fp8=keep_fp8)
         if engine_config.load_format == "dummy":
             init_dummy_weights(self.model, seed=engine_config.seed, progress=progress)
@@ -165,7 +172,8 @@ class Engine:
             query_lens = (1, 1 + lookahead) if lookahead else (1,)
             widths = max_blocks_per_group(groups, max_len, block_size, max(query_lens), self.kv.rings)
             graphs = DecodeGraphs(self.model, self.kv_cache.tensors, groups, widths, sizes, query_lens, self.device, self.platform.graphs())
-        self.runner = ModelRunner(self.model, self.kv_cache, self.kv, self.device, graphs, keep_hidden=drafter and sc.method == "mtp")
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv, self.device, graphs, keep_hidden=drafter and sc.method == "mtp",
+                                  prefills_as_rows=engine_config.batch_invariant)
         self.proposer = proposers.build(sc, self.model, self.runner, self.ops, eos_ids, max_len, self.platform.copy_to_host,
                                         self.max_num_batched_tokens)
         if graphs is not None and sc is not None and sc.method == "mtp":  # the MTP module's decode rows as graphs too

@@ -73,13 +73,20 @@ class StepOutput:
 
 class ModelRunner:
     """``graphs``: when given, decode-only steps that fit its buckets replay captured graphs.
-    ``keep_hidden``: every step's output carries the model's hidden states (MTP drafting)."""
+    ``keep_hidden``: every step's output carries the model's hidden states (MTP drafting).
+    ``prefills_as_rows`` (batch-invariant inference): a prefill chunk is laid out as a row, as a
+    decode row is (BatchMeta with no prefill tokens; the chunk causal within its row), so the
+    model computes a prompt token exactly as it computes a decoded one. Paged cache groups only."""
 
     lookback = 0  # tokens before each sequence's new ones the model reads (set from the model)
+    prefills_as_rows = False
 
     def __init__(self, model, kv_cache: KVCache, kv: KVCacheManager, device: torch.device, graphs: DecodeGraphs | None = None,
-                 keep_hidden: bool = False):
+                 keep_hidden: bool = False, prefills_as_rows: bool = False):
+        if prefills_as_rows and any(g.kind != "paged" for g in kv.groups):
+            raise ValueError("prefill chunks can be laid out as rows only for models whose caches are all paged")
         self.model = model
+        self.prefills_as_rows = prefills_as_rows
         self.keep_hidden = keep_hidden
         self.kv_cache = kv_cache
         self.kv = kv
@@ -140,9 +147,16 @@ class ModelRunner:
             hb.positions.extend(range(s.start, s.end))
             for g in self.groups:
                 hb.slots[g.name].extend(self._slots(g, seq, range(s.start, s.end)))
-                hb.context[g.name].append(self._context(g, seq, s.start, s.end))
-            hb.cu_q.append(hb.cu_q[-1] + s.num_tokens)
-            hb.cu_k.append(hb.cu_k[-1] + s.end)
+                if self.prefills_as_rows:
+                    hb.tables[g.name].append(seq.block_tables[g.name])
+                else:
+                    hb.context[g.name].append(self._context(g, seq, s.start, s.end))
+            if self.prefills_as_rows:
+                hb.seq_lens.append(s.end)
+                hb.query_start.append(hb.query_start[-1] + s.num_tokens)
+            else:
+                hb.cu_q.append(hb.cu_q[-1] + s.num_tokens)
+                hb.cu_k.append(hb.cu_k[-1] + s.end)
             if self.lookback:
                 hb.lookback.append(self._lookback(seq, s.start))
             if seq.wants_prompt_logprobs:
@@ -155,7 +169,7 @@ class ModelRunner:
             if s.samples:
                 hb.samples.append((s, len(hb.logits_rows), 1))
                 hb.logits_rows.append(len(hb.ids) - 1)
-        hb.num_prefill_tokens = len(hb.ids)
+        hb.num_prefill_tokens = 0 if self.prefills_as_rows else len(hb.ids)
 
         for s in out.decodes:
             seq = s.seq

@@ -96,7 +96,9 @@ class BatchMeta:
     Tokens are packed: first the new tokens of every prefill sequence (chunks of prompts, or of
     prompts plus earlier output after a preemption, or a bounded replay), sequence after
     sequence, then the rows of every decode sequence: 1 + k tokens each (its newest token and k
-    draft tokens to verify), causal within the row. All tensors live on the model's device.
+    draft tokens to verify), causal within the row. All tensors live on the model's device. In
+    batch-invariant inference (``ModelRunner.prefills_as_rows``) there are no prefill tokens:
+    every sequence is a row, a prompt chunk a row as long as the chunk.
 
     num_prefill_tokens: tokens [0, num_prefill_tokens) belong to prefill sequences.
     prefill_cu_seqlens_q: [P+1] int32 boundaries of the prefill sequences' new tokens.

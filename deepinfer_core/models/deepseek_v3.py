@@ -230,13 +230,13 @@ class Attention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, alloc)
         self.kv_b_proj = Linear(self.kv_lora_rank, h * (self.nope_dim + self.v_dim), ops, alloc)
         self.o_proj = Linear(h * self.v_dim, d, ops, alloc, bias=bias)
-        # Derived by post_load from kv_b_proj: [H, d_n, d_c] and [H, d_v, d_c]. Not parameters.
-        self.w_uk: torch.Tensor | None = None
+        # Derived by post_load from kv_b_proj: W_UK^T [H, d_c, d_n] and W_UV [H, d_v, d_c] (views). Not parameters.
+        self.w_uk_t: torch.Tensor | None = None
         self.w_uv: torch.Tensor | None = None
 
     def post_load(self, dtype: torch.dtype) -> None:
         w = self.kv_b_proj.dequantized_weight(dtype).view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        self.w_uk, self.w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]
+        self.w_uk_t, self.w_uv = w[:, : self.nope_dim].transpose(1, 2), w[:, self.nope_dim :]
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, batch: BatchMeta, kv_cache: torch.Tensor, cos_sin: torch.Tensor
@@ -279,12 +279,12 @@ class Attention(nn.Module):
 
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: BatchMeta, kv_cache: torch.Tensor) -> torch.Tensor:
         """Decode rows (1 + k tokens per sequence, causal within the row) over the paged cache."""
-        q_latent = torch.einsum("bhn,hnc->bhc", q_nope, self.w_uk)
+        q_latent = self.ops.head_linear(q_nope, self.w_uk_t)
         u = self.ops.mla_decode_attention(
             q_latent, q_pe, kv_cache, batch.groups[CACHE_GROUP].block_tables, batch.decode_seq_lens,
             batch.decode_query_start_loc, self.scale,
         )
-        return torch.einsum("bhc,hvc->bhv", u, self.w_uv)
+        return self.ops.head_linear(u, self.w_uv)
 
 
 class DecoderLayer(nn.Module):
@@ -351,6 +351,9 @@ class DeepseekV3ForCausalLM(nn.Module):
     """
 
     default_block_size = 16  # the engine's block size (tokens) unless the user picks one
+    # Batch-invariant inference: prompt chunks come as rows (no prefill tokens), so every token
+    # takes the absorbed path of _decode, whatever the batch around it.
+    supports_batch_invariance = True
 
     def __init__(self, config: ModelConfig, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False):
         super().__init__()

@@ -19,6 +19,7 @@ REFERENCE_OPS: dict[str, Callable] = {
     "rotary_embedding": rope.rotary_embedding,
     "linear": linear.linear,
     "fp8_block_linear": linear.fp8_block_linear,
+    "head_linear": linear.head_linear,
     "silu_and_mul": activation.silu_and_mul,
     "moe_route": moe.moe_route,
     "moe_experts": moe.moe_experts,
@@ -55,15 +56,27 @@ V4_OP_NAMES: tuple[str, ...] = OP_NAMES[OP_NAMES.index("rms_norm_f32"):]
 V41_OP_NAMES: tuple[str, ...] = OP_NAMES[OP_NAMES.index("mhc_pre_delayed"):]  # V4.1's own
 
 
+def reference_ops(batch_invariant: bool = False) -> dict[str, Callable]:
+    """The reference implementations, in their batch-invariant form when asked (``ops.invariant``)."""
+    if not batch_invariant:
+        return dict(REFERENCE_OPS)
+    from deepinfer_core.ops import invariant
+
+    return {**REFERENCE_OPS, **invariant.OVERRIDES}
+
+
 class OpTable:
     """The ops a model calls, resolved once at start-up.
 
     Attribute access gives the plain callable (``ops.rms_norm(x, w, eps)``); ``providers`` maps
     each op name to the backend that supplied it, ``implementations`` to the callable's ``impl``
     attribute (a backend's one-line description of the kernel behind it), or "" when it has none.
+    ``batch_invariant``: the table was built for batch-invariant inference (each op's result for
+    a row depends on that row alone; hookspecs.BackendSpec.deepinfer_ops), and the models compute
+    every token the way they compute a decoded one.
     """
 
-    def __init__(self, impls: dict[str, Callable], providers: dict[str, str]):
+    def __init__(self, impls: dict[str, Callable], providers: dict[str, str], batch_invariant: bool = False):
         unknown = set(impls) - set(OP_NAMES)
         if unknown:
             raise ValueError(f"unknown op names {sorted(unknown)}; known ops: {', '.join(OP_NAMES)}")
@@ -74,10 +87,11 @@ class OpTable:
         self.providers = dict(providers)
         # op -> what implements it, from the callable's ``impl`` attribute ("triton: ...", "cublas")
         self.implementations = {name: getattr(fn, "impl", None) or "" for name, fn in impls.items()}
+        self.batch_invariant = batch_invariant
 
     @classmethod
-    def reference(cls) -> OpTable:
-        return cls(dict(REFERENCE_OPS), {name: "reference" for name in OP_NAMES})
+    def reference(cls, batch_invariant: bool = False) -> OpTable:
+        return cls(reference_ops(batch_invariant), {name: "reference" for name in OP_NAMES}, batch_invariant)
 
     def __getitem__(self, name: str) -> Callable:
         return self.__dict__[name]

@@ -37,10 +37,15 @@ def moe_route(
     V2 gates never renormalise. Weights are finally multiplied by routed_scaling_factor. The
     order of the k slots is unspecified.
     """
-    selection, weights_of = route_selection(x, gate_weight, correction_bias, scoring_func=scoring_func, topk_method=topk_method,
-                                            n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
-                                            routed_scaling_factor=routed_scaling_factor)
-    ids = selection.topk(top_k, dim=-1, sorted=False)[1]
+    return top_k_route(route_selection(x, gate_weight, correction_bias, scoring_func=scoring_func, topk_method=topk_method,
+                                       n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
+                                       routed_scaling_factor=routed_scaling_factor), top_k)
+
+
+def top_k_route(gate: tuple[torch.Tensor, Callable], top_k: int, fixed_ids: torch.Tensor | None = None):
+    """(weights, ids) from a gate's (selection, weights_of): the top_k of the selection, or ``fixed_ids``."""
+    selection, weights_of = gate
+    ids = fixed_ids.long() if fixed_ids is not None else selection.topk(top_k, dim=-1, sorted=False)[1]
     return weights_of(ids), ids
 
 
@@ -55,11 +60,13 @@ def route_selection(
     topk_group: int,
     norm_topk_prob: bool,
     routed_scaling_factor: float,
+    matmul: Callable = F.linear,
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
     """``moe_route``'s gate: (selection [T, E] float32, weights_of). Its ids are the top_k of
     ``selection`` per token (-inf or 0 outside the kept groups); ``weights_of(ids)`` gives the
-    weights of any ids [T, k]. The conformance checks judge routing with these two at ties."""
-    logits = F.linear(x.float(), gate_weight.float())
+    weights of any ids [T, k]. The conformance checks judge routing with these two at ties.
+    ``matmul`` computes the gate logits (F.linear's signature; the batch-invariant reference's own)."""
+    logits = matmul(x.float(), gate_weight.float())
     num_tokens, num_experts = logits.shape
     if scoring_func == "sigmoid":
         scores = logits.sigmoid()
@@ -119,7 +126,7 @@ def moe_experts(
     The reference follows transformers' eager path: experts in ascending id, the weighted
     expert output accumulated into a buffer of x's dtype.
     """
-    return _experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, silu_and_mul)
+    return routed_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, silu_and_mul, F.linear)
 
 
 def moe_experts_clamped(
@@ -135,11 +142,13 @@ def moe_experts_clamped(
 ) -> torch.Tensor:
     """``moe_experts`` with DeepSeek-V4's clamped SwiGLU: each expert computes
     down(silu(min(gate, limit)) * clamp(up, -limit, limit)). Same arguments and layout otherwise."""
-    return _experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block,
-                    lambda h: silu_and_mul_clamped(h, limit))
+    return routed_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block,
+                          lambda h: silu_and_mul_clamped(h, limit), F.linear)
 
 
-def _experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, act) -> torch.Tensor:
+def routed_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, act, matmul) -> torch.Tensor:
+    """The expert loop of ``moe_experts`` (activation ``act``; the products by ``matmul``, F.linear's
+    signature: the batch-invariant reference passes its own)."""
     out = torch.zeros_like(x)
     if x.shape[0] == 0:
         return out
@@ -149,8 +158,8 @@ def _experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, act
         if w13_scale is not None:
             gate_up = dequantize_fp8_block(gate_up, w13_scale[expert], block, x.dtype)
             down = dequantize_fp8_block(down, w2_scale[expert], block, x.dtype)
-        h = act(F.linear(x[token_idx], gate_up))
-        y = F.linear(h, down) * topk_weights[token_idx, slot, None]
+        h = act(matmul(x[token_idx], gate_up))
+        y = matmul(h, down) * topk_weights[token_idx, slot, None]
         out.index_add_(0, token_idx, y.to(x.dtype))
     return out
 
@@ -173,10 +182,8 @@ def moe_route_sqrtsoftplus(
     divided by their sum (+1e-20) when norm_topk_prob, times routed_scaling_factor. The order of
     the k slots is unspecified.
     """
-    selection, weights_of = sqrtsoftplus_selection(x, gate_weight, correction_bias, norm_topk_prob=norm_topk_prob,
-                                                   routed_scaling_factor=routed_scaling_factor)
-    ids = fixed_ids.long() if fixed_ids is not None else selection.topk(top_k, dim=-1, sorted=False)[1]
-    return weights_of(ids), ids
+    return top_k_route(sqrtsoftplus_selection(x, gate_weight, correction_bias, norm_topk_prob=norm_topk_prob,
+                                              routed_scaling_factor=routed_scaling_factor), top_k, fixed_ids)
 
 
 def sqrtsoftplus_selection(

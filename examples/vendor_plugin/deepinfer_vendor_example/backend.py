@@ -62,8 +62,8 @@ def deepinfer_backend() -> BackendInfo:
     return BackendInfo(
         name=NAME,
         priority=5,  # above the reference (0) once enabled, far below the GPU/NPU backends (100)
-        min_spec_version=2,  # the hookspec versions this release implements (deepinfer_core.hookspecs.SPEC_VERSION)
-        max_spec_version=2,
+        min_spec_version=3,  # the hookspec versions this release implements (deepinfer_core.hookspecs.SPEC_VERSION)
+        max_spec_version=3,
         description="example vendor backend (CPU): 7 ops of its own, the rest from the reference; opt-in",
     )
 

@@ -36,8 +36,8 @@ def deepinfer_backend() -> BackendInfo:
     return BackendInfo(
         name=NAME,
         priority=-1,  # below the reference: never auto-selected, only by name
-        min_spec_version=2,
-        max_spec_version=2,
+        min_spec_version=3,
+        max_spec_version=3,
         description=f"DELIBERATELY BROKEN copy of vendor_example ({BROKEN_OP} drops the newest token); shows conformance failing",
     )
 

@@ -45,8 +45,8 @@ def deepinfer_backend() -> BackendInfo:
     return BackendInfo(
         name=NAME,
         priority=100,
-        min_spec_version=2,
-        max_spec_version=2,
+        min_spec_version=3,
+        max_spec_version=3,
         description="Huawei Ascend 950 NPUs (CANN + torch_npu); ops fall back to the reference for now",
     )
 

@@ -5,7 +5,7 @@ from deepinfer_core.hookspecs import BackendInfo, ProbeResult, hookimpl
 
 @hookimpl
 def deepinfer_backend():
-    return BackendInfo(name="fakebadinfo", priority="high", min_spec_version=2, max_spec_version=2)  # type: ignore[arg-type]
+    return BackendInfo(name="fakebadinfo", priority="high", min_spec_version=3, max_spec_version=3)  # type: ignore[arg-type]
 
 
 @hookimpl

@@ -9,7 +9,7 @@ def rms_norm(x, weight):
 
 @hookimpl
 def deepinfer_backend():
-    return BackendInfo(name="fakebadsignature", priority=-5, min_spec_version=2, max_spec_version=2)
+    return BackendInfo(name="fakebadsignature", priority=-5, min_spec_version=3, max_spec_version=3)
 
 
 @hookimpl

@@ -5,7 +5,7 @@ from deepinfer_core.hookspecs import BackendInfo, ProbeResult, hookimpl
 
 @hookimpl
 def deepinfer_backend():
-    return BackendInfo(name="fakedictplatform", priority=-5, min_spec_version=2, max_spec_version=2)
+    return BackendInfo(name="fakedictplatform", priority=-5, min_spec_version=3, max_spec_version=3)
 
 
 @hookimpl

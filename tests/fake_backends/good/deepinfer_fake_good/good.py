@@ -34,8 +34,8 @@ def deepinfer_backend():
     return BackendInfo(
         name=NAME,
         priority=50,
-        min_spec_version=2,
-        max_spec_version=2,
+        min_spec_version=3,
+        max_spec_version=3,
         description="test fake: two ops of its own, the rest from the reference",
     )
 

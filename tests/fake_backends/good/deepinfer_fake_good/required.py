@@ -10,8 +10,8 @@ def deepinfer_backend():
     return BackendInfo(
         name=NAME,
         priority=10,
-        min_spec_version=2,
-        max_spec_version=2,
+        min_spec_version=3,
+        max_spec_version=3,
         required_ops=frozenset({"mla_decode_attention"}),
         description="test fake: requires an op it lacks",
     )

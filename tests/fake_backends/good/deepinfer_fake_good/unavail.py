@@ -11,8 +11,8 @@ def deepinfer_backend():
     return BackendInfo(
         name="fakeunavail",
         priority=1000,
-        min_spec_version=2,
-        max_spec_version=2,
+        min_spec_version=3,
+        max_spec_version=3,
         description="test fake: never available",
     )
 

@@ -4,8 +4,10 @@ grammar mask.
 
 Parts (``--parts``, comma-separated):
 
-* ``e2e``: the embedded default model, B requests (``--batches``), ``--max-tokens`` tokens each:
-  free (ignore_eos) against every request under ``SCHEMA``. The schema is an array of at least
+* ``e2e``: ``--model`` (the embedded default model, or a benchmarks.models shape with random
+  weights and the default model's tokenizer: a real model's step beside the same masks), B
+  requests (``--batches``), ``--max-tokens`` tokens each: free (ignore_eos) against every
+  request under ``SCHEMA``. The schema is an array of at least
   ``MIN_ITEMS`` integers, so every constrained request also runs to max_tokens, and both sides
   emit the same number of tokens. First call and best repeated call; tokens/s count the tokens
   the outputs hold.
@@ -15,7 +17,9 @@ Parts (``--parts``, comma-separated):
   model's tokenizer and for a synthetic vocabulary of ``--synthetic-vocab`` strings, to show
   how the cost grows with a DeepSeek-size vocabulary. No tokenizer of that size is stored
   here; the synthetic strings are the default tokenizer's pieces, their pairs, and digit and
-  letter runs.
+  letter runs. Each point is timed twice: ``ms`` as the engine fills masks (``structured.bitmask``),
+  ``ms_batch`` by xgrammar's batch matcher for every row and ``ms_loop`` one row at a time
+  (which ``structured.BATCH_FILL_MIN_ROWS`` chooses between).
 
 Writes ``structured.json`` (and prints every point) under ``--out``.
 """
@@ -37,10 +41,30 @@ SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum":
 PROMPT = "numbers = ["
 
 
+def _model(args) -> str | None:
+    """None (the embedded default model), or a config-only checkpoint of ``args.model`` holding
+    the default model's tokenizer files."""
+    if args.model == "default":
+        return None
+    import shutil
+    import tempfile
+
+    from benchmarks.generate import write_model
+    from deepinfer_core.api import resolve_model_dir
+
+    path = write_model(args.model, args.layers, Path(tempfile.mkdtemp(prefix="structured-")))
+    for f in resolve_model_dir(None).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, path / f.name)
+    return str(path)
+
+
 def e2e(args) -> list[dict]:
     from deepinfer_core import LLM, SamplingParams
 
-    llm = LLM(accelerator=args.accelerator, dtype=args.dtype, progress=False, max_num_seqs=max(args.batches))
+    path = _model(args)
+    llm = LLM(model=path, accelerator=args.accelerator, dtype=args.dtype, progress=False, max_num_seqs=max(args.batches),
+              load_format="dummy" if path else "safetensors")
     out = []
     for batch in args.batches:
         for mode in ("free", "json"):
@@ -105,6 +129,7 @@ def mask(args) -> list[dict]:
         "string": ({"type": "array", "items": {"type": "string"}}, lambda i: '["' + "ab" * (1 + i % 5)),
     }
     out = []
+    batch_matcher = xgrammar.BatchGrammarMatcher()  # one pool, as the engine keeps one
     for name, (info, size) in infos.items():
         compiler = xgrammar.GrammarCompiler(info)
         for state, (schema, prefix) in states.items():
@@ -115,21 +140,34 @@ def mask(args) -> list[dict]:
                     matcher = xgrammar.GrammarMatcher(compiled)
                     assert matcher.accept_string(prefix(i)), prefix(i)
                     rows.append(SampleRow(Sequence(i, str(i), 0, [1], params, 0, grammar=matcher)))
-                times = []
-                for _ in range(20):
-                    t = time.perf_counter()
-                    structured.bitmask(rows, size)
-                    times.append(time.perf_counter() - t)
-                median = sorted(times)[len(times) // 2]
-                point = {"vocab": name, "vocab_size": size, "state": state, "batch": batch, "ms": 1e3 * median, "us_per_row": 1e6 * median / batch}
+                words = (size + 31) // 32
+                buffer = torch.full((batch, words), -1, dtype=torch.int32)
+                fills = {
+                    "ms": lambda: structured.bitmask(rows, size),
+                    "ms_batch": lambda: batch_matcher.batch_fill_next_token_bitmask(
+                        [r.seq.grammar for r in rows], buffer, list(range(batch))),
+                    "ms_loop": lambda: [r.seq.grammar.fill_next_token_bitmask(buffer, i) for i, r in enumerate(rows)],
+                }
+                point = {"vocab": name, "vocab_size": size, "state": state, "batch": batch}
+                for key, fill in fills.items():
+                    times = []
+                    for _ in range(20):
+                        t = time.perf_counter()
+                        fill()
+                        times.append(time.perf_counter() - t)
+                    point[key] = 1e3 * sorted(times)[len(times) // 2]
+                point["us_per_row"] = 1e3 * point["ms"] / batch
                 out.append(point)
-                print(f"[mask] {name} {state} B={batch}: {point['ms']:.3f} ms ({point['us_per_row']:.1f} us per row)", flush=True)
+                print(f"[mask] {name} {state} B={batch}: {point['ms']:.3f} ms ({point['us_per_row']:.1f} us per row); batch matcher "
+                      f"{point['ms_batch']:.3f} ms, one by one {point['ms_loop']:.3f} ms", flush=True)
     return out
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", default="e2e,mask")
+    p.add_argument("--model", default="default", help="e2e: 'default' or a benchmarks.models name (random weights)")
+    p.add_argument("--layers", type=int, default=None)
     p.add_argument("--accelerator")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batches", default="1,8,32")
@@ -139,7 +177,6 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=Path, default=Path("bench_results"))
     args = p.parse_args(argv)
     args.batches = [int(v) for v in args.batches.split(",")]
-    args.model, args.layers = "default", None
     report = {"meta": metadata(args), "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "structured.json"

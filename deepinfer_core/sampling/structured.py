@@ -8,7 +8,8 @@ whitespace a grammar leaves free. Each sequence gets its own ``xgrammar.GrammarM
 (``Sequence.grammar``), which accepts the sequence's output tokens as the output processor
 appends them. A preempted sequence keeps its outputs, and so its matcher state, through the
 recompute. Before a step samples, ``bitmask`` fills one row of 32-bit words per sample
-row on the host: bit t set means token t may come next. The backend's ``apply_token_bitmask``
+row on the host (one by one, or by xgrammar's batch matcher for large batches): bit t set means
+token t may come next. The backend's ``apply_token_bitmask``
 op then sets the forbidden logits to -inf on the device. Free rows get -1 words (everything
 allowed), and a batch without constrained rows gets no mask at all.
 
@@ -33,6 +34,11 @@ import torch
 from deepinfer_core.sampling.params import StructuredOutputs
 
 CACHE_ENTRIES = 512  # compiled grammars kept (least recently used dropped)
+# From this many rows on, masks are filled by xgrammar's batch matcher (its thread pool); fewer
+# are filled one by one. On the H200 machine's host a batch call took ~0.35 ms even for one row
+# (thread wake-ups; here on 2 cores, 2 us) against ~1 us per row for a plain call
+# (benchmarks/structured.py's mask part times both).
+BATCH_FILL_MIN_ROWS = 64
 _XGRAMMAR_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+\.cc:\d+: ")  # its C++ log position: no use to a user
 DESCRIPTION = {"json": "JSON schema", "json_object": "JSON object constraint", "regex": "regular expression",
                "grammar": "EBNF grammar", "choice": "list of choices"}
@@ -81,9 +87,9 @@ class Grammars:
 
 def bitmask(rows, vocab_size: int) -> torch.Tensor | None:
     """int32 [len(rows), ceil(vocab_size / 32)] on the host for ``rows`` (sampler.SampleRow), or
-    None when no row's sequence is constrained. Rows without drafts are filled together by
-    xgrammar's batch matcher (its threads); a verification row's drafts are advanced through and
-    rolled back. A row may not have tokens still on the device (``pending``): the host needs them."""
+    None when no row's sequence is constrained. Rows without drafts are filled together
+    (BATCH_FILL_MIN_ROWS); a verification row's drafts are advanced through and rolled back. A
+    row may not have tokens still on the device (``pending``): the host needs them."""
     if not any(r.seq.grammar is not None for r in rows):
         return None
     mask = torch.full((len(rows), (vocab_size + 31) // 32), -1, dtype=torch.int32)
@@ -109,8 +115,12 @@ def bitmask(rows, vocab_size: int) -> torch.Tensor | None:
     for matcher, n in advanced.values():
         if n:
             matcher.rollback(n)
-    if together[0]:
-        _batch_matcher().batch_fill_next_token_bitmask(together[0], mask, together[1])
+    matchers, indices = together
+    if len(matchers) >= BATCH_FILL_MIN_ROWS:
+        _batch_matcher().batch_fill_next_token_bitmask(matchers, mask, indices)
+    else:
+        for matcher, i in zip(matchers, indices):
+            matcher.fill_next_token_bitmask(mask, i)
     return mask
 
 

@@ -195,7 +195,7 @@ def test_batch_invariant_mode_on_gpu_is_bitwise_in_any_batch_and_after_preemptio
                                          max_tokens=rng.randint(1, 20), ignore_eos=True) for _ in others]
             outs = llm.generate(others[:where] + [target] + others[where:], neighbours[:where] + [params] + neighbours[where:],
                                 use_tqdm=False)
-            assert _bitwise(outs)[where] == alone, (size, params.temperature)
+            assert _bitwise([outs[where]])[0] == alone, (size, params.temperature)
     prompts = [[rng.randrange(2, 150) for _ in range(rng.randint(5, 40))] for _ in range(24)]
     big = _bitwise(llm.generate(prompts, cases[0], use_tqdm=False))
     tight = LLM(num_kv_blocks=6, max_model_len=64, **kw)

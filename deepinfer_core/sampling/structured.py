@@ -35,10 +35,12 @@ from deepinfer_core.sampling.params import StructuredOutputs
 
 CACHE_ENTRIES = 512  # compiled grammars kept (least recently used dropped)
 # From this many rows on, masks are filled by xgrammar's batch matcher (its thread pool); fewer
-# are filled one by one. On the H200 machine's host a batch call took ~0.35 ms even for one row
-# (thread wake-ups; here on 2 cores, 2 us) against ~1 us per row for a plain call
-# (benchmarks/structured.py's mask part times both).
-BATCH_FILL_MIN_ROWS = 64
+# are filled one by one. On the H200 machine's 16-core host (benchmarks/results/issue15_2026-12-02)
+# a batch call cost 0.22-0.37 ms even for one row (thread wake-ups; 2 us on a 2-core machine),
+# against 1-10 us for a plain call; with a DeepSeek-size vocabulary in an expensive state (inside
+# a number) one row takes ~120 us, and the pool won from 8 rows on (0.50 against 1.19 ms at 8,
+# 1.23 against 3.87 ms at 32).
+BATCH_FILL_MIN_ROWS = 8
 _XGRAMMAR_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+\.cc:\d+: ")  # its C++ log position: no use to a user
 DESCRIPTION = {"json": "JSON schema", "json_object": "JSON object constraint", "regex": "regular expression",
                "grammar": "EBNF grammar", "choice": "list of choices"}

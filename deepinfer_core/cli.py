@@ -231,7 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--workloads", help="with --e2e: comma-separated workload names (default: all in specs/workloads)")
     c.add_argument("--refresh", action="store_true", help="with --e2e: rewrite this platform's baseline entry (prints the diff)")
     c.add_argument("--check-structured-output", "--check_structured_output", dest="check_structured_output", action="store_true",
-                   help="with --e2e: add regex / JSON-schema / EBNF checks (needs structured outputs, not implemented yet)")
+                   help="with --e2e: also run the default model under JSON-schema, regex, EBNF, choice and JSON-object "
+                   "constraints and check every output")
     c.set_defaults(func=_conformance)
     return parser
 

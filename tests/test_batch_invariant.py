@@ -173,6 +173,26 @@ def test_batch_invariant_mode_is_refused_where_it_cannot_hold(tmp_path):
         manager.load(backend, batch_invariant=True)
 
 
+def test_a_partial_backend_gets_the_batch_invariant_reference_for_what_it_leaves_out():
+    def rms_norm(x, weight, eps):
+        return REFERENCE_OPS["rms_norm"](x, weight, eps)
+
+    module = SimpleNamespace(
+        deepinfer_backend=hookimpl(lambda: BackendInfo(name="halfchip", priority=-10, min_spec_version=SPEC_VERSION,
+                                                       max_spec_version=SPEC_VERSION)),
+        deepinfer_probe=hookimpl(lambda: ProbeResult(True)),
+        deepinfer_platform=hookimpl(lambda: Platform(name="halfchip-1", backend="halfchip", batch_invariant=True)),
+        deepinfer_ops=hookimpl(lambda platform, model_config, batch_invariant: {"rms_norm": rms_norm}),
+    )
+    manager = PluginManager()
+    backend = manager.add("halfchip", module)
+    _, ops, _, fallback = manager.load(backend, batch_invariant=True)
+    assert ops.batch_invariant and ops.rms_norm is rms_norm and "rms_norm" not in fallback
+    assert ops.linear is invariant.linear and ops.moe_route is invariant.moe_route and ops.providers["linear"] == "reference"
+    _, plain, _, _ = manager.load(backend)
+    assert plain.linear is REFERENCE_OPS["linear"] and not plain.batch_invariant
+
+
 def test_the_environment_variable_turns_it_on(monkeypatch):
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
     llm = LLM(accelerator="cpu", dtype="float32", progress=False, num_kv_blocks=64)

@@ -88,6 +88,15 @@ def test_cli_max_elements(capsys):
     assert "drop --max-elements" in capsys.readouterr().err
 
 
+def test_cli_checks_the_batch_invariant_table(capsys):
+    assert main(["conformance", "--backend", "reference", "--batch-invariant", "--ops", "linear,moe_route", "--dtype", "fp32",
+                 "--examples", "0", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "backend 'reference' (its batch-invariant table)" in out and "PASSED" in out
+    assert main(["conformance", "--e2e", "--batch-invariant"]) == 2
+    assert "do not apply to --e2e" in capsys.readouterr().err
+
+
 def test_inputs_are_reproducible_and_device_independent():
     a = make_case("mla_decode_attention", shapes("mla_decode_attention")[1], F32, "cpu", seed=5)
     b = make_case("mla_decode_attention", shapes("mla_decode_attention")[1], F32, "cpu", seed=5)

@@ -475,6 +475,13 @@ def test_cli_backends_honours_deepinfer_accelerator(with_fakes, monkeypatch, cap
     assert main(["backends", "--accelerator", "fakegood"]) == 0
     out = capsys.readouterr().out
     assert "Selected: fakegood (requested by --accelerator=fakegood)" in out
+    # the batch-invariant table, where a backend has one
+    assert main(["backends", "--batch-invariant"]) == 0
+    out = capsys.readouterr().out
+    assert "Platform: cpu-reference on cpu (batch-invariant op table)" in out
+    assert "batch-invariant" in _row(out, "linear") and "batch-invariant" not in _row(out, "rms_norm")
+    assert main(["backends", "--accelerator", "fakegood", "--batch-invariant"]) == 1
+    assert "does not support batch-invariant inference" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

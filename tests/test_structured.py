@@ -220,3 +220,16 @@ def test_the_reference_bitmask_op_reads_xgrammars_layout():
         xgrammar.apply_token_bitmask_inplace(want, mask, vocab_size=vocab, backend="torch_native")
         got = REFERENCE_OPS["apply_token_bitmask"](logits, mask)
         assert torch.equal(got, want) and torch.equal(got[0], logits[0])
+
+
+def test_the_conformance_check_passes_the_reference_and_fails_a_mask_that_lets_everything_through(monkeypatch, capsys):
+    """``deepinfer conformance --e2e --check-structured-output``'s checks: every constrained output
+    valid on the reference; a backend whose apply_token_bitmask masks nothing fails them."""
+    from deepinfer_core.conformance import structured as checks
+
+    assert checks.report("cpu") == 0
+    assert "9/9 constrained outputs valid: PASS" in capsys.readouterr().out
+    monkeypatch.setitem(REFERENCE_OPS, "apply_token_bitmask", lambda logits, bitmask: logits.clone())
+    assert checks.report("cpu") == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "constrained outputs valid: FAIL" in out

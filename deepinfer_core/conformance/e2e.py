@@ -556,12 +556,18 @@ def main(
     """Run the end-to-end workloads on ``backend`` and validate them against (or, with
     ``refresh``, record them as) the platform's baseline. Prints the report; returns 0 when every
     sample passes, 1 when any fails or the platform has no baseline, 2 when the run cannot start
-    (unknown workload, malformed specs, a backend that cannot load, ``structured``, ``dtype``
-    without ``refresh``)."""
-    if structured:
-        print("error: structured-output checks (regex, JSON schema, EBNF) are not implemented yet: DeepInfer has no "
-              "structured outputs so far; run without them", file=sys.stderr)
-        return 2
+    (unknown workload, malformed specs, a backend that cannot load, ``dtype`` without
+    ``refresh``). ``structured``: then the structured-output checks too (``conformance.structured``;
+    a failure of theirs is a 1)."""
+    code = _workloads(backend, workloads, refresh, json_out, dtype)
+    if structured and code != 2:
+        from deepinfer_core.conformance import structured as checks
+
+        code = max(code, checks.report(backend))
+    return code
+
+
+def _workloads(backend: str | None, workloads: list[str] | None, refresh: bool, json_out: str | None, dtype: str | None) -> int:
     from deepinfer_core.config import ConfigError
     from deepinfer_core.plugins import BackendError
 

@@ -98,9 +98,6 @@ def mla_decode_attention(
         for row in range(first, last):
             allowed = max(0, n - (last - first) + 1 + (row - first))
             c, k_pe = entries[:allowed, :d_c], entries[:allowed, d_c:]
-            # the row's queries copied out: a BLAS may round differently at another address, and a
-            # row's result must not depend on where in the batch it sits (batch-invariant inference)
-            q, q_rope = q_latent[row].float().clone(), q_pe[row].float().clone()
-            scores = (q @ c.T + q_rope @ k_pe.T) * scale
+            scores = (q_latent[row].float() @ c.T + q_pe[row].float() @ k_pe.T) * scale
             out[row] = (scores.softmax(dim=-1) @ c).to(q_latent.dtype)
     return out

@@ -1,7 +1,7 @@
 """The reference ops in batch-invariant form: each row's result depends on that row alone, not on
 how many rows share the call or what they hold (``LLM(batch_invariant=True)``).
 
-Only matrix products can break this in the reference: a BLAS picks its kernel, its blocking and
+Matrix products break this in the plain reference: a BLAS picks its kernel, its blocking and
 its split of the reduction from the shape of the whole product, so a token's projection changes
 in its last bits with the number of tokens beside it (measured on this project's CPU with MKL:
 float32 rows differ between 1, 2..7 and 8+ rows; bfloat16 between 1 and more). Here every
@@ -16,11 +16,11 @@ product. Without MKL, ROWS is 1: a one-row product has no position.
 Elementwise transcendentals can break it too: torch's vectorised loop (SLEEF) and its scalar
 tail round exp or sigmoid differently, and whether an element lands in one or the other follows
 its place in the flattened tensor, that is, the rows before it (measured: sigmoid over a [40, 8]
-tensor gave 11 of 40 rows other bits than each row alone). On more than one thread it is worse: torch
-cuts a large elementwise op into ranges of the flattened tensor, and a range may end mid-row.
-The routing gate and SwiGLU therefore run one token per call. The rest of what the MLA models
-call is already row by row: norms (exact arithmetic), RoPE (precomputed tables); ``mla_decode_attention`` loops over query rows,
-each one's products shaped by its own position alone; ``sample_tokens`` draws per row from
+tensor gave 11 of 40 rows other bits than each row alone). On more than one thread it is
+worse: torch cuts a large elementwise op into ranges of the flattened tensor, and a range may
+end mid-row. The routing gate and SwiGLU therefore run one token per call. The rest of what the
+MLA models call is already row by row: norms (exact arithmetic), RoPE (precomputed tables);
+``mla_decode_attention`` loops over query rows, each one's products shaped by its own position; ``sample_tokens`` draws per row from
 (seed, position). ``mla_prefill_attention`` is left as it is: a batch-invariant engine computes
 prompt tokens through ``mla_decode_attention`` (rows of any length), so that a prompt token, a
 token recomputed after a preemption and a decoded token go through the same arithmetic.
@@ -128,7 +128,8 @@ def moe_experts(
     return _moe.routed_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, silu_and_mul, linear)
 
 
-# The ops the batch-invariant reference table replaces (the MLA models' matrix products).
+# The ops the batch-invariant reference table replaces (the MLA models' matrix products and
+# transcendental elementwise ops).
 OVERRIDES: dict[str, Callable] = {
     "linear": linear,
     "head_linear": head_linear,

@@ -20,10 +20,11 @@ tensor gave 11 of 40 rows other bits than each row alone). On more than one thre
 worse: torch cuts a large elementwise op into ranges of the flattened tensor, and a range may
 end mid-row. The routing gate and SwiGLU therefore run one token per call. The rest of what the
 MLA models call is already row by row: norms (exact arithmetic), RoPE (precomputed tables);
-``mla_decode_attention`` loops over query rows, each one's products shaped by its own position; ``sample_tokens`` draws per row from
-(seed, position). ``mla_prefill_attention`` is left as it is: a batch-invariant engine computes
-prompt tokens through ``mla_decode_attention`` (rows of any length), so that a prompt token, a
-token recomputed after a preemption and a decoded token go through the same arithmetic.
+``mla_decode_attention`` loops over query rows, each one's products shaped by its own
+position; ``sample_tokens`` draws per row from (seed, position). ``mla_prefill_attention`` is
+left as it is: a batch-invariant engine computes prompt tokens through ``mla_decode_attention``
+(rows of any length), so that a prompt token, a token recomputed after a preemption and a
+decoded token go through the same arithmetic.
 """
 
 from __future__ import annotations

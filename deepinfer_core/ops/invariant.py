@@ -41,19 +41,20 @@ from deepinfer_core.ops.activation import silu_and_mul as _silu_and_mul
 ROWS = 16 if torch.backends.mkl.is_available() else 1  # rows per matrix-product call (see above)
 
 
-def in_fixed_calls(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``fn`` over the rows of ``x`` (dim 0) ROWS at a time, each call on a new [ROWS, ...] buffer
-    (the last one zero-padded); the results concatenated and cut to x's rows."""
-    rows = x.shape[0]
-    if rows == 0:
+def in_fixed_calls(fn: Callable, x: torch.Tensor, rows: int = ROWS):
+    """``fn`` over the rows of ``x`` (dim 0) ``rows`` at a time, each call on a new [rows, ...]
+    buffer (the last one zero-padded); the results (a tensor, or a tuple of them) concatenated
+    and cut to x's rows."""
+    if x.shape[0] == 0:
         return fn(x)
     outs = []
-    for start in range(0, rows, ROWS):
-        chunk = x[start : start + ROWS]
-        buffer = x.new_zeros((ROWS, *x.shape[1:]))
+    for start in range(0, x.shape[0], rows):
+        chunk = x[start : start + rows]
+        buffer = x.new_zeros((rows, *x.shape[1:]))
         buffer[: chunk.shape[0]] = chunk
-        outs.append(fn(buffer)[: chunk.shape[0]])
-    return torch.cat(outs)
+        out = fn(buffer)
+        outs.append(tuple(t[: chunk.shape[0]] for t in out) if isinstance(out, tuple) else out[: chunk.shape[0]])
+    return tuple(map(torch.cat, zip(*outs))) if isinstance(outs[0], tuple) else torch.cat(outs)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -94,24 +95,19 @@ def moe_route(
     """ops.moe.moe_route, batch-invariant: the gate logits by ``linear``, then one token per call
     (the scoring function's vectorised loop and its scalar tail round differently, and which one
     an element gets follows its place in the whole tensor)."""
-    def route(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gate = _moe.route_selection(rows, gate_weight, correction_bias, scoring_func=scoring_func, topk_method=topk_method,
+    def route(token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate = _moe.route_selection(token, gate_weight, correction_bias, scoring_func=scoring_func, topk_method=topk_method,
                                     n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
                                     routed_scaling_factor=routed_scaling_factor, matmul=linear)
         return _moe.top_k_route(gate, top_k)
 
-    if x.shape[0] == 0:
-        return route(x)
-    weights, ids = zip(*(route(row) for row in x.split(1)))
-    return torch.cat(weights), torch.cat(ids)
+    return in_fixed_calls(route, x, rows=1)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """ops.activation.silu_and_mul, batch-invariant: one token per call."""
     flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] == 0:
-        return _silu_and_mul(x)
-    return torch.cat([_silu_and_mul(row) for row in flat.split(1)]).view(*x.shape[:-1], x.shape[-1] // 2)
+    return in_fixed_calls(_silu_and_mul, flat, rows=1).view(*x.shape[:-1], x.shape[-1] // 2)
 
 
 def moe_experts(

@@ -17,7 +17,7 @@ from benchmarks.e2e import decode_point
 from benchmarks.models import write_config
 
 
-def profile(name: str, points: list[tuple[int, int]], steps: int = 8) -> dict:
+def profile(name: str, points: list[tuple[int, int]], steps: int = 8, batch_invariant: bool = False) -> dict:
     import tempfile
 
     from torch.profiler import ProfilerActivity
@@ -29,7 +29,7 @@ def profile(name: str, points: list[tuple[int, int]], steps: int = 8) -> dict:
     llm = LLM(
         model=str(model_dir), accelerator="nvidia", dtype="bfloat16", load_format="dummy",
         max_num_seqs=max(b for b, _ in points), max_num_batched_tokens=16384,
-        max_model_len=max(c for _, c in points) + 64, progress=False,
+        max_model_len=max(c for _, c in points) + 64, progress=False, batch_invariant=batch_invariant,
     )
     for cache in llm.engine.kv_cache.tensors.values():
         cache.normal_()
@@ -45,7 +45,7 @@ def profile(name: str, points: list[tuple[int, int]], steps: int = 8) -> dict:
         total_steps = steps + 3  # decode_point's warm-up steps ran under the profiler too
         rows = sorted(((k[:90], v / total_steps) for k, v in kernels.items()), key=lambda r: -r[1])
         gpu_ms = sum(v for _, v in rows)
-        print(f"[{name}] B={batch} L={context}: wall step {point['step_s'] * 1e3:.2f} ms, GPU kernels {gpu_ms:.2f} ms/step", flush=True)
+        print(f"[{name}{' batch-invariant' if batch_invariant else ''}] B={batch} L={context}: wall step {point['step_s'] * 1e3:.2f} ms, GPU kernels {gpu_ms:.2f} ms/step", flush=True)
         for kname, ms in rows[:18]:
             print(f"    {ms * 1e3:9.1f} us  {kname}", flush=True)
         out[f"{batch}x{context}"] = {"step_ms": point["step_s"] * 1e3, "gpu_ms": gpu_ms, "kernels_ms": dict(rows)}
@@ -58,10 +58,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", action="append", required=True)
     parser.add_argument("--point", action="append", required=True, help="BATCHxCONTEXT, e.g. 32x1024")
+    parser.add_argument("--batch-invariant", action="store_true", help="also profile LLM(batch_invariant=True)")
     parser.add_argument("--out", type=Path, default=Path("bench_results"))
     args = parser.parse_args()
     points = [tuple(int(v) for v in p.split("x")) for p in args.point]
     result = {name: profile(name, points) for name in args.model}
+    if args.batch_invariant:
+        result.update({f"{name}/batch_invariant": profile(name, points, batch_invariant=True) for name in args.model})
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "profile_step.json").write_text(json.dumps(result, indent=1))
 

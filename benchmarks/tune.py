@@ -141,7 +141,83 @@ def tune_fp8_linear(device="cuda") -> list[dict]:
     return out
 
 
-TUNERS = {"mla_decode": tune_mla_decode, "moe": tune_moe, "fp8_linear": tune_fp8_linear}
+def tune_invariant_mla_decode(device="cuda") -> list[dict]:
+    """The batch-invariant decode attention's split size (INV_SPLIT_TOKENS_PER_HEAD x heads, at
+    clamped to [INV_MIN_SPLIT_TOKENS, INV_MAX_SPLIT_TOKENS]) against the normal kernel at the same shape."""
+    from deepinfer_nvidia_sm100.kernels import mla_decode as m
+
+    out = []
+    block_size = 16
+    shapes = [(16, b, s) for b in (1, 8, 32, 64) for s in (256, 1024, 4096)] + [(128, b, 1024) for b in (1, 32)]
+    for heads, batch, seq in shapes:
+        blocks = batch * (seq // block_size)
+        cache = torch.randn(blocks, block_size, 576, device=device, dtype=torch.bfloat16)
+        tables = torch.randperm(blocks, device=device, dtype=torch.int32).view(batch, -1)
+        lens = torch.full((batch,), seq, device=device, dtype=torch.int32)
+        q = torch.randn(batch, heads, 512, device=device, dtype=torch.bfloat16)
+        qpe = torch.randn(batch, heads, 64, device=device, dtype=torch.bfloat16)
+        qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        normal_us = _time(lambda: m.mla_decode_attention(q, qpe, cache, tables, lens, qsl, 0.1)) * 1e3
+        rows = []
+        for per_head, min_split in itertools.product((2, 4, 8, 16), (32, 64, 128)):
+            old = _set(m, {"INV_SPLIT_TOKENS_PER_HEAD": per_head, "INV_MIN_SPLIT_TOKENS": min_split})
+            row = {"heads": heads, "batch": batch, "seq": seq, "per_head": per_head, "min_split": min_split, "normal_us": normal_us}
+            try:
+                row["us"] = _time(lambda: m.invariant_mla_decode_attention(q, qpe, cache, tables, lens, qsl, 0.1)) * 1e3
+                row["over_normal"] = row["us"] / normal_us
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"[:200]
+            finally:
+                _set(m, old)
+            rows.append(row)
+        out += rows
+        ok = [r for r in rows if "us" in r]
+        best = min(ok, key=lambda r: r["us"])
+        print(f"[tune] invariant attention H={heads} B={batch} L={seq}: normal {normal_us:6.1f} us; "
+              + ", ".join(f"{r['per_head']}x/{r['min_split']}: {r['us']:.1f}" for r in ok)
+              + f"; best {best['us']:.1f} us", flush=True)
+    return out
+
+
+def tune_invariant_linear(device="cuda") -> list[dict]:
+    """The batch-invariant GEMM on V2-Lite's bf16 weights (one configuration for every M, so
+    timed at decode's M = 1, 32, 64) against cuBLAS on the same product."""
+    from deepinfer_nvidia_sm100.kernels import fp8_linear as m
+
+    out = []
+    shapes = {"q_proj": (3072, 2048), "kv_a": (576, 2048), "o_proj": (2048, 2048), "shared_gate_up": (5632, 2048),
+              "shared_down": (2048, 2816), "lm_head": (102400, 2048)}
+    tiles = [(16, 64, 4, 5), (16, 32, 4, 6), (16, 128, 4, 4), (16, 128, 8, 4), (16, 256, 8, 3)]
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5
+        for tokens in (1, 32, 64):
+            x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
+            cublas_us = _time(lambda: torch.nn.functional.linear(x, w)) * 1e3
+            rows = []
+            for tile, ctas, bk in itertools.product(tiles, (1, 2, 4), (64, 128, 256)):
+                cfg = {"INVARIANT_TILE": tile, "INVARIANT_SPLIT_K_CTAS_PER_SM": ctas, "PLAIN_BLOCK_K": bk}
+                old = _set(m, cfg)
+                row = {"linear": name, "tokens": tokens, "tile": tile, "split_ctas_per_sm": ctas, "block_k": bk, "cublas_us": cublas_us}
+                try:
+                    m._ONES.clear()
+                    row["us"] = _time(lambda: m.invariant_linear(x, w)) * 1e3
+                    row["over_cublas"] = row["us"] / cublas_us
+                except Exception as exc:
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:200]
+                finally:
+                    _set(m, old)
+                    m._ONES.clear()
+                rows.append(row)
+            out += rows
+            ok = [r for r in rows if "us" in r]
+            best = min(ok, key=lambda r: r["us"])
+            print(f"[tune] invariant {name:14s} M={tokens:2d}: cuBLAS {cublas_us:6.1f} us, default {ok[0]['us']:6.1f} us, best "
+                  f"{best['us']:6.1f} us tile {best['tile']} split/SM {best['split_ctas_per_sm']} bk {best['block_k']}", flush=True)
+    return out
+
+
+TUNERS = {"mla_decode": tune_mla_decode, "moe": tune_moe, "fp8_linear": tune_fp8_linear, "invariant_linear": tune_invariant_linear,
+          "invariant_mla_decode": tune_invariant_mla_decode}
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from tests.nvidia.conftest import HAS_CUDA  # noqa: E402
 NORMAL = nvidia.deepinfer_ops(platform=None, model_config=None, batch_invariant=False)
 INVARIANT = nvidia.deepinfer_ops(platform=None, model_config=None, batch_invariant=True)
 REPLACED = sorted(name for name in INVARIANT if INVARIANT[name] is not NORMAL[name])
-TILE = fp8_linear.FP8_DECODE_TILE[0]  # the invariant GEMMs' BLOCK_M
+TILE = fp8_linear.INVARIANT_TILE[0]  # the invariant GEMMs' BLOCK_M
 
 
 def test_the_invariant_table_replaces_what_follows_the_batch():
@@ -75,16 +75,24 @@ def test_gemm_rows_do_not_follow_the_batch(device, dtype):
     assert fp8_linear.fp8_config(1, 576, 7168, 128, torch.bfloat16, device) != fp8_linear.fp8_config(4096, 576, 7168, 128, torch.bfloat16, device)
 
 
-def test_attention_rows_are_the_same_alone_in_a_batch_and_in_a_prompt_chunk(device, dtype):
-    """A sequence's newest row: decoded alone, decoded beside other sequences, and as the last row
-    of a prompt chunk computed as one long row (how batch-invariant engines prefill)."""
+@pytest.mark.parametrize("splits", ["default", "short"])
+def test_attention_rows_are_the_same_alone_in_a_batch_and_in_a_prompt_chunk(device, dtype, splits, monkeypatch):
+    """A sequence's newest row: decoded alone, decoded beside other sequences, with a wider block
+    table, and as the last row of a prompt chunk computed as one long row (how batch-invariant
+    engines prefill). "short": splits of 16 tokens, at most 3 a row, and partials for 2 rows a
+    launch, so rows of a prompt chunk are cut where their own lengths say, not their sequence's."""
+    if splits == "short":
+        monkeypatch.setattr(mla_decode, "INV_MIN_SPLIT_TOKENS", 16)
+        monkeypatch.setattr(mla_decode, "INV_SPLIT_TOKENS_PER_HEAD", 1)
+        monkeypatch.setattr(mla_decode, "INV_MAX_SPLITS", 3)
+        monkeypatch.setattr(mla_decode, "INV_PARTIAL_BYTES", 2 * 3 * 16 * 64 * 4)
     gen = torch.Generator().manual_seed(1)
     heads, d_c, d_r, block = 16, 64, 16, 16
     lens = [70, 5, 33, 130]
     blocks_per = [-(-n // block) for n in lens]
     cache = torch.randn(sum(blocks_per) + 2, block, d_c + d_r, generator=gen).to(device, dtype)
     perm = torch.randperm(sum(blocks_per), generator=gen)
-    tables = torch.zeros(len(lens), max(blocks_per), dtype=torch.int32)
+    tables = torch.zeros(len(lens), max(blocks_per) + 24, dtype=torch.int32)
     start = 0
     for b, m in enumerate(blocks_per):
         tables[b, :m] = perm[start : start + m]
@@ -94,26 +102,31 @@ def test_attention_rows_are_the_same_alone_in_a_batch_and_in_a_prompt_chunk(devi
     q_pe = torch.randn(sum(lens), heads, d_r, generator=gen).to(device, dtype)
     fn = INVARIANT["mla_decode_attention"]
 
-    def call(seqs: list[int], q_lens: list[int], rows: list[torch.Tensor]):
+    def call(seqs: list[int], q_lens: list[int], rows: list[torch.Tensor], width: int = max(blocks_per), seq_lens=lens):
         qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=device)
-        lens_t = torch.tensor([lens[b] for b in seqs], dtype=torch.int32, device=device)
+        lens_t = torch.tensor([seq_lens[b] for b in seqs], dtype=torch.int32, device=device)
         idx = torch.cat(rows)
-        return fn(q[idx], q_pe[idx], cache, tables[seqs], lens_t, qsl, 0.1)
+        return fn(q[idx], q_pe[idx], cache, tables[seqs, :width], lens_t, qsl, 0.1)
 
     ends = torch.tensor(lens).cumsum(0)
     last = [torch.tensor([int(ends[b]) - 1]) for b in range(len(lens))]  # each sequence's newest row
     alone = [call([b], [1], [last[b]]) for b in range(len(lens))]
     batch = call(list(range(len(lens))), [1] * len(lens), last)
+    wide = call(list(range(len(lens))), [1] * len(lens), last, width=tables.shape[1])
     chunk = call([3, 0], [40, 1], [torch.arange(int(ends[3]) - 40, int(ends[3])), last[0]])
     for b in range(len(lens)):
-        assert torch.equal(batch[b], alone[b][0]), b
+        assert torch.equal(batch[b], alone[b][0]) and torch.equal(wide[b], alone[b][0]), b
     assert torch.equal(chunk[39], alone[3][0]) and torch.equal(chunk[40], alone[0][0])
+    # an earlier row of the chunk (91 entries: 3 splits of 32 by its own length, 48 by its
+    # sequence's) is that row decoded alone
+    first = call([3], [1], [torch.tensor([int(ends[3]) - 40])], seq_lens={3: 91})
+    assert torch.equal(chunk[0], first[0])
     # and it is the reference op, within the kit's tolerance
     ref = REFERENCE_OPS["mla_decode_attention"](q[last[3]], q_pe[last[3]], cache, tables[[3]],
                                                 torch.tensor([lens[3]], dtype=torch.int32, device=device),
                                                 torch.tensor([0, 1], dtype=torch.int32, device=device), 0.1)
     torch.testing.assert_close(alone[3].float(), ref.float(), atol=2e-2, rtol=2e-2)
-    assert mla_decode._num_splits(1, 1, 16384, device) > 1  # the normal kernel would have split this row
+    assert mla_decode._num_splits(1, 1, 16384, device) > 1  # the normal kernel would split by the batch's shape
 
 
 def test_sampling_ranks_a_row_the_same_way_in_any_batch(device):

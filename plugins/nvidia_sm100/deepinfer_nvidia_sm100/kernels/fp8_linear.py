@@ -53,6 +53,10 @@ FP8_W8A8_MODE = W8A8_PREQUANT  # or W8A8_FUSED: bench() times both
 FP8_QUANT_BLOCK_M = 16  # pre-pass quantisation: rows per program (columns: one bk block)
 FP8_SPLIT_K_CTAS_PER_SM = 2  # split K until about this many programs per SM are in flight
 FP8_SPLIT_K_MIN_K_BLOCKS = 4  # ... but give each split at least this many bk-blocks
+# Batch-invariant mode: one tile and one K split for every M (invariant_config), so tuned for
+# what decode needs of it (benchmarks/tune.py --only invariant_linear).
+INVARIANT_TILE = FP8_DECODE_TILE
+INVARIANT_SPLIT_K_CTAS_PER_SM = FP8_SPLIT_K_CTAS_PER_SM
 FP8_SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles per program (H100/B200 have ~228 KB)
 FP8_REDUCE_BLOCK_N = 1024  # split-K reduction: columns per program
 INTERPRETER_SMS = 4  # "SM count" used under TRITON_INTERPRET (CPU tensors)
@@ -95,10 +99,11 @@ def fp8_config(m: int, n: int, k: int, bk: int, x_dtype: torch.dtype, device: to
     return Fp8Config(block_m, block_n, warps, stages, split, mode)
 
 
-def _split_k(tiles: int, k_blocks: int, device: torch.device) -> int:
-    """K splits for ``tiles`` output tiles: enough to put FP8_SPLIT_K_CTAS_PER_SM programs per SM
-    in flight, each split at least FP8_SPLIT_K_MIN_K_BLOCKS weight blocks long, none empty."""
-    target = FP8_SPLIT_K_CTAS_PER_SM * num_sms(device, INTERPRETER_SMS)
+def _split_k(tiles: int, k_blocks: int, device: torch.device, ctas_per_sm: int | None = None) -> int:
+    """K splits for ``tiles`` output tiles: enough to put ``ctas_per_sm`` (FP8_SPLIT_K_CTAS_PER_SM)
+    programs per SM in flight, each split at least FP8_SPLIT_K_MIN_K_BLOCKS weight blocks long,
+    none empty."""
+    target = (ctas_per_sm or FP8_SPLIT_K_CTAS_PER_SM) * num_sms(device, INTERPRETER_SMS)
     if tiles >= target:
         return 1
     split = max(1, min(triton.cdiv(target, tiles), k_blocks // FP8_SPLIT_K_MIN_K_BLOCKS))
@@ -107,15 +112,15 @@ def _split_k(tiles: int, k_blocks: int, device: torch.device) -> int:
 
 def invariant_config(n: int, k: int, bk: int, x_dtype: torch.dtype, w_bytes: int, device: torch.device) -> Fp8Config:
     """The one launch configuration of every [m, k] x [n, k]^T product in batch-invariant mode,
-    whatever m: the decode tile, W8A16 (the weight widened; plain weights as they are), and the
-    K splits decode would get for one row tile, so that each output element sums the same
-    products in the same order (split by split, then the splits in order) for any m."""
-    block_m, block_n, warps, stages = FP8_DECODE_TILE
+    whatever m: INVARIANT_TILE, W8A16 (the weight widened; plain weights as they are), and the
+    K splits one row tile gets (INVARIANT_SPLIT_K_CTAS_PER_SM), so that each output element sums
+    the same products in the same order (split by split, then the splits in order) for any m."""
+    block_m, block_n, warps, stages = INVARIANT_TILE
     x_bytes = torch.finfo(x_dtype).bits // 8
     per_stage = block_m * bk * x_bytes + block_n * bk * w_bytes
     converted = block_n * bk * x_bytes if w_bytes != x_bytes else 0  # the widened weight tile
     stages = max(2, min(stages, (FP8_SMEM_BUDGET - converted) // per_stage))
-    split = _split_k(triton.cdiv(n, block_n), triton.cdiv(k, bk), device)
+    split = _split_k(triton.cdiv(n, block_n), triton.cdiv(k, bk), device, INVARIANT_SPLIT_K_CTAS_PER_SM)
     return Fp8Config(block_m, block_n, warps, stages, split, W8A16)
 
 

@@ -28,6 +28,10 @@ per token, shared by all H heads), so:
   log-sum-exp (base 2); a split past the row's end writes lse = -inf and no output; a second
   kernel combines the splits (the valid ones are a prefix: those with a finite lse). With one
   split the first kernel writes the output directly and the combine is skipped.
+* batch-invariant mode (``invariant_mla_decode_attention``) cuts each row at boundaries that
+  follow from the row's own length and the heads alone (INV_*), always goes through the
+  partials, and the combine adds the splits one by one in order: a row's bits do not follow the
+  batch, the block-table width, or whether the row is a decode row or a prompt row.
 
 With one query row per sequence (T == B, query_start_loc = 0, 1, .., B) this computes exactly
 what the kernel of one new token per sequence did: same splits, same tiles, same bits (checked
@@ -79,6 +83,21 @@ SPLIT_WAVES = 1.0
 # 1.3-1.7x faster at B=64..128, L=1024..4096); 64-head programs lose from the extra partials.
 SPLIT_WAVES_SMALL_HEAD_BLOCKS = 4.0
 MAX_SPLITS = 64
+# The batch-invariant kernel cuts each query row at places that follow from the row's own length
+# (never from the batch): splits of INV_SPLIT_TOKENS_PER_HEAD x heads tokens, clamped to
+# [INV_MIN_SPLIT_TOKENS, INV_MAX_SPLIT_TOKENS] (a partial costs ~8 bytes per head and latent
+# channel: the more heads, the longer a split must be to pay for it), at most INV_MAX_SPLITS per
+# row (longer rows get longer splits). H200, benchmarks/tune.py --only invariant_mla_decode,
+# 2026-12-02, bf16, as a share of the normal kernel's time: 16 heads (128-token splits) B=1
+# 1.1-1.4x, B=8 0.7-1.4x, B=32 0.7-1.2x, B=64 0.8-1.3x at L=256..4096 (longer splits win at
+# large B, lose at small B: one size must serve every batch); 128 heads (256-token splits) 2.0x at
+# B=1, 1.14x at B=32, L=1024. Rows go to the kernel in groups whose partials fit in
+# INV_PARTIAL_BYTES (prompt chunks computed as rows would otherwise need gigabytes).
+INV_MIN_SPLIT_TOKENS = 64
+INV_MAX_SPLIT_TOKENS = 256
+INV_SPLIT_TOKENS_PER_HEAD = 8
+INV_MAX_SPLITS = 16
+INV_PARTIAL_BYTES = 256 << 20
 # Number of SMs assumed under the interpreter (no GPU there); small so tests exercise splitting.
 INTERPRETER_SMS = 4
 COMBINE_NUM_WARPS = 4
@@ -137,7 +156,7 @@ def _sequence_of_row(qsl_ptr, num_seqs, row, BLOCK_B: tl.constexpr):
 def _mla_decode_split_kernel(
     q_ptr, qpe_ptr, cache_ptr, bt_ptr, lens_ptr, qsl_ptr, out_ptr, part_ptr, lse_ptr,
     scale_log2,
-    num_heads, num_splits, num_seqs,
+    num_heads, num_splits, split_cap, num_seqs, row0,
     s_qb, s_qh, s_qd,
     s_pb, s_ph, s_pd,
     s_cn, s_cs, s_cd,
@@ -148,10 +167,12 @@ def _mla_decode_split_kernel(
     D_C: tl.constexpr, D_R: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr,
     SPLIT: tl.constexpr, MIN_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_B: tl.constexpr,
+    ROW_SPLITS: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     split = tl.program_id(1)
-    b = tl.program_id(2)  # the query row (the "batch" entry of the q / out / partial tensors)
+    r = tl.program_id(2)  # the row of this launch's partials
+    b = row0 + r  # the query row (the "batch" entry of the q / out tensors)
 
     heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = heads < num_heads
@@ -171,8 +192,9 @@ def _mla_decode_split_kernel(
     seq_len = tl.load(lens_ptr + seq)
     # causal: row i of the sequence's q_len rows sees seq_len - q_len + 1 + i entries
     row_len = tl.maximum(seq_len - tl.load(qsl_ptr + seq + 1) + 1 + b, 0)
-    # split boundaries from the sequence's length, so all its rows cut it at the same places
-    split_len = _split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
+    # split boundaries from the sequence's length, so all its rows cut it at the same places;
+    # batch-invariant: from the row's own length, so a row is cut the same way in any call
+    split_len = _split_len(row_len if ROW_SPLITS else seq_len, split_cap, BLOCK_N, MIN_SPLIT)
     start = split * split_len
     end = tl.minimum(start + split_len, row_len)
 
@@ -207,38 +229,42 @@ def _mla_decode_split_kernel(
                  o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & dc_mask[None, :])
     else:
         lse = tl.where(has_tokens, m_i + tl.math.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + b * s_lb + split * s_ls + heads, lse, mask=h_mask)
-        tl.store(part_ptr + b * s_pab + split * s_pas + heads[:, None] * s_pah + dc[None, :], o,
+        tl.store(lse_ptr + r * s_lb + split * s_ls + heads, lse, mask=h_mask)
+        tl.store(part_ptr + r * s_pab + split * s_pas + heads[:, None] * s_pah + dc[None, :], o,
                  mask=(h_mask & (start < end))[:, None] & dc_mask[None, :])
 
 
 @triton.jit
 def _mla_decode_combine_kernel(
     part_ptr, lse_ptr, out_ptr,
-    num_heads, num_splits,
+    num_heads, num_splits, row0,
     s_pab, s_pas, s_pah,
     s_lb, s_ls,
     s_ob, s_oh, s_od,
     D_C: tl.constexpr, BLOCK_DC: tl.constexpr, SPLITS_P2: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    b = pid // num_heads  # the query row
+    r = pid // num_heads  # the row of this launch's partials
+    b = row0 + r  # the query row
     h = pid % num_heads
 
-    # Every split wrote its lse; those with tokens (finite lse) are a prefix of the splits.
+    # Every split wrote its lse; those with tokens (finite lse) are a prefix of the splits. The
+    # maximum is exact whatever the padding; the sums run split by split in order, so a row's
+    # result does not follow the number of splits of the call (SPLITS_P2).
     splits = tl.arange(0, SPLITS_P2)
-    lse = tl.load(lse_ptr + b * s_lb + splits * s_ls + h, mask=splits < num_splits, other=float("-inf"))
+    lse = tl.load(lse_ptr + r * s_lb + splits * s_ls + h, mask=splits < num_splits, other=float("-inf"))
     n_valid = tl.sum((lse > float("-inf")).to(tl.int32), axis=0)
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.math.exp2(lse - m), axis=0)
 
     dc = tl.arange(0, BLOCK_DC)
     dc_mask = dc < D_C
     acc = tl.zeros([BLOCK_DC], tl.float32)
-    base = part_ptr + b * s_pab + h * s_pah
+    total = tl.full([], 0.0, tl.float32)
+    base = part_ptr + r * s_pab + h * s_pah
     for s in range(0, n_valid):
-        w = tl.math.exp2(tl.load(lse_ptr + b * s_lb + s * s_ls + h) - m)
+        w = tl.math.exp2(tl.load(lse_ptr + r * s_lb + s * s_ls + h) - m)
+        total += w
         acc += w * tl.load(base + s * s_pas + dc, mask=dc_mask, other=0.0)
     o = acc / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + b * s_ob + h * s_oh + dc * s_od, o.to(out_ptr.dtype.element_ty), mask=dc_mask)
@@ -258,7 +284,7 @@ def mla_decode_attention(
     Graph-capture safe: the grid and the tuning depend on shapes only (T query rows, B
     sequences, the block-table width W), and each program maps its row to its sequence on the
     device."""
-    return _decode(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, scale, split=True)
+    return _decode(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, scale)
 
 
 def invariant_mla_decode_attention(
@@ -270,13 +296,22 @@ def invariant_mla_decode_attention(
     query_start_loc: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """``mla_decode_attention``, batch-invariant: no split of a row's entries (the number of splits
-    follows the batch), so each program walks its row's entries BLOCK_N at a time from the first,
-    whatever the batch and its sequence's query length."""
-    return _decode(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, scale, split=False)
+    """``mla_decode_attention``, batch-invariant: each row's entries are split where its own length
+    says (``_invariant_splits``), never where the batch's shape would, and the splits are merged
+    one by one in order, so a row gets the same bits alone, in any batch, and as a row of a prompt
+    chunk, whatever its sequence's query length."""
+    return _decode(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, scale, invariant=True)
 
 
-def _decode(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, scale: float, split: bool) -> torch.Tensor:
+def _invariant_splits(num_heads: int, block_n: int, max_len: int) -> tuple[int, int]:
+    """(tokens per split at least, splits per row at most) of the batch-invariant kernel: from the
+    heads and the longest possible row only."""
+    tokens = min(INV_MAX_SPLIT_TOKENS, max(INV_MIN_SPLIT_TOKENS, INV_SPLIT_TOKENS_PER_HEAD * num_heads))
+    split = triton.cdiv(tokens, block_n) * block_n
+    return split, max(1, min(INV_MAX_SPLITS, triton.cdiv(max_len, split)))
+
+
+def _decode(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, scale: float, invariant: bool = False) -> torch.Tensor:
     rows, num_heads, d_c = q_latent.shape
     num_seqs = seq_lens.shape[0]
     d_r = q_pe.shape[-1]
@@ -289,38 +324,46 @@ def _decode(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, s
 
     block_h, block_n, num_warps = _tile_config(num_heads, kv_cache.dtype)
     head_blocks = triton.cdiv(num_heads, block_h)
-    # every query row is a "batch" entry of the grid: the tuning counts rows
-    num_splits = _num_splits(rows, head_blocks, block_tables.shape[1] * block_size, q_latent.device, block_h) if split else 1
-    min_split = triton.cdiv(_min_split_tokens(rows), block_n) * block_n
+    max_len = block_tables.shape[1] * block_size
+    if invariant:  # every row split where its length says, always through the partials and the combine
+        min_split, num_splits = _invariant_splits(num_heads, block_n, max_len)
+        split_cap, group = INV_MAX_SPLITS, max(1, INV_PARTIAL_BYTES // (num_splits * num_heads * d_c * 4))
+    else:  # every query row is a "batch" entry of the grid: the tuning counts rows
+        num_splits = split_cap = _num_splits(rows, head_blocks, max_len, q_latent.device, block_h)
+        min_split, group = triton.cdiv(_min_split_tokens(rows), block_n) * block_n, rows
+    split = invariant or num_splits > 1
     block_dc = max(16, triton.next_power_of_2(d_c))
     block_dr = max(16, triton.next_power_of_2(d_r))
     block_b = min(MAX_BLOCK_B, triton.next_power_of_2(num_seqs))
     precision = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
 
-    if num_splits > 1:
-        partial = torch.empty((rows, num_splits, num_heads, d_c), dtype=torch.float32, device=q_latent.device)
-        lse = torch.empty((rows, num_splits, num_heads), dtype=torch.float32, device=q_latent.device)
+    group = min(group, rows)
+    if split:
+        partial = torch.empty((group, num_splits, num_heads, d_c), dtype=torch.float32, device=q_latent.device)
+        lse = torch.empty((group, num_splits, num_heads), dtype=torch.float32, device=q_latent.device)
     else:
         partial = lse = out  # unused by the kernel when SPLIT is False
-    _mla_decode_split_kernel[(head_blocks, num_splits, rows)](
-        q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, out, partial, lse,
-        scale * LOG2E,
-        num_heads, num_splits, num_seqs,
-        *q_latent.stride(), *q_pe.stride(), *kv_cache.stride(), *block_tables.stride(), *out.stride(),
-        *(partial.stride()[:3] if num_splits > 1 else (0, 0, 0)),
-        *(lse.stride()[:2] if num_splits > 1 else (0, 0)),
-        D_C=d_c, D_R=d_r, BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DC=block_dc, BLOCK_DR=block_dr,
-        SPLIT=num_splits > 1, MIN_SPLIT=min_split, DOT_PRECISION=precision, BLOCK_B=block_b,
-        num_warps=num_warps, num_stages=NUM_STAGES,
-    )
-    if num_splits > 1:
-        _mla_decode_combine_kernel[(rows * num_heads,)](
-            partial, lse, out,
-            num_heads, num_splits,
-            *partial.stride()[:3], *lse.stride()[:2], *out.stride(),
-            D_C=d_c, BLOCK_DC=block_dc, SPLITS_P2=triton.next_power_of_2(num_splits),
-            num_warps=COMBINE_NUM_WARPS,
+    for row0 in range(0, rows, group):  # one group but in the invariant kernel's long prompt chunks
+        n = min(group, rows - row0)
+        _mla_decode_split_kernel[(head_blocks, num_splits, n)](
+            q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, out, partial, lse,
+            scale * LOG2E,
+            num_heads, num_splits, split_cap, num_seqs, row0,
+            *q_latent.stride(), *q_pe.stride(), *kv_cache.stride(), *block_tables.stride(), *out.stride(),
+            *(partial.stride()[:3] if split else (0, 0, 0)),
+            *(lse.stride()[:2] if split else (0, 0)),
+            D_C=d_c, D_R=d_r, BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DC=block_dc, BLOCK_DR=block_dr,
+            SPLIT=split, MIN_SPLIT=min_split, DOT_PRECISION=precision, BLOCK_B=block_b, ROW_SPLITS=invariant,
+            num_warps=num_warps, num_stages=NUM_STAGES,
         )
+        if split:
+            _mla_decode_combine_kernel[(n * num_heads,)](
+                partial, lse, out,
+                num_heads, num_splits, row0,
+                *partial.stride()[:3], *lse.stride()[:2], *out.stride(),
+                D_C=d_c, BLOCK_DC=block_dc, SPLITS_P2=triton.next_power_of_2(num_splits),
+                num_warps=COMBINE_NUM_WARPS,
+            )
     return out
 
 
@@ -373,7 +416,8 @@ def _bench_one(model: str, heads: int, scale: float, batch: int, seq: int, q_len
     }
 
 
-invariant_mla_decode_attention.impl = "triton, batch-invariant: paged flash-decoding without KV splits, head blocks x query rows"
+invariant_mla_decode_attention.impl = ("triton, batch-invariant: paged flash-decoding, KV splits where each row's length says, "
+                                       "merged in order")
 
 OPS = {"mla_decode_attention": mla_decode_attention}
 INVARIANT_OPS = {"mla_decode_attention": invariant_mla_decode_attention}

@@ -216,7 +216,26 @@ def tune_invariant_linear(device="cuda") -> list[dict]:
     return out
 
 
+def tune_invariant_head_linear(device="cuda") -> list[dict]:
+    """The batch-invariant per-head GEMM at V2-Lite's absorbed-MLA shapes against cuBLAS (einsum)."""
+    from deepinfer_nvidia_sm100.kernels import fp8_linear as m
+
+    out = []
+    for name, (n, k) in {"w_uk_t": (512, 128), "w_uv": (128, 512)}.items():  # 16 heads
+        w = torch.randn(16, n, k, device=device, dtype=torch.bfloat16) / k**0.5
+        for tokens in (1, 32, 64):
+            x = torch.randn(tokens, 16, k, device=device, dtype=torch.bfloat16)
+            row = {"linear": name, "tokens": tokens, "tile": m.INVARIANT_TILE, "block_k": m.PLAIN_BLOCK_K,
+                   "cublas_us": _time(lambda: torch.einsum("thk,hnk->thn", x, w)) * 1e3,
+                   "us": _time(lambda: m.invariant_head_linear(x, w)) * 1e3}
+            row["over_cublas"] = row["us"] / row["cublas_us"]
+            out.append(row)
+            print(f"[tune] invariant head_linear {name} M={tokens:2d}: cuBLAS {row['cublas_us']:6.1f} us, ours {row['us']:6.1f} us", flush=True)
+    return out
+
+
 TUNERS = {"mla_decode": tune_mla_decode, "moe": tune_moe, "fp8_linear": tune_fp8_linear, "invariant_linear": tune_invariant_linear,
+          "invariant_head_linear": tune_invariant_head_linear,
           "invariant_mla_decode": tune_invariant_mla_decode}
 
 

@@ -6,6 +6,8 @@ overlapped scheduling and speculative decoding."""
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 
 import jsonschema
@@ -15,6 +17,7 @@ import torch
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.engine.engine import RequestError
 from deepinfer_core.ops import REFERENCE_OPS
+from deepinfer_core.sampling import structured
 
 # Bounded schemas: strings, arrays and numbers have limits, so every output ends within max_tokens
 # even under random weights (nothing may go on forever).
@@ -233,3 +236,62 @@ def test_the_conformance_check_passes_the_reference_and_fails_a_mask_that_lets_e
     assert checks.report("cpu") == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "constrained outputs valid: FAIL" in out
+
+
+def mixed_requests() -> tuple[list[str], list[SamplingParams]]:
+    """Constrained requests (greedy and seeded, n > 1, a stop string) beside free ones."""
+    params = [constrained(so, 1.0 if i % 2 else 0.0, seed=i) for i, so in enumerate(BOUNDED)]
+    params += [constrained({"json": SCHEMAS[0]}, 1.0, seed=50, n=3), constrained({"regex": "ab(cd)+"}, stop=["cd"]),
+               SamplingParams(temperature=1.0, seed=51, max_tokens=20, ignore_eos=True), SamplingParams(temperature=0, max_tokens=9)]
+    return [PROMPTS[i % len(PROMPTS)] + " " * i for i in range(len(params))], params
+
+
+def test_a_token_the_grammar_refuses_ends_its_sequence_alone(monkeypatch, caplog):
+    """With a mask that lets everything through, the random model emits tokens the grammars
+    refuse: each such sequence ends with "abort" and the log line, and the free request runs on."""
+    monkeypatch.setitem(REFERENCE_OPS, "apply_token_bitmask", lambda logits, bitmask: logits.clone())
+    llm = LLM(accelerator="cpu", dtype="float32", load_format="dummy", seed=3, progress=False)
+    prompts, params = mixed_requests()
+    with caplog.at_level(logging.ERROR, logger="deepinfer"):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    aborted = sum(c.finish_reason == "abort" for o in outs for c in o.outputs)
+    assert aborted > 1 and len([r for r in caplog.records if "is not allowed by its grammar" in r.getMessage()]) == aborted
+    assert len(outs[-2].outputs[0].token_ids) == 20  # free
+
+
+@pytest.mark.parametrize("files, cpus", [
+    ({}, 64),
+    ({"cpu.max": "max 100000\n"}, 64),
+    ({"cpu.max": "1600000 100000\n"}, 16),
+    ({"cpu.max": "150000 100000\n"}, 2),  # 1.5 CPUs: two threads may run
+    ({"cpu.max": "20000 100000\n"}, 1),
+    ({"cpu.max": "max 100000\n", "cpu/cpu.cfs_quota_us": "400000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 64),  # v2 wins
+    ({"cpu/cpu.cfs_quota_us": "800000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 8),
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, 64),
+    ({"cpu.max": "\n"}, 64),  # unreadable: no quota
+    ({"cpu.max": "12800000 100000\n"}, 64),  # a quota above the affinity mask
+], ids=["none", "v2-max", "v2-16", "v2-fraction", "v2-small", "v2-over-v1", "v1-8", "v1-none", "v2-garbage", "v2-large"])
+def test_usable_cpus_is_the_affinity_mask_lowered_by_the_cgroup_quota(tmp_path, monkeypatch, files, cpus):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(structured, "CGROUP", tmp_path)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert structured.usable_cpus() == cpus
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    assert structured.usable_cpus() == min(3, cpus)
+
+
+@pytest.mark.parametrize("cpus, threads", [(1, 1), (2, 1), (5, 4), (16, 8), (224, 8)])
+def test_the_batch_matchers_threads_fit_the_usable_cpus(monkeypatch, cpus, threads):
+    import xgrammar
+
+    made = []
+    monkeypatch.setattr(structured, "usable_cpus", lambda: cpus)
+    monkeypatch.setattr(xgrammar, "BatchGrammarMatcher", lambda max_threads: made.append(max_threads))
+    structured._batch_matcher.cache_clear()
+    try:
+        structured._batch_matcher()
+    finally:
+        structured._batch_matcher.cache_clear()  # the next use makes a real one
+    assert made == [threads]

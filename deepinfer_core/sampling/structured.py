@@ -7,9 +7,9 @@ compiled grammars are cached by (kind, text). JSON (a schema, or any object for
 whitespace a grammar leaves free. Each sequence gets its own ``xgrammar.GrammarMatcher``
 (``Sequence.grammar``), which accepts the sequence's output tokens as the output processor
 appends them. A preempted sequence keeps its outputs, and so its matcher state, through the
-recompute. Before a step samples, ``bitmask`` fills one row of 32-bit words per sample
-row on the host (one by one, or by xgrammar's batch matcher for large batches): bit t set means
-token t may come next. The backend's ``apply_token_bitmask``
+recompute. Before a step samples, ``bitmask`` fills one row of 32-bit words per sample row on
+the host (one by one, or by xgrammar's batch matcher for large batches, on a thread pool sized
+to the CPUs this process may use): bit t set means token t may come next. The backend's ``apply_token_bitmask``
 op then sets the forbidden logits to -inf on the device. Free rows get -1 words (everything
 allowed), and a batch without constrained rows gets no mask at all.
 
@@ -27,7 +27,10 @@ there. Those rows keep an all-ones mask.
 from __future__ import annotations
 
 import functools
+import math
+import os
 import re
+from pathlib import Path
 
 import torch
 
@@ -35,12 +38,18 @@ from deepinfer_core.sampling.params import StructuredOutputs
 
 CACHE_ENTRIES = 512  # compiled grammars kept (least recently used dropped)
 # From this many rows on, masks are filled by xgrammar's batch matcher (its thread pool); fewer
-# are filled one by one. On the H200 machine's 16-core host (benchmarks/results/issue15_2026-12-02)
-# a batch call cost 0.22-0.37 ms even for one row (thread wake-ups; 2 us on a 2-core machine),
-# against 1-10 us for a plain call; with a DeepSeek-size vocabulary in an expensive state (inside
-# a number) one row takes ~120 us, and the pool won from 8 rows on (0.50 against 1.19 ms at 8,
-# 1.23 against 3.87 ms at 32).
+# are filled one by one. On the H200 machine's 16-core host (benchmarks/results/issue15_2026-12-02,
+# with xgrammar's default pool: half the host's hardware threads, more than the 16 cores) a batch fill cost 0.22-0.37 ms even for one row
+# (thread wake-ups; 2 us on a 2-core machine), against 1-10 us for a plain call; with a
+# DeepSeek-size vocabulary in an expensive state (inside a number) one row takes ~120 us, and the
+# pool won from 8 rows on (0.50 against 1.19 ms at 8, 1.23 against 3.87 ms at 32).
 BATCH_FILL_MIN_ROWS = 8
+# The batch matcher's threads: the usable CPUs but one (the engine's own thread), at most this
+# many. A fill splits its rows (at most max_num_seqs) over the threads and every thread woken
+# costs the call its wake-up, while the cores are shared with torch's CPU threads and the device
+# driver's; 8 is a cap chosen, not measured (benchmarks/structured.py's mask part times it).
+BATCH_FILL_MAX_THREADS = 8
+CGROUP = Path("/sys/fs/cgroup")  # cgroup v2's cpu.max, or v1's cpu/cpu.cfs_quota_us and cpu.cfs_period_us
 _XGRAMMAR_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+\.cc:\d+: ")  # its C++ log position: no use to a user
 DESCRIPTION = {"json": "JSON schema", "json_object": "JSON object constraint", "regex": "regular expression",
                "grammar": "EBNF grammar", "choice": "list of choices"}
@@ -126,9 +135,25 @@ def bitmask(rows, vocab_size: int) -> torch.Tensor | None:
     return mask
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on at once: its affinity mask, lowered by a cgroup CPU quota
+    (v2 ``cpu.max``; v1 ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``), a fraction rounded up."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        if (CGROUP / "cpu.max").exists():
+            quota, period = (CGROUP / "cpu.max").read_text().split()[:2]  # "max 100000": no quota
+        else:  # cgroup v1; a quota of -1: none
+            quota, period = ((CGROUP / "cpu" / f"cpu.cfs_{name}_us").read_text().strip() for name in ("quota", "period"))
+        if quota != "max" and int(quota) > 0 and int(period) > 0:
+            cpus = min(cpus, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):  # no cgroup CPU controller here, or a file we cannot read
+        pass
+    return max(1, cpus)
+
+
 @functools.cache
 def _batch_matcher():
     """xgrammar's batch mask filler (its own thread pool), made once per process."""
     import xgrammar
 
-    return xgrammar.BatchGrammarMatcher()
+    return xgrammar.BatchGrammarMatcher(max_threads=min(BATCH_FILL_MAX_THREADS, max(1, usable_cpus() - 1)))

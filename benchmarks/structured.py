@@ -241,11 +241,17 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--schema", choices=sorted(SCHEMAS), default="record", help="e2e: the constraint (see the module docstring)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch-fill-min-rows", type=int, default=None,
+                   help="structured.BATCH_FILL_MIN_ROWS for this run (a large value: masks filled one row at a time)")
     p.add_argument("--profile", action="store_true", help="e2e: one more call per point under cProfile and torch.profiler")
     p.add_argument("--synthetic-vocab", type=int, default=129280, help="mask part: DeepSeek-V3's vocabulary size")
     p.add_argument("--out", type=Path, default=Path("bench_results"))
     args = p.parse_args(argv)
     args.batches = [int(v) for v in args.batches.split(",")]
+    if args.batch_fill_min_rows is not None:
+        from deepinfer_core.sampling import structured
+
+        structured.BATCH_FILL_MIN_ROWS = args.batch_fill_min_rows
     from deepinfer_core.sampling import structured
 
     meta = {**metadata(args), "usable_cpus": structured.usable_cpus(), "cpu_count": os.cpu_count()}  # the batch matcher's pool

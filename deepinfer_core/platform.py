@@ -26,7 +26,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     work already queued there (a copy from pageable memory may wait for it)."""
     if device.type == "cpu":
         return t
-    return t.pin_memory().to(device, non_blocking=True)
+    return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
 
 
 class HostCopy:

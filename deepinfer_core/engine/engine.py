@@ -517,7 +517,7 @@ class Engine:
                 rows.extend(SampleRow(s.seq, drafts[:j]) for j in range(n))
         sampled = None
         if rows:
-            bitmask = structured.bitmask(rows, self.model_config.vocab_size)
+            bitmask = structured.bitmask(rows, self.model_config.vocab_size, pin=self.device.type != "cpu")
             sampled = launch(self.ops, step.sample_logits, rows, self.eos_ids, self.platform.copy_to_host, bitmask)
         return InFlight(out, step, sampled, t0, prev_finished)
 

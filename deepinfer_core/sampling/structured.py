@@ -101,9 +101,12 @@ def bitmask(rows, vocab_size: int, pin: bool = False) -> torch.Tensor | None:
     None when no row's sequence is constrained; in pinned memory with ``pin`` (bound for a
     device: no copy to pinned memory afterwards). The -1 words are written by numpy: a torch
     fill (or copy) of a mask this large runs on torch's CPU threads, which keep spinning after it
-    and starve xgrammar's pool (H200 host, B=32: 4.5 ms a fill, 0.5x the free tokens/s). Rows without drafts are filled together
-    (BATCH_FILL_MIN_ROWS); a verification row's drafts are advanced through and rolled back. A
-    row may not have tokens still on the device (``pending``): the host needs them."""
+    and starve xgrammar's pool: on this project's 2-core machine, 32 rows inside a JSON string
+    (102 400-token vocabulary, 2 pool threads) took 4.06 ms after a torch fill, 2.45 ms after
+    numpy's; on the H200 host, B=32 JSON decoding ran at 0.5x the free tokens/s with torch's.
+    Rows without drafts are filled together (BATCH_FILL_MIN_ROWS); a verification row's drafts
+    are advanced through and rolled back. A row may not have tokens still on the device
+    (``pending``): the host needs them."""
     if not any(r.seq.grammar is not None for r in rows):
         return None
     mask = torch.empty((len(rows), (vocab_size + 31) // 32), dtype=torch.int32, pin_memory=pin)

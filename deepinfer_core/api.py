@@ -13,6 +13,7 @@ from typing import Sequence as Seq
 import torch
 from tqdm.auto import tqdm
 
+from deepinfer_core.chat import chat_prompt
 from deepinfer_core.config import DEFAULT_MODEL_DIR, ConfigError, EngineConfig, settings
 from deepinfer_core.engine.engine import Engine, Request
 from deepinfer_core.sampling.params import SamplingParams
@@ -157,6 +158,28 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """The model's Hugging Face tokenizer (None for a checkpoint without one), as vLLM's."""
+        return self.engine.tokenizer
+
+    def chat(
+        self,
+        messages: list[dict] | Seq[list[dict]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation ([{"role": ..., "content": ...}, ...]) or to a list of
+        them, as vLLM's ``LLM.chat``: each is laid out by the tokenizer's chat template, ending
+        with the assistant's turn, then generated like ``generate``'s prompts."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            try:
+                prompts.append({"prompt_token_ids": chat_prompt(self.engine.tokenizer, list(conversation))})
+            except ValueError as e:
+                raise ValueError(f"conversation {i}: {e}") from None
+        return self.generate(prompts, sampling_params, use_tqdm)
+
     def generate(
         self,
         prompts: str | list[int] | dict | Seq[str | list[int] | dict],
@@ -214,12 +237,12 @@ class LLM:
         except Exception as e:
             for req in engine.abort_all():
                 done.setdefault(req.request_id, req)
-            outputs = [_to_output(done[rid], engine.proposer is not None) for rid in order]
+            outputs = [to_output(done[rid], engine.proposer is not None) for rid in order]
             raise GenerationError(f"generation failed: {type(e).__name__}: {e}; finished results are in .outputs", outputs) from e
         except BaseException:  # KeyboardInterrupt, SystemExit: the caller will never see these results
             self._withdraw(before)
             raise
-        return [_to_output(done[rid], engine.proposer is not None) for rid in order]
+        return [to_output(done[rid], engine.proposer is not None) for rid in order]
 
     def _withdraw(self, before: tuple[set[str], int, int]) -> None:
         """Take back every request this call added (those not in ``before[0]``), even one whose id
@@ -228,7 +251,8 @@ class LLM:
         engine.withdraw([rid for rid in engine.requests if rid not in before[0]], before[1:])
 
 
-def _to_output(req: Request, speculative: bool) -> RequestOutput:
+def to_output(req: Request, speculative: bool) -> RequestOutput:
+    """The user's view of an engine request (finished or not: its samples as they stand)."""
     first = req.seqs[0]
     spec = None
     if speculative:  # the request's samples together

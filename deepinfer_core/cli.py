@@ -177,6 +177,26 @@ def _replay(args: argparse.Namespace, backend: str | None) -> int:
     return _op_report(report, args.json)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from deepinfer_core import LLM
+    from deepinfer_core.serving.async_llm import AsyncLLM
+    from deepinfer_core.serving.protocol import Limits
+    from deepinfer_core.serving.server import build_app
+
+    api_key = args.api_key or os.environ.get("DEEPINFER_API_KEY") or None
+    llm = LLM(model=args.model, accelerator=args.accelerator, max_num_seqs=args.max_num_seqs)
+    name = args.served_model_name or (args.model or "deepinfer-default")
+    limits = Limits(max_tokens=args.max_tokens, max_n=args.max_n, max_body_bytes=args.max_body_bytes)
+    engine = AsyncLLM(llm)
+    try:
+        uvicorn.run(build_app(engine, name, api_key, limits), host=args.host, port=args.port, log_level="info")
+    finally:
+        engine.shutdown()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer", description="DeepInfer: inference for DeepSeek MoE models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -198,6 +218,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-invariant", action="store_true",
                    help="bitwise the same output for a prompt whatever batch it runs in (DEEPINFER_BATCH_INVARIANT=1)")
     g.set_defaults(func=_generate)
+    v = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    v.add_argument("model", nargs="?", default=None,
+                   help="HF checkpoint directory or repo id (default: DEEPINFER_HF_MODEL_DIR or the built-in tiny model)")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--api-key", help="require Authorization: Bearer KEY on every route but /health (also DEEPINFER_API_KEY)")
+    v.add_argument("--served-model-name", help="the model name clients send and /v1/models lists (default: MODEL)")
+    v.add_argument("--accelerator", help="backend to use (default: DEEPINFER_ACCELERATOR, else automatic)")
+    v.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together")
+    v.add_argument("--max-tokens", type=int, default=4096, help="the most tokens one request may ask for")
+    v.add_argument("--max-n", type=int, default=16, help="the most samples one request may ask for")
+    v.add_argument("--max-body-bytes", type=int, default=4 << 20, help="the largest request body accepted")
+    v.set_defaults(func=_serve)
     from deepinfer_core.conformance.ops_suite import DEFAULT_EXAMPLES, DEFAULT_EXPLORE_MAX_ELEMENTS
 
     c = sub.add_parser("conformance", help="check a backend against the reference ops (or, with --e2e, the platform baselines)",

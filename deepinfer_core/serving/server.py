@@ -1,0 +1,320 @@
+"""The OpenAI-compatible HTTP server (FastAPI) over ``AsyncLLM``.
+
+Routes: ``/v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events or
+not), ``/v1/models``, ``/health``. With an API key every route but ``/health`` wants
+``Authorization: Bearer KEY`` (401 otherwise). Malformed JSON, unknown values, limits exceeded
+and requests the engine refuses are 400s with OpenAI's error body naming the problem; never a
+500. A streaming client that disconnects cancels its request (its blocks are freed at once).
+Every response carries usage: prompt, completion and cached prompt tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from deepinfer_core.api import GenerationError, RequestOutput
+from deepinfer_core.chat import chat_prompt
+from deepinfer_core.serving.async_llm import AsyncLLM
+from deepinfer_core.serving.protocol import ChatRequest, CompletionRequest, Limits
+
+log = logging.getLogger("deepinfer")
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.kind = message, param, status, kind
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+
+
+def _validation_message(e: ValidationError | RequestValidationError) -> tuple[str, str | None]:
+    first = e.errors()[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    return (f"{param}: {first['msg']}" if param else first["msg"]), param
+
+
+def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, limits: Limits | None = None) -> FastAPI:
+    limits = limits or Limits()
+    app = FastAPI(title="DeepInfer", docs_url=None, redoc_url=None)
+    created = int(time.time())
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if request.url.path != "/health" and api_key is not None:
+            given = request.headers.get("authorization", "")
+            if not (given.startswith("Bearer ") and secrets.compare_digest(given[7:].encode(), api_key.encode())):
+                return _error(401, "missing or wrong API key (send Authorization: Bearer KEY)", "authentication_error")
+        size = request.headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > limits.max_body_bytes):
+            return _error(413, f"request body larger than {limits.max_body_bytes} bytes")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request, e: RequestValidationError):
+        message, param = _validation_message(e)
+        return _error(400, message, param=param)
+
+    @app.exception_handler(BadRequest)
+    async def bad(_request, e: BadRequest):
+        return _error(e.status, e.message, e.kind, e.param)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request, e: HTTPException):
+        return _error(e.status_code, str(e.detail))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request, e: Exception):  # a bug of ours: logged, reported as such, the server goes on
+        log.exception("request failed")
+        return _error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "deepinfer",
+                                            "max_model_len": engine.engine.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        _check_model(body.model, model_name)
+        params = _params(body, limits, body.logprobs)
+        prompts = body.prompts()
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            return _sse(_stream_completion(engine, rid, model_name, prompts, params))
+        outs = await _run_all(engine, rid, prompts, params)
+        choices = [{"index": p * params.n + c.index, "text": c.text, "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason, "logprobs": _completion_logprobs(engine, c) if params.logprobs is not None else None}
+                   for p, out in enumerate(outs) for c in out.outputs]
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
+                "choices": choices, "usage": _usage(outs)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest):
+        _check_model(body.model, model_name)
+        try:
+            so = body.so_args()
+        except ValueError as e:
+            raise BadRequest(str(e), "response_format") from None
+        params = _params(body, limits, (body.top_logprobs or 0) if body.logprobs else None, so)
+        prompt = _chat_prompt(engine, body)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            return _sse(_stream_chat(engine, rid, model_name, prompt, params))
+        (out,) = await _run_all(engine, rid, [prompt], params)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason, "logprobs": _chat_logprobs(engine, c) if params.logprobs is not None else None}
+                   for c in out.outputs]
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
+                "choices": choices, "usage": _usage([out])}
+
+    return app
+
+
+# ---- requests -----------------------------------------------------------------------------------
+def _check_model(asked: str | None, served: str) -> None:
+    if asked not in (None, "", served):
+        raise BadRequest(f"model {asked!r} is not served here; this server serves {served!r} (GET /v1/models)", "model", 404,
+                         "not_found_error")
+
+
+def _params(body, limits: Limits, logprobs: int | None, so_args: dict | None = None):
+    try:
+        return body.sampling_params(limits, logprobs, so_args)
+    except ValidationError as e:
+        message, param = _validation_message(e)
+        raise BadRequest(message, param) from None
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+
+
+def _chat_prompt(engine: AsyncLLM, body: ChatRequest) -> list[int]:
+    try:
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        return chat_prompt(engine.tokenizer, messages)
+    except ValueError as e:
+        raise BadRequest(str(e), "messages") from None
+
+
+async def _start(engine: AsyncLLM, prompt, params, request_id: str):
+    """The request's output stream, started (a refused request raises here, as a 400)."""
+    gen = engine.generate(prompt, params, request_id)
+    try:
+        first = await gen.__anext__()
+    except (ValueError, TypeError) as e:
+        raise BadRequest(str(e), "prompt") from None
+    return first, gen
+
+
+async def _run_all(engine: AsyncLLM, rid: str, prompts: list, params) -> list[RequestOutput]:
+    async def one(i: int, prompt) -> RequestOutput:
+        last, gen = await _start(engine, prompt, params, f"{rid}-{i}")
+        async for out in gen:
+            last = out
+        return last
+
+    tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts)]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except GenerationError as e:
+        raise BadRequest(f"generation failed: {e}", status=500, kind="server_error") from None
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _usage(outs: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    cached = sum(o.num_cached_tokens or 0 for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _piece(engine: AsyncLLM, token: int) -> str:
+    return engine.tokenizer.decode([token]) if engine.tokenizer is not None else str(token)
+
+
+def _completion_logprobs(engine: AsyncLLM, c, start: int = 0) -> dict:
+    ids, tops = c.token_ids[start:], (c.logprobs or [])[start:]
+    return {"tokens": [_piece(engine, t) for t in ids], "token_logprobs": [top.get(t) for t, top in zip(ids, tops)],
+            "top_logprobs": [{_piece(engine, k): v for k, v in top.items()} for top in tops], "text_offset": []}
+
+
+def _chat_logprobs(engine: AsyncLLM, c, start: int = 0) -> dict:
+    def entry(token: int, logprob: float | None) -> dict:
+        piece = _piece(engine, token)
+        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+
+    content = []
+    for t, top in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
+        content.append({**entry(t, top.get(t)), "top_logprobs": [entry(k, v) for k, v in top.items() if k != t or len(top) == 1]})
+    return {"content": content}
+
+
+# ---- streaming ----------------------------------------------------------------------------------
+def _sse(events) -> StreamingResponse:
+    async def body():
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event)}\n\n"
+        except Exception as e:  # after the 200 went out: the error travels as an event
+            log.exception("streamed request failed")
+            yield f"data: {json.dumps({'error': {'message': f'{type(e).__name__}: {e}', 'type': 'server_error'}})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def _merged(engine: AsyncLLM, rid: str, prompts: list, params):
+    """(prompt index, output) as any prompt's output changes; the first of each is started before
+    anything is sent, so a refused prompt is a 400, not a broken stream."""
+    started = []
+    try:
+        for i, p in enumerate(prompts):
+            started.append(await _start(engine, p, params, f"{rid}-{i}"))
+    except BaseException:
+        for _, gen in started:
+            await gen.aclose()
+        raise
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, first, gen):
+        try:
+            await queue.put((i, first))
+            async for out in gen:
+                await queue.put((i, out))
+        except BaseException as e:
+            await queue.put((i, e))
+            raise
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, first, gen)) for i, (first, gen) in enumerate(started)]
+    try:
+        live = len(tasks)
+        while live:
+            i, item = await queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:  # the client left, or a sample failed: stop every pump (each aborts its request) and wait for them
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Deltas:
+    """What each sample has not been sent yet: text and tokens."""
+
+    def __init__(self):
+        self.text: dict[int, str] = {}
+        self.tokens: dict[int, int] = {}
+
+    def take(self, key: int, c) -> tuple[str, int]:
+        sent = self.text.get(key, "")
+        if not c.text.startswith(sent):  # cannot happen with the held-back text; never resend
+            log.warning("streamed text of sample %d is not a prefix of its final text", key)
+            delta = ""
+        else:
+            delta = c.text[len(sent):]
+        self.text[key] = sent + delta
+        start = self.tokens.get(key, 0)
+        self.tokens[key] = len(c.token_ids)
+        return delta, start
+
+
+async def _stream_completion(engine: AsyncLLM, rid: str, model: str, prompts: list, params):
+    created = int(time.time())
+    deltas, finals = _Deltas(), {}
+    async for p, out in _merged(engine, rid, prompts, params):
+        for c in out.outputs:
+            index = p * params.n + c.index
+            delta, start = deltas.take(index, c)
+            if not delta and c.finish_reason is None:
+                continue
+            choice = {"index": index, "text": delta, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                      "logprobs": _completion_logprobs(engine, c, start) if params.logprobs is not None else None}
+            yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+        if out.finished:
+            finals[p] = out
+    yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
+           "usage": _usage([finals[p] for p in sorted(finals)])}
+
+
+async def _stream_chat(engine: AsyncLLM, rid: str, model: str, prompt, params):
+    created = int(time.time())
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None} for i in range(params.n)]}
+    deltas, final = _Deltas(), None
+    async for _, out in _merged(engine, rid, [prompt], params):
+        for c in out.outputs:
+            delta, start = deltas.take(c.index, c)
+            if not delta and c.finish_reason is None:
+                continue
+            yield {**head, "choices": [{"index": c.index, "delta": {"content": delta} if delta else {},
+                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                                        "logprobs": _chat_logprobs(engine, c, start) if params.logprobs is not None else None}]}
+        if out.finished:
+            final = out
+    yield {**head, "choices": [], "usage": _usage([final] if final is not None else [])}

@@ -1,0 +1,260 @@
+"""The OpenAI-compatible server on the embedded default model, started here on 127.0.0.1 (a free
+port), called with the real ``openai`` client and raw HTTP: completions and chat, streamed and
+not (the same text), n, stop, seeds, logprobs, usage; auth; bad input is a 400 naming the
+field; a client that goes away mid-stream frees its request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="the openai client is a dev dependency (pip install -e .[dev])")
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn", reason="fastapi and uvicorn are runtime dependencies")
+
+from deepinfer_core import LLM  # noqa: E402
+from deepinfer_core.serving.async_llm import AsyncLLM  # noqa: E402
+from deepinfer_core.serving.protocol import Limits  # noqa: E402
+from deepinfer_core.serving.server import build_app  # noqa: E402
+
+KEY = "test-key"
+MODEL = "default"
+
+
+@pytest.fixture(scope="module")
+def server():
+    # batch-invariant: a request's greedy text may not depend on what else the server runs
+    llm = LLM(accelerator="cpu", dtype="float32", progress=False, max_num_seqs=8, batch_invariant=True)
+    engine = AsyncLLM(llm)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = build_app(engine, MODEL, KEY, Limits(max_tokens=64, max_n=4, max_body_bytes=1 << 16))
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started:
+        assert time.time() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", engine
+    srv.should_exit = True
+    thread.join(timeout=10)
+    engine.shutdown()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0)
+
+
+def _stream_text(chunks, chat: bool) -> tuple[dict[int, str], dict[int, str], dict | None]:
+    texts, reasons, usage = {}, {}, None
+    for chunk in chunks:
+        if getattr(chunk, "usage", None):
+            usage = chunk.usage
+        for c in chunk.choices:
+            piece = (c.delta.content or "") if chat else c.text
+            texts[c.index] = texts.get(c.index, "") + piece
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    return texts, reasons, usage
+
+
+def test_completions_streamed_and_not_give_the_same_text(client):
+    kw = {"model": MODEL, "prompt": "def fib(n):", "max_tokens": 24, "temperature": 0.8, "seed": 7, "n": 2}
+    whole = client.completions.create(**kw)
+    texts, reasons, usage = _stream_text(client.completions.create(stream=True, **kw), chat=False)
+    assert [c.text for c in sorted(whole.choices, key=lambda c: c.index)] == [texts[0], texts[1]]
+    assert {c.finish_reason for c in whole.choices} <= {"stop", "length"} and set(reasons) == {0, 1}
+    assert whole.usage.completion_tokens == usage.completion_tokens > 0
+    assert whole.usage.prompt_tokens == usage.prompt_tokens > 0
+    again = client.completions.create(**kw)  # the seed makes it reproducible
+    assert [c.text for c in again.choices] == [c.text for c in whole.choices]
+    assert client.completions.create(**{**kw, "seed": 8}).choices[0].text != whole.choices[0].text
+
+
+def test_a_greedy_completion_is_the_same_alone_and_beside_another_prompt(client):
+    one = client.completions.create(model=MODEL, prompt="import os\n", max_tokens=20, temperature=0)
+    two = client.completions.create(model=MODEL, prompt=["import os\n", "class A:"], max_tokens=20, temperature=0)
+    assert two.choices[0].text == one.choices[0].text and [c.index for c in two.choices] == [0, 1]
+
+
+def test_stop_strings_and_logprobs(client):
+    out = client.completions.create(model=MODEL, prompt="def f(x):\n    return", max_tokens=40, temperature=0, stop=["\n"], logprobs=2)
+    choice = out.choices[0]
+    assert "\n" not in choice.text
+    assert choice.logprobs is not None and len(choice.logprobs.tokens) == out.usage.completion_tokens
+    assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+    streamed, _, _ = _stream_text(client.completions.create(model=MODEL, prompt="def f(x):\n    return", max_tokens=40,
+                                                             temperature=0, stop=["\n"], stream=True), chat=False)
+    assert streamed[0] == choice.text
+    # a stop string of several characters: the stream holds back what could be its start
+    for stop in (["self"], [" = ", ":\n"]):
+        kw = {"model": MODEL, "prompt": "class A:\n    def __init__(self", "max_tokens": 60, "temperature": 0, "stop": stop}
+        whole = client.completions.create(**kw).choices[0]
+        streamed, _, _ = _stream_text(client.completions.create(stream=True, **kw), chat=False)
+        assert streamed[0] == whole.text, (stop, whole)
+
+
+def test_chat_streamed_and_not(client):
+    kw = {"model": MODEL, "messages": [{"role": "system", "content": "Answer in code."}, {"role": "user", "content": "sort a list"}],
+          "max_tokens": 20, "temperature": 0}
+    whole = client.chat.completions.create(**kw)
+    texts, reasons, usage = _stream_text(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw),
+                                         chat=True)
+    assert whole.choices[0].message.content == texts[0] and whole.choices[0].message.role == "assistant"
+    assert whole.usage.total_tokens == usage.total_tokens
+    lp = client.chat.completions.create(**kw, logprobs=True, top_logprobs=2).choices[0].logprobs
+    assert lp is not None and len(lp.content) == whole.usage.completion_tokens
+
+
+def test_response_format_json_schema_constrains_chat(client):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a number"}], max_tokens=30, temperature=0,
+                                         response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+    assert isinstance(json.loads(out.choices[0].message.content, strict=False)["n"], int)
+
+
+def test_models_health_and_auth(server):
+    url = server[0]
+    assert httpx.get(url + "/health").status_code == 200
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = httpx.request(method, url + path, headers=headers, json={})
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", (path, headers)
+    r = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL
+
+
+@pytest.mark.parametrize("body, status, names", [
+    (b"{not json", 400, ""),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "max_tokens": 1000}, 400, "max_tokens"),
+    ({"prompt": "x", "n": 9}, 400, "n="),
+    ({"prompt": "x", "logprobs": 99}, 400, "logprobs"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "gpt-4"),
+    ({"prompt": "x", "echo": True}, 400, "echo"),
+    ({}, 400, "prompt"),
+    ({"prompt": [99999]}, 400, "99999"),
+    ({"prompt": "x " * 5000}, 400, "max_model_len"),
+    ({"prompt": "x", "stop": 5}, 400, "stop"),
+])
+def test_bad_completion_requests_are_4xx_naming_the_problem(server, body, status, names):
+    url, engine = server
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(url + "/v1/completions", content=data, headers=headers, timeout=60)
+    assert r.status_code == status, r.text
+    assert names in r.json()["error"]["message"], r.json()
+    ok = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=headers, timeout=60)
+    assert ok.status_code == 200  # the server goes on
+
+
+def test_bad_chat_requests(server):
+    url = server[0]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for body, name in (({"messages": []}, "messages"), ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+                       ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}, "yaml"),
+                       ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools")):
+        r = httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+        assert r.status_code == 400 and name in r.json()["error"]["message"], (body, r.text)
+    big = httpx.post(url + "/v1/completions", content=b"x" * (1 << 17), headers=headers)
+    assert big.status_code == 413
+
+
+def test_a_client_leaving_mid_stream_frees_its_request(server, monkeypatch):
+    url, engine = server
+    aborted = []
+    abort = engine.engine.abort
+    monkeypatch.setattr(engine.engine, "abort", lambda rid: aborted.append(rid) or abort(rid))
+    body = {"prompt": "def main():", "max_tokens": 64, "temperature": 0.7, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")
+    deadline = time.time() + 20
+    while not aborted or engine.engine.requests:
+        assert time.time() < deadline, "the request was not aborted"
+        time.sleep(0.05)
+    assert aborted[0].startswith("cmpl-") and engine.num_unfinished() == 0
+
+
+def test_offline_chat_lays_messages_out_with_the_chat_template():
+    from deepinfer_core import SamplingParams
+    from deepinfer_core.chat import chat_prompt
+
+    llm = LLM(accelerator="cpu", dtype="float32", progress=False)
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer is llm.tokenizer
+    conversation = [{"role": "system", "content": "Answer in code."}, {"role": "user", "content": "sort a list"}]
+    ids = chat_prompt(tokenizer, conversation)
+    assert tokenizer.decode(ids) == "<｜begin▁of▁sentence｜>Answer in code.\n\nUser: sort a list\n\nAssistant:"
+    params = SamplingParams(max_tokens=8, temperature=0)
+    (out,) = llm.chat(conversation, params, use_tqdm=False)
+    assert out.prompt_token_ids == ids
+    assert out.outputs[0].token_ids == llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(llm.chat([conversation, conversation[1:]], params, use_tqdm=False)) == 2
+    with pytest.raises(ValueError, match="conversation 0: the chat template refused these messages: role wizard"):
+        llm.chat([{"role": "wizard", "content": "x"}])
+    with pytest.raises(ValueError, match="string 'content'"):
+        llm.chat([{"role": "user", "content": 5}])
+
+
+def test_deepinfer_serve_is_a_command():
+    from deepinfer_core.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--port", "9000", "--api-key", "k"])
+    assert args.model is None and args.port == 9000 and args.api_key == "k" and args.host == "127.0.0.1"
+
+
+def test_concurrent_streams_with_cancellations_and_bad_requests(server):
+    """40 streaming requests at once, 5 of them dropped midway and 5 malformed: every other one
+    streams the text it gets alone, nothing else fails, and no request is left behind."""
+    url, engine = server
+    headers = {"Authorization": f"Bearer {KEY}"}
+    prompts = [f"def f{i}(x):" for i in range(30)]
+
+    async def stream(client, i, prompt, drop=False):
+        body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": True}
+        text = ""
+        async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                text += "".join(c["text"] for c in event["choices"])
+                if drop and text:
+                    return None
+        return text
+
+    async def bad(client, i):
+        r = await client.post(url + "/v1/completions", json={"prompt": "x", "temperature": "hot" if i % 2 else -3}, headers=headers)
+        return r.status_code
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            jobs = [stream(client, i, p) for i, p in enumerate(prompts)]
+            jobs += [stream(client, 100 + i, "while True:", drop=True) for i in range(5)]
+            jobs += [bad(client, i) for i in range(5)]
+            return await asyncio.gather(*jobs)
+
+    results = asyncio.run(main())
+    assert results[35:] == [400] * 5 and results[30:35] == [None] * 5
+    alone = {}
+    with httpx.Client(timeout=60) as client:
+        for p in prompts[:6]:
+            r = client.post(url + "/v1/completions", json={"prompt": p, "max_tokens": 24, "temperature": 0}, headers=headers)
+            alone[p] = r.json()["choices"][0]["text"]
+    assert all(results[i] == alone[p] for i, p in enumerate(prompts[:6])), (results[:6], alone)
+    assert all(isinstance(t, str) and t for t in results[:30])
+    deadline = time.time() + 20
+    while engine.engine.requests or engine.num_unfinished():
+        assert time.time() < deadline, "requests were left behind"
+        time.sleep(0.05)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -32,10 +33,19 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """What the engine measured for a request. ``speculative``: drafts verified and accepted,
-    by draft position, over all its samples (None when speculative decoding is off)."""
+    """What the engine measured for a request, as vLLM's: wall-clock times (``time.time()``)
+    when it was added, when its first output token reached the host, and when it ended (None
+    while it runs). ``speculative``: drafts verified and accepted, by draft position, over all
+    its samples (None when speculative decoding is off)."""
 
+    arrival_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
     speculative: AcceptanceStats | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None or self.arrival_time is None else self.first_token_time - self.arrival_time
 
 
 @dataclass
@@ -95,6 +105,32 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
         ) from e
 
 
+def _refuse_vllm_names(unsupported: dict, trust_remote_code: bool) -> None:
+    """vLLM's constructor names DeepInfer cannot honour, refused with what to do instead."""
+    if trust_remote_code:
+        raise ConfigError("trust_remote_code=True: DeepInfer never runs code shipped with a checkpoint; it implements "
+                          "DeepSeek's architectures itself and reads the config with transformers. Drop the argument")
+    if unsupported:
+        names = ", ".join(sorted(unsupported))
+        raise ConfigError(f"LLM() does not take {names}: DeepInfer supports vLLM's model, dtype, max_model_len, block_size, "
+                          "max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, seed, load_format, enforce_eager, "
+                          "enable_prefix_caching and speculative_config (parallelism is not available yet); see help(LLM)")
+
+
+def _check_quantization(model_dir: Path, quantization: str | None) -> None:
+    """``quantization`` must name the checkpoint's own format: DeepInfer runs weights as stored."""
+    if quantization is None:
+        return
+    try:
+        stored = (json.loads((model_dir / "config.json").read_text()).get("quantization_config") or {}).get("quant_method")
+    except (OSError, ValueError):
+        stored = None
+    if quantization != stored:
+        raise ConfigError(f"quantization={quantization!r}, but this checkpoint is stored "
+                          f"{'as ' + repr(stored) if stored else 'unquantized'}: DeepInfer runs weights in the format they "
+                          f"are stored in. Drop the argument" + (f" or pass quantization={stored!r}" if stored else ""))
+
+
 class LLM:
     """Offline inference on a DeepSeek V2/V3 or V4 checkpoint.
 
@@ -130,10 +166,15 @@ class LLM:
         speculative_config: dict | None = None,
         batch_invariant: bool | None = None,
         progress: bool = True,
+        trust_remote_code: bool = False,
+        quantization: str | None = None,
+        **unsupported,
     ):
         env = settings()
         _configure_logging(env.log_level)
+        _refuse_vllm_names(unsupported, trust_remote_code)
         self.model_dir = resolve_model_dir(model)
+        _check_quantization(self.model_dir, quantization)
         config = EngineConfig(
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
@@ -279,5 +320,5 @@ def to_output(req: Request, speculative: bool) -> RequestOutput:
         outputs=outputs,
         finished=req.finished,
         num_cached_tokens=first.num_cached_tokens,
-        metrics=RequestMetrics(speculative=spec),
+        metrics=RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time, spec),
     )

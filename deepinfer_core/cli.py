@@ -218,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-invariant", action="store_true",
                    help="bitwise the same output for a prompt whatever batch it runs in (DEEPINFER_BATCH_INVARIANT=1)")
     g.set_defaults(func=_generate)
-    v = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    v = sub.add_parser("serve", help="serve a model over an OpenAI- and Anthropic-compatible HTTP API")
     v.add_argument("model", nargs="?", default=None,
                    help="HF checkpoint directory or repo id (default: DEEPINFER_HF_MODEL_DIR or the built-in tiny model)")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")

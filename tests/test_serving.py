@@ -1,14 +1,12 @@
 """The OpenAI-compatible server on the embedded default model, started here on 127.0.0.1 (a free
 port), called with the real ``openai`` client and raw HTTP: completions and chat, streamed and
 not (the same text), n, stop, seeds, logprobs, usage; auth; bad input is a 400 naming the
-field; a client that goes away mid-stream frees its request."""
+field, streamed or not; a client that goes away mid-stream frees its request."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 
 import pytest
@@ -18,34 +16,13 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn", reason="fastapi and uvicorn are runtime dependencies")
 
 from deepinfer_core import LLM  # noqa: E402
-from deepinfer_core.serving.async_llm import AsyncLLM  # noqa: E402
-from deepinfer_core.serving.protocol import Limits  # noqa: E402
-from deepinfer_core.serving.server import build_app  # noqa: E402
-
-KEY = "test-key"
-MODEL = "default"
+from tests.serving_server import KEY, MODEL, running_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def server():
-    # batch-invariant: a request's greedy text may not depend on what else the server runs
-    llm = LLM(accelerator="cpu", dtype="float32", progress=False, max_num_seqs=8, batch_invariant=True)
-    engine = AsyncLLM(llm)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    app = build_app(engine, MODEL, KEY, Limits(max_tokens=64, max_n=4, max_body_bytes=1 << 16))
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started:
-        assert time.time() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    srv.should_exit = True
-    thread.join(timeout=10)
-    engine.shutdown()
+    with running_server() as s:
+        yield s
 
 
 @pytest.fixture
@@ -168,6 +145,15 @@ def test_bad_chat_requests(server):
     assert big.status_code == 413
 
 
+def test_a_refused_streamed_request_is_a_400_not_a_broken_stream(server):
+    url = server[0]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for path, body in (("/v1/completions", {"prompt": "x " * 5000}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 5000}]})):
+        r = httpx.post(url + path, json={**body, "stream": True}, headers=headers, timeout=60)
+        assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"], (path, r.text)
+
+
 def test_a_client_leaving_mid_stream_frees_its_request(server, monkeypatch):
     url, engine = server
     aborted = []
@@ -258,3 +244,28 @@ def test_concurrent_streams_with_cancellations_and_bad_requests(server):
     while engine.engine.requests or engine.num_unfinished():
         assert time.time() < deadline, "requests were left behind"
         time.sleep(0.05)
+
+
+def test_prometheus_metrics(server):
+    url = server[0]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(url + "/metrics").status_code == 401
+    before = httpx.get(url + "/metrics", headers=headers).text
+    body = {"prompt": "x = [1, 2, 3]\nprint(x)\n" * 4, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    for _ in range(2):  # the second one reads the first one's prompt from the prefix cache
+        assert httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60).status_code == 200
+    text = httpx.get(url + "/metrics", headers=headers).text
+
+    def value(name: str, page: str) -> float:
+        lines = [ln for ln in page.splitlines() if ln.startswith(name + " ") or ln.startswith(name + "{")]
+        return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
+
+    for gauge in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_ratio", "prefix_cache_hit_ratio",
+                  "spec_decode_draft_tokens"):
+        assert f"deepinfer_{gauge} " in text, gauge
+    assert value("deepinfer_generation_tokens_total", text) - value("deepinfer_generation_tokens_total", before) == 10
+    assert value("deepinfer_time_to_first_token_seconds_count", text) - value("deepinfer_time_to_first_token_seconds_count", before) == 2
+    assert value("deepinfer_time_per_output_token_seconds_count", text) > value("deepinfer_time_per_output_token_seconds_count", before)
+    assert value("deepinfer_cached_prompt_tokens_total", text) > value("deepinfer_cached_prompt_tokens_total", before)
+    assert value("deepinfer_prefix_cache_hit_ratio", text) > 0
+    assert 'deepinfer_requests_finished_total{finish_reason="length"}' in text

@@ -66,6 +66,10 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
+    # wall-clock times (time.time()): added; its first output token reached the host; it ended
+    arrival_time: float = field(default_factory=time.time)
+    first_token_time: float | None = None
+    finished_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -435,6 +439,7 @@ class Engine:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
                 seq.text = self.output.detokenize(seq)
+        req.finished_time = time.time()
         return req
 
     def abort_all(self) -> list[Request]:
@@ -553,7 +558,14 @@ class Engine:
             self.spec_stats = self.spec_stats.merge(step_spec)
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
-        finished = [r for r in self.requests.values() if r.finished]
+        now = time.time()
+        finished = []
+        for req in self.requests.values():
+            if req.first_token_time is None and any(s.output_token_ids for s in req.seqs):
+                req.first_token_time = now
+            if req.finished:
+                req.finished_time = now
+                finished.append(req)
         for req in finished:
             del self.requests[req.request_id]
         self._step += 1

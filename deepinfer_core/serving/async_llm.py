@@ -43,6 +43,7 @@ class AsyncLLM:
         self._inbox: deque = deque()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        self.listeners: list = []  # called with every request's final RequestOutput, on the engine thread (metrics)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="deepinfer-engine", daemon=True)
         self._thread.start()
@@ -107,17 +108,27 @@ class AsyncLLM:
             except Exception as e:  # the step failed: every request in flight ends, the engine goes on
                 log.exception("engine step failed; aborting the %d requests in flight", len(engine.requests))
                 for req in engine.abort_all():
-                    out = to_output(req, engine.proposer is not None)
+                    out = self._ended(req)
                     self._deliver(req.request_id, GenerationError(f"generation failed: {type(e).__name__}: {e}", [out]))
                 continue
             for req in finished:
-                self._deliver(req.request_id, to_output(req, engine.proposer is not None))
+                self._deliver(req.request_id, self._ended(req))
             for rid, req in engine.requests.items():
                 stream = self._streams.get(rid)
                 counts = [len(s.output_token_ids) for s in req.seqs]
                 if stream is not None and counts != stream.sent:
                     stream.sent = counts
                     self._send(stream, self._partial(req))
+
+    def _ended(self, req) -> RequestOutput:
+        """A finished or aborted request's output, shown to the listeners."""
+        out = to_output(req, self.engine.proposer is not None)
+        for listener in self.listeners:
+            try:
+                listener(out)
+            except Exception:  # a listener's bug must not stop the engine thread
+                log.exception("request listener failed")
+        return out
 
     def _partial(self, req) -> RequestOutput:
         """An unfinished request's output, its samples' text decoded so far. Text that may still
@@ -148,11 +159,11 @@ class AsyncLLM:
             elif item[0] == "abort":
                 rid = item[1]
                 if rid in engine.requests:
-                    engine.abort(rid)
+                    self._ended(engine.abort(rid))
                 self._streams.pop(rid, None)
             else:  # stop
                 for req in engine.abort_all():
-                    self._deliver(req.request_id, to_output(req, engine.proposer is not None))
+                    self._deliver(req.request_id, self._ended(req))
                 return False
         return True
 

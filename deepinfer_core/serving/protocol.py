@@ -1,8 +1,9 @@
-"""OpenAI-style request bodies (the fields we honour) and their mapping to SamplingParams.
+"""OpenAI-style request bodies (the fields we honour) and Anthropic's Messages request, and their
+mapping to SamplingParams.
 
-Fields a client sends that we do not know are ignored, as OpenAI's own SDKs add new ones over
-time; fields we know but cannot honour (``echo``, ``best_of`` > n, ``suffix``, function tools on
-models without them) are a 400 naming the field.
+Fields a client sends that we do not know are ignored, as OpenAI's and Anthropic's own SDKs add
+new ones over time; fields we know but cannot honour (``echo``, ``best_of`` > n, ``suffix``,
+function tools on models without them, content blocks other than text) are a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ class Limits(BaseModel):
 
     max_tokens: int = 4096
     max_n: int = 16
-    max_prompt_tokens: int | None = None  # None: the model's max_model_len decides
     max_body_bytes: int = 4 << 20
 
 
@@ -86,14 +86,19 @@ class ChatMessage(BaseModel):
     content: str | list[dict] | None = None
 
     def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise ValueError(f"message content of type {part.get('type')!r} is not supported (text only)")
-            parts.append(part.get("text", ""))
-        return "".join(parts)
+        return _text(self.content)
+
+
+def _text(content: str | list[dict] | None) -> str:
+    """A message's content, a string or a list of text blocks, as one string."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise ValueError(f"message content of type {part.get('type')!r} is not supported (text only)")
+        parts.append(part.get("text", ""))
+    return "".join(parts)
 
 
 class ChatRequest(_Common):
@@ -125,3 +130,44 @@ class ChatRequest(_Common):
                 raise ValueError("response_format.json_schema.schema is missing")
             return {"json": schema}
         raise ValueError(f"response_format type {rf['type']!r} is not supported (text, json_object, json_schema)")
+
+
+class AnthropicMessage(ChatMessage):
+    role: Literal["user", "assistant"]
+    content: str | list[dict]
+
+
+class MessagesRequest(BaseModel):
+    """Anthropic's ``/v1/messages`` body (``metadata`` and unknown fields ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int = Field(ge=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[dict] | None = None
+    temperature: float = Field(1.0, ge=0.0, le=1.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    tools: list | None = None
+    tool_choice: dict | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> MessagesRequest:
+        if self.tools or self.tool_choice:
+            raise ValueError("tools and tool_choice are not supported for this model")
+        return self
+
+    def conversation(self) -> list[dict]:
+        """The system prompt and messages as {"role", "content"} dicts (ValueError: a block that is not text)."""
+        messages = [{"role": m.role, "content": m.text()} for m in self.messages]
+        system = _text(self.system)
+        return ([{"role": "system", "content": system}] if system else []) + messages
+
+    def sampling_params(self, limits: Limits, logprobs: int | None = None, so_args: dict | None = None) -> SamplingParams:
+        if self.max_tokens > limits.max_tokens:
+            raise ValueError(f"max_tokens={self.max_tokens} is more than this server allows ({limits.max_tokens})")
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_tokens,
+                              stop=self.stop_sequences or [])

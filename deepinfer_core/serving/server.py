@@ -1,11 +1,13 @@
 """The OpenAI-compatible HTTP server (FastAPI) over ``AsyncLLM``.
 
 Routes: ``/v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events or
-not), ``/v1/models``, ``/health``. With an API key every route but ``/health`` wants
-``Authorization: Bearer KEY`` (401 otherwise). Malformed JSON, unknown values, limits exceeded
-and requests the engine refuses are 400s with OpenAI's error body naming the problem; never a
-500. A streaming client that disconnects cancels its request (its blocks are freed at once).
-Every response carries usage: prompt, completion and cached prompt tokens.
+not), Anthropic's ``/v1/messages`` (``serving.anthropic``), ``/v1/models``, ``/health`` and
+Prometheus' ``/metrics`` (``serving.metrics``). With an
+API key every route but ``/health`` wants ``Authorization: Bearer KEY`` or ``x-api-key: KEY``
+(401 otherwise). Malformed JSON, unknown values, limits exceeded and requests the engine refuses
+(streamed or not) are 4xx answers with OpenAI's error body (Anthropic's on ``/v1/messages``)
+naming the problem; never a 500. A streaming client that disconnects cancels its request (its
+blocks are freed at once). Every response carries usage: prompt, completion and cached prompt tokens.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from deepinfer_core.api import GenerationError, RequestOutput
 from deepinfer_core.chat import chat_prompt
 from deepinfer_core.serving.async_llm import AsyncLLM
+from deepinfer_core.serving.metrics import ServerMetrics
 from deepinfer_core.serving.protocol import ChatRequest, CompletionRequest, Limits
 
 log = logging.getLogger("deepinfer")
@@ -37,8 +41,29 @@ class BadRequest(Exception):
         self.message, self.param, self.status, self.kind = message, param, status, kind
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+ANTHROPIC_PATHS = ("/v1/messages",)  # errors there have Anthropic's body
+_ANTHROPIC_KINDS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error"}
+
+
+def _error_body(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                anthropic: bool = False) -> dict:
+    if anthropic:  # Anthropic's error type follows the status
+        kind = "api_error" if status >= 500 else _ANTHROPIC_KINDS.get(status, "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def _error(request: Request, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+    """The error answer, with OpenAI's body or, on ANTHROPIC_PATHS, Anthropic's."""
+    anthropic = request.url.path.startswith(ANTHROPIC_PATHS)
+    return JSONResponse(_error_body(status, message, kind, param, anthropic), status_code=status)
+
+
+def _authorized(request: Request, api_key: str) -> bool:
+    bearer = request.headers.get("authorization", "")
+    given = (request.headers.get("x-api-key"), bearer[7:] if bearer.startswith("Bearer ") else None)
+    return any(g is not None and secrets.compare_digest(g.encode(), api_key.encode()) for g in given)
 
 
 def _validation_message(e: ValidationError | RequestValidationError) -> tuple[str, str | None]:
@@ -55,32 +80,31 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
-        if request.url.path != "/health" and api_key is not None:
-            given = request.headers.get("authorization", "")
-            if not (given.startswith("Bearer ") and secrets.compare_digest(given[7:].encode(), api_key.encode())):
-                return _error(401, "missing or wrong API key (send Authorization: Bearer KEY)", "authentication_error")
+        if request.url.path != "/health" and api_key is not None and not _authorized(request, api_key):
+            return _error(request, 401, "missing or wrong API key (send Authorization: Bearer KEY or x-api-key: KEY)",
+                          "authentication_error")
         size = request.headers.get("content-length")
         if size is not None and (not size.isdigit() or int(size) > limits.max_body_bytes):
-            return _error(413, f"request body larger than {limits.max_body_bytes} bytes")
+            return _error(request, 413, f"request body larger than {limits.max_body_bytes} bytes")
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_request, e: RequestValidationError):
+    async def invalid(request, e: RequestValidationError):
         message, param = _validation_message(e)
-        return _error(400, message, param=param)
+        return _error(request, 400, message, param=param)
 
     @app.exception_handler(BadRequest)
-    async def bad(_request, e: BadRequest):
-        return _error(e.status, e.message, e.kind, e.param)
+    async def bad(request, e: BadRequest):
+        return _error(request, e.status, e.message, e.kind, e.param)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_request, e: HTTPException):
-        return _error(e.status_code, str(e.detail))
+    async def http_error(request, e: HTTPException):
+        return _error(request, e.status_code, str(e.detail))
 
     @app.exception_handler(Exception)
-    async def unexpected(_request, e: Exception):  # a bug of ours: logged, reported as such, the server goes on
+    async def unexpected(request, e: Exception):  # a bug of ours: logged, reported as such, the server goes on
         log.exception("request failed")
-        return _error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+        return _error(request, 500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
     @app.get("/health")
     async def health():
@@ -98,7 +122,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
         prompts = body.prompts()
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return _sse(_stream_completion(engine, rid, model_name, prompts, params))
+            return await _sse(_stream_completion(engine, rid, model_name, prompts, params))
         outs = await _run_all(engine, rid, prompts, params)
         choices = [{"index": p * params.n + c.index, "text": c.text, "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason, "logprobs": _completion_logprobs(engine, c) if params.logprobs is not None else None}
@@ -117,7 +141,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
         prompt = _chat_prompt(engine, body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return _sse(_stream_chat(engine, rid, model_name, prompt, params))
+            return await _sse(_stream_chat(engine, rid, model_name, prompt, params))
         (out,) = await _run_all(engine, rid, [prompt], params)
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason, "logprobs": _chat_logprobs(engine, c) if params.logprobs is not None else None}
@@ -125,6 +149,16 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
                 "choices": choices, "usage": _usage([out])}
 
+    metrics = ServerMetrics(engine.engine)
+    engine.listeners.append(metrics.observe)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    from deepinfer_core.serving.anthropic import register  # it imports this module's helpers
+
+    register(app, engine, model_name, limits)  # /v1/messages
     return app
 
 
@@ -210,15 +244,29 @@ def _chat_logprobs(engine: AsyncLLM, c, start: int = 0) -> dict:
 
 
 # ---- streaming ----------------------------------------------------------------------------------
-def _sse(events) -> StreamingResponse:
+async def _sse(events, anthropic: bool = False) -> StreamingResponse:
+    """``events`` (dicts) as server-sent events, OpenAI's (``data:`` lines, then ``[DONE]``) or
+    Anthropic's (each named by its ``type``). The first event is awaited before the 200 goes out:
+    every stream starts its requests before its first event, so a refused one is a 4xx."""
+
+    def line(event: dict) -> str:
+        return (f"event: {event['type']}\n" if anthropic else "") + f"data: {json.dumps(event)}\n\n"
+
+    try:
+        first = await anext(events)
+    except GenerationError as e:
+        raise BadRequest(f"generation failed: {e}", status=500, kind="server_error") from None
+
     async def body():
         try:
+            yield line(first)
             async for event in events:
-                yield f"data: {json.dumps(event)}\n\n"
+                yield line(event)
         except Exception as e:  # after the 200 went out: the error travels as an event
             log.exception("streamed request failed")
-            yield f"data: {json.dumps({'error': {'message': f'{type(e).__name__}: {e}', 'type': 'server_error'}})}\n\n"
-        yield "data: [DONE]\n\n"
+            yield line(_error_body(500, f"{type(e).__name__}: {e}", "server_error", anthropic=anthropic))
+        if not anthropic:
+            yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream")
 
@@ -305,9 +353,11 @@ async def _stream_completion(engine: AsyncLLM, rid: str, model: str, prompts: li
 async def _stream_chat(engine: AsyncLLM, rid: str, model: str, prompt, params):
     created = int(time.time())
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-    yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None} for i in range(params.n)]}
-    deltas, final = _Deltas(), None
+    deltas, last = _Deltas(), None
     async for _, out in _merged(engine, rid, [prompt], params):
+        if last is None:  # the request started (a refused one raised): the role goes first
+            yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                                       for i in range(params.n)]}
         for c in out.outputs:
             delta, start = deltas.take(c.index, c)
             if not delta and c.finish_reason is None:
@@ -315,6 +365,5 @@ async def _stream_chat(engine: AsyncLLM, rid: str, model: str, prompt, params):
             yield {**head, "choices": [{"index": c.index, "delta": {"content": delta} if delta else {},
                                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                                         "logprobs": _chat_logprobs(engine, c, start) if params.logprobs is not None else None}]}
-        if out.finished:
-            final = out
-    yield {**head, "choices": [], "usage": _usage([final] if final is not None else [])}
+        last = out
+    yield {**head, "choices": [], "usage": _usage([last])}

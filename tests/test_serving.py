@@ -269,3 +269,24 @@ def test_prometheus_metrics(server):
     assert value("deepinfer_cached_prompt_tokens_total", text) > value("deepinfer_cached_prompt_tokens_total", before)
     assert value("deepinfer_prefix_cache_hit_ratio", text) > 0
     assert 'deepinfer_requests_finished_total{finish_reason="length"}' in text
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "def main():"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}]}),
+])
+def test_a_client_leaving_a_non_streamed_request_frees_it(server, monkeypatch, path, body):
+    url, engine = server
+    aborted = []
+    abort, step = engine.engine.abort, engine.engine.step
+    monkeypatch.setattr(engine.engine, "abort", lambda rid: aborted.append(rid) or abort(rid))
+    monkeypatch.setattr(engine.engine, "step", lambda: time.sleep(0.05) or step())  # 64 steps: ~3 s
+    body = {**body, "max_tokens": 64, "temperature": 0.7, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.8)
+    deadline = time.time() + 10
+    while not aborted or engine.engine.requests:
+        assert time.time() < deadline, "the request was not aborted"
+        time.sleep(0.05)
+    assert engine.num_unfinished() == 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import uuid
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 from deepinfer_core.chat import chat_prompt
 from deepinfer_core.serving.async_llm import AsyncLLM
@@ -26,14 +26,14 @@ _NO_STOP = {"stop_reason": None, "stop_sequence": None}
 
 def register(app: FastAPI, engine: AsyncLLM, model_name: str, limits: Limits) -> None:
     @app.post("/v1/messages")
-    async def messages(body: MessagesRequest):
+    async def messages(body: MessagesRequest, request: Request):
         _check_model(body.model, model_name)
         params = _params(body, limits, None)
         prompt = _prompt(engine, body)
         mid = f"msg_{uuid.uuid4().hex}"
         if body.stream:
             return await _sse(_stream(engine, mid, model_name, prompt, params), anthropic=True)
-        (out,) = await _run_all(engine, mid, [prompt], params)
+        (out,) = await _run_all(engine, mid, [prompt], params, request)
         return _message(mid, model_name, [{"type": "text", "text": out.outputs[0].text}], _stop(out.outputs[0]), _usage(out))
 
 

@@ -66,6 +66,28 @@ def _authorized(request: Request, api_key: str) -> bool:
     return any(g is not None and secrets.compare_digest(g.encode(), api_key.encode()) for g in given)
 
 
+class _Guard:
+    """API key and body size, checked before a route runs. A plain ASGI middleware: FastAPI's
+    ``@app.middleware`` wraps ``receive`` so that a route no longer sees its client disconnect."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            request = Request(scope)
+            refusal = None
+            if request.url.path != "/health" and self.api_key is not None and not _authorized(request, self.api_key):
+                refusal = _error(request, 401, "missing or wrong API key (send Authorization: Bearer KEY or x-api-key: KEY)",
+                                 "authentication_error")
+            size = request.headers.get("content-length")
+            if refusal is None and size is not None and (not size.isdigit() or int(size) > self.max_body_bytes):
+                refusal = _error(request, 413, f"request body larger than {self.max_body_bytes} bytes")
+            if refusal is not None:
+                return await refusal(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 def _validation_message(e: ValidationError | RequestValidationError) -> tuple[str, str | None]:
     first = e.errors()[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
@@ -78,15 +100,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
     app = FastAPI(title="DeepInfer", docs_url=None, redoc_url=None)
     created = int(time.time())
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if request.url.path != "/health" and api_key is not None and not _authorized(request, api_key):
-            return _error(request, 401, "missing or wrong API key (send Authorization: Bearer KEY or x-api-key: KEY)",
-                          "authentication_error")
-        size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > limits.max_body_bytes):
-            return _error(request, 413, f"request body larger than {limits.max_body_bytes} bytes")
-        return await call_next(request)
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, e: RequestValidationError):
@@ -116,14 +130,14 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
                                             "max_model_len": engine.engine.max_model_len}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model, model_name)
         params = _params(body, limits, body.logprobs)
         prompts = body.prompts()
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             return await _sse(_stream_completion(engine, rid, model_name, prompts, params))
-        outs = await _run_all(engine, rid, prompts, params)
+        outs = await _run_all(engine, rid, prompts, params, request)
         choices = [{"index": p * params.n + c.index, "text": c.text, "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason, "logprobs": _completion_logprobs(engine, c) if params.logprobs is not None else None}
                    for p, out in enumerate(outs) for c in out.outputs]
@@ -131,7 +145,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
                 "choices": choices, "usage": _usage(outs)}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest):
+    async def chat(body: ChatRequest, request: Request):
         _check_model(body.model, model_name)
         try:
             so = body.so_args()
@@ -142,7 +156,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             return await _sse(_stream_chat(engine, rid, model_name, prompt, params))
-        (out,) = await _run_all(engine, rid, [prompt], params)
+        (out,) = await _run_all(engine, rid, [prompt], params, request)
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason, "logprobs": _chat_logprobs(engine, c) if params.logprobs is not None else None}
                    for c in out.outputs]
@@ -197,7 +211,13 @@ async def _start(engine: AsyncLLM, prompt, params, request_id: str):
     return first, gen
 
 
-async def _run_all(engine: AsyncLLM, rid: str, prompts: list, params) -> list[RequestOutput]:
+DISCONNECT_POLL_S = 0.5  # how often a non-streamed request looks whether its client is still there
+
+
+async def _run_all(engine: AsyncLLM, rid: str, prompts: list, params, request: Request | None = None) -> list[RequestOutput]:
+    """Every prompt's final output. A client that disconnects (``request``) cancels them: each
+    request is aborted and its blocks freed."""
+
     async def one(i: int, prompt) -> RequestOutput:
         last, gen = await _start(engine, prompt, params, f"{rid}-{i}")
         async for out in gen:
@@ -205,8 +225,13 @@ async def _run_all(engine: AsyncLLM, rid: str, prompts: list, params) -> list[Re
         return last
 
     tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts)]
+    everything = asyncio.gather(*tasks)
     try:
-        return list(await asyncio.gather(*tasks))
+        while request is not None and not everything.done():
+            await asyncio.wait({everything}, timeout=DISCONNECT_POLL_S)
+            if not everything.done() and await request.is_disconnected():
+                raise BadRequest("the client disconnected", status=499)
+        return list(await everything)
     except GenerationError as e:
         raise BadRequest(f"generation failed: {e}", status=500, kind="server_error") from None
     finally:

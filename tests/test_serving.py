@@ -290,3 +290,17 @@ def test_a_client_leaving_a_non_streamed_request_frees_it(server, monkeypatch, p
         assert time.time() < deadline, "the request was not aborted"
         time.sleep(0.05)
     assert engine.num_unfinished() == 0
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words_reach_the_sampler(client, server):
+    tokenizer = server[1].tokenizer
+    token = tokenizer.encode(" return", add_special_tokens=False)[0]
+    out = client.completions.create(model=MODEL, prompt="x = 1", max_tokens=5, temperature=0, logit_bias={str(token): 100})
+    assert out.choices[0].text == tokenizer.decode([token] * 5)
+    allowed = tokenizer.encode(" a b c", add_special_tokens=False)
+    out = client.completions.create(model=MODEL, prompt="x = 1", max_tokens=6, temperature=1.0, seed=3,
+                                    extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+    assert set(tokenizer.encode(out.choices[0].text, add_special_tokens=False)) <= set(allowed)
+    r = httpx.post(server[0] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"prompt": "x", "logit_bias": {"abc": 1}})
+    assert r.status_code == 400 and "logit_bias" in r.json()["error"]["message"]

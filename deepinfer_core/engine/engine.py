@@ -370,6 +370,13 @@ class Engine:
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:
             raise RequestError(f"stop_token_ids {bad_stop} are outside the vocabulary [0, {vocab})")
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            outside = [t for t in ids if t >= vocab]
+            if outside:
+                raise RequestError(f"{label}: {name} has token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
+        if params.bad_words and self.tokenizer is None:
+            raise RequestError(f"{label}: bad_words need a tokenizer, and this model directory has none; use logit_bias "
+                               "or allowed_token_ids with token ids")
         if params.logprobs is not None and params.logprobs > vocab or params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
             raise RequestError(f"logprobs / prompt_logprobs exceed the vocabulary size {vocab}")
         if params.so_args is not None:
@@ -403,11 +410,12 @@ class Engine:
         rid = request_id if request_id is not None else str(self.next_request_id)
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
+        bad_words = self.bad_words_token_ids(params, label)
         req = Request(rid, text, ids, params)
         first = self.next_seq_id
         compiled = self.compile_grammar(params, label) if params.so_args is not None else None  # cached by check()
         for i in range(params.n):
-            seq = Sequence(first + i, rid, i, list(ids), params, self._seed(params, i, first + i))
+            seq = Sequence(first + i, rid, i, list(ids), params, self._seed(params, i, first + i), bad_words_token_ids=bad_words)
             if compiled is not None:
                 seq.grammar = self.grammars.matcher(compiled)
             req.seqs.append(seq)
@@ -420,6 +428,23 @@ class Engine:
         if request_id is None:
             self.next_request_id += 1
         return rid
+
+    def bad_words_token_ids(self, params: SamplingParams, label: str = "prompt") -> list[list[int]]:
+        """``params.bad_words`` as token id lists, as vLLM tokenizes them: each word (leading
+        whitespace stripped) without special tokens, and again after a space when that gives
+        another first token and as many tokens (the word in the middle of a text)."""
+        out: list[list[int]] = []
+        for word in params.bad_words or ():
+            plain = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            out.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        vocab = self.model_config.vocab_size
+        outside = sorted({t for ids in out for t in ids if not 0 <= t < vocab})
+        if outside:
+            raise RequestError(f"{label}: bad_words tokenize to ids outside the model's vocabulary [0, {vocab}): {outside[:5]}")
+        return out
 
     def _seed(self, params: SamplingParams, index: int, seq_id: int) -> int:
         """Seeded requests: seed + sample index. Others: derived from the engine seed and the
@@ -493,7 +518,7 @@ class Engine:
 
     def _needs_host_tokens(self, out: SchedulerOutput) -> bool:
         """Whether this step must see the previous step's tokens on the host before it launches:
-        penalties read the generated ids; prompt logprobs and verification rows are host work."""
+        penalties and bad_words read the generated ids; prompt logprobs and verification rows are host work."""
         return any(needs_history(s.seq.params) or s.num_drafts for s in out.scheduled) or any(
             s.seq.wants_prompt_logprobs for s in out.prefills
         )

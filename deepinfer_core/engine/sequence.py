@@ -60,6 +60,7 @@ class Sequence:
     num_preemptions: int = 0
     spec_stats: AcceptanceStats = field(default_factory=AcceptanceStats)  # drafts verified / accepted (speculative decoding)
     grammar: object | None = None  # xgrammar matcher of a constrained sequence (sampling.structured), fed its outputs
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words tokenized (Engine.add_request)
 
     @property
     def num_tokens(self) -> int:

@@ -7,6 +7,7 @@ import json
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 STRUCTURED_KINDS = ("json", "regex", "grammar", "choice", "json_object")
+LOGIT_BIAS_LIMIT = 100.0  # logit_bias values are clamped into [-100, 100], as OpenAI's API and vLLM do
 
 
 class StructuredOutputs(BaseModel):
@@ -64,6 +65,14 @@ class SamplingParams(BaseModel):
     must be finite. ``n`` is at most 4096 (checked when the request is added); samples beyond
     the engine's ``max_num_seqs`` run in waves. ``so_args`` constrains the output to a JSON
     schema, regex, grammar or list of choices (``StructuredOutputs``).
+
+    Logit controls (vLLM's, applied to the raw logits before penalties and temperature, so
+    greedy, sampled and speculative rows all see them; reported logprobs stay those of the raw
+    logits): ``logit_bias`` {token id: bias} is added to those tokens' logits (each bias clamped
+    into [-100, 100]); ``allowed_token_ids`` makes every other token impossible; ``bad_words``
+    are tokenized by the engine (with and without a leading space) and a word's last token is
+    impossible wherever the output so far ends with the word's other tokens (always, for a
+    one-token word). Token ids are checked against the vocabulary when the request is added.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
@@ -88,6 +97,9 @@ class SamplingParams(BaseModel):
     skip_special_tokens: bool = True
     # structured outputs (DeepSeek's name so_args; vLLM's structured_outputs / guided_decoding)
     so_args: StructuredOutputs | None = Field(None, validation_alias=AliasChoices("so_args", "structured_outputs", "guided_decoding"))
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -110,6 +122,35 @@ class SamplingParams(BaseModel):
     def _ids_nonnegative(cls, v: list[int]) -> list[int]:
         if any(t < 0 for t in v):
             raise ValueError("stop_token_ids must be non-negative token ids")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_clamped(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        if v is None:
+            return None
+        bad = [t for t in v if t < 0]
+        if bad:
+            raise ValueError(f"logit_bias keys must be non-negative token ids, got {bad[:5]}")
+        return {t: min(max(b, -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT) for t, b in v.items()}
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _allowed_nonempty(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return None
+        if not v:
+            raise ValueError("allowed_token_ids is an empty list: no token could be generated; give at least one id or None")
+        bad = [t for t in v if t < 0]
+        if bad:
+            raise ValueError(f"allowed_token_ids must be non-negative token ids, got {bad[:5]}")
+        return v
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words_nonempty(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and any(not w.strip() for w in v):
+            raise ValueError("bad_words must not hold empty or whitespace-only strings")
         return v
 
     @model_validator(mode="after")

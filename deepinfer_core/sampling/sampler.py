@@ -1,6 +1,7 @@
 """Logits -> next tokens (+ logprobs) for a batch of sequences, on the logits' device.
 
-Penalties and min_tokens are applied here, batched; the draw itself is the ``sample_tokens``
+Logit controls (allowed_token_ids, bad_words, logit_bias), penalties and min_tokens are applied
+here, batched (``apply_penalties``); the draw itself is the ``sample_tokens``
 op of the backend's op table. Logprobs are those of the model's distribution (log_softmax of
 the raw logits, before penalties, temperature and truncation), as vLLM reports them.
 
@@ -99,16 +100,54 @@ def _token_mask(rows: list[list[int]], vocab: int, device: torch.device, counts:
 
 
 def needs_history(params) -> bool:
-    """Whether sampling for these params reads the token ids generated so far (penalties)."""
-    return params.repetition_penalty != 1.0 or bool(params.presence_penalty or params.frequency_penalty)
+    """Whether sampling for these params reads the token ids generated so far (penalties, bad_words)."""
+    return params.repetition_penalty != 1.0 or bool(params.presence_penalty or params.frequency_penalty or params.bad_words)
+
+
+def _banned_words(row: SampleRow) -> list[int]:
+    """The last tokens of ``row``'s bad words whose other tokens end its output so far (vLLM's rule)."""
+    words = row.seq.bad_words_token_ids
+    if not words:
+        return []
+    out = row.output_token_ids()
+    return [w[-1] for w in words if len(w) - 1 <= len(out) and (len(w) == 1 or out[len(out) - len(w) + 1:] == w[:-1])]
+
+
+def _apply_logit_controls(logits: torch.Tensor, seqs: list[SampleRow]) -> None:
+    """In place: allowed_token_ids (every other token -inf), bad_words (``_banned_words`` -inf) and
+    logit_bias (added), in vLLM's order, before penalties and temperature."""
+    vocab, device = logits.shape[-1], logits.device
+    allowed = [i for i, s in enumerate(seqs) if s.params.allowed_token_ids is not None]
+    if allowed:
+        keep = _token_mask([list(seqs[i].params.allowed_token_ids) for i in allowed], vocab, device, counts=False)
+        index = to_device(torch.tensor(allowed, dtype=torch.int64), device)
+        logits[index] = logits[index].masked_fill(~keep, NEG_INF)
+    rows, cols, bias = [], [], []
+    for i, s in enumerate(seqs):
+        banned = _banned_words(s)
+        rows += [i] * len(banned)
+        cols += banned
+    if rows:
+        logits[to_device(torch.tensor(rows, dtype=torch.int64), device), to_device(torch.tensor(cols, dtype=torch.int64), device)] = NEG_INF
+    rows, cols = [], []
+    for i, s in enumerate(seqs):
+        if s.params.logit_bias:
+            rows += [i] * len(s.params.logit_bias)
+            cols += list(s.params.logit_bias)
+            bias += list(s.params.logit_bias.values())
+    if rows:
+        index = (to_device(torch.tensor(rows, dtype=torch.int64), device), to_device(torch.tensor(cols, dtype=torch.int64), device))
+        logits.index_put_(index, to_device(torch.tensor(bias, dtype=logits.dtype), device), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence | SampleRow], eos_ids: tuple[int, ...]) -> torch.Tensor:
-    """A processed copy of ``logits`` [N, V]: repetition / presence / frequency penalties (vLLM's
-    definitions) and, before min_tokens outputs, EOS and stop tokens made impossible."""
+    """A processed copy of ``logits`` [N, V]: the logit controls (``_apply_logit_controls``),
+    repetition / presence / frequency penalties (vLLM's definitions) and, before min_tokens
+    outputs, EOS and stop tokens made impossible."""
     seqs = _rows(seqs)
     logits = logits.float().clone()
     vocab, device = logits.shape[-1], logits.device
+    _apply_logit_controls(logits, seqs)
     rep = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
     if rep:
         seen = _token_mask([seqs[i].token_ids() for i in rep], vocab, device, counts=False)

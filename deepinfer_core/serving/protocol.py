@@ -41,6 +41,9 @@ class _Common(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
+    logit_bias: dict[int, float] | None = None  # OpenAI sends the token ids as strings: pydantic reads them as ints
+    allowed_token_ids: list[int] | None = None  # vLLM's extensions
+    bad_words: list[str] | None = None
 
     def sampling_params(self, limits: Limits, logprobs: int | None, so_args: dict | None = None) -> SamplingParams:
         if self.n > limits.max_n:
@@ -52,7 +55,8 @@ class _Common(BaseModel):
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop or [], ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logprobs=logprobs, so_args=so_args,
+            repetition_penalty=self.repetition_penalty, logprobs=logprobs, so_args=so_args, logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
         )
 
 

@@ -29,6 +29,18 @@ def _set(module, values: dict) -> dict:
     return old
 
 
+def _timed(module, values: dict, fn) -> dict:
+    """{"us": one call of ``fn``} with ``module``'s constants set to ``values`` (restored after), or
+    {"error": ...} for a configuration that does not compile or launch here."""
+    old = _set(module, values)
+    try:
+        return {"us": _time(fn) * 1e3}
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"[:200]}
+    finally:
+        _set(module, old)
+
+
 def tune_mla_decode(device="cuda") -> list[dict]:
     from deepinfer_nvidia_sm100.kernels import mla_decode as m
 
@@ -49,14 +61,10 @@ def tune_mla_decode(device="cuda") -> list[dict]:
             cfg = dict(zip(grid, values))
             if heads >= 64 and cfg["BLOCK_N"] == 64:
                 continue  # shared memory: 64 x 576 tiles with 64 heads do not fit every chip
-            old = _set(m, cfg)
-            try:
-                ms = _time(lambda: m.mla_decode_attention(q, qpe, cache, tables, lens, torch.arange(batch + 1, dtype=torch.int32, device=device), 0.1))
-                row = {"heads": heads, "batch": batch, "seq": seq, **cfg, "us": ms * 1e3, "kv_gb_per_s": nbytes / ms / 1e6}
-            except Exception as e:  # a config that does not compile or launch here
-                row = {"heads": heads, "batch": batch, "seq": seq, **cfg, "error": f"{type(e).__name__}: {e}"[:200]}
-            finally:
-                _set(m, old)
+            row = {"heads": heads, "batch": batch, "seq": seq, **cfg, **_timed(m, cfg, lambda: m.mla_decode_attention(
+                q, qpe, cache, tables, lens, torch.arange(batch + 1, dtype=torch.int32, device=device), 0.1))}
+            if "us" in row:
+                row["kv_gb_per_s"] = nbytes / row["us"] / 1e3
             out.append(row)
         best = min((r for r in out if r.get("us") and (r["heads"], r["batch"], r["seq"]) == (heads, batch, seq)), key=lambda r: r["us"])
         default = next(r for r in out if (r["heads"], r["batch"], r["seq"]) == (heads, batch, seq) and all(r[k] == getattr(m, k) for k in grid))
@@ -93,14 +101,10 @@ def tune_moe(device="cuda") -> list[dict]:
             hit = ids.unique().numel()
             nbytes = hit * 3 * d * i * w13.element_size()
             for tiles in candidates:
-                old = _set(m, {"EXPERT_TILES": ((float("inf"), tiles),)})
-                try:
-                    ms = _time(lambda: m.moe_experts(x, w13, w2, weights, ids, s13, s2, block))
-                    row = {"model": name, "tokens": tokens, "tiles": tiles._asdict(), "us": ms * 1e3, "gb_per_s": nbytes / ms / 1e6}
-                except Exception as exc:
-                    row = {"model": name, "tokens": tokens, "tiles": tiles._asdict(), "error": f"{type(exc).__name__}: {exc}"[:200]}
-                finally:
-                    _set(m, old)
+                row = {"model": name, "tokens": tokens, "tiles": tiles._asdict(), **_timed(
+                    m, {"EXPERT_TILES": ((float("inf"), tiles),)}, lambda: m.moe_experts(x, w13, w2, weights, ids, s13, s2, block))}
+                if "us" in row:
+                    row["gb_per_s"] = nbytes / row["us"] / 1e3
                 out.append(row)
             rows = [r for r in out if r["model"] == name and r["tokens"] == tokens and "us" in r]
             best = min(rows, key=lambda r: r["us"])
@@ -124,14 +128,10 @@ def tune_fp8_linear(device="cuda") -> list[dict]:
             nbytes = n * k
             rows = []
             for tile, ctas in itertools.product(tiles, splits):
-                old = _set(m, {"FP8_DECODE_TILE": tile, "FP8_SPLIT_K_CTAS_PER_SM": ctas})
-                try:
-                    ms = _time(lambda: m.fp8_block_linear(x, w, s, (128, 128)))
-                    row = {"linear": name, "tokens": tokens, "tile": tile, "split_ctas_per_sm": ctas, "us": ms * 1e3, "gb_per_s": nbytes / ms / 1e6}
-                except Exception as exc:
-                    row = {"linear": name, "tokens": tokens, "tile": tile, "split_ctas_per_sm": ctas, "error": f"{type(exc).__name__}: {exc}"[:200]}
-                finally:
-                    _set(m, old)
+                row = {"linear": name, "tokens": tokens, "tile": tile, "split_ctas_per_sm": ctas, **_timed(
+                    m, {"FP8_DECODE_TILE": tile, "FP8_SPLIT_K_CTAS_PER_SM": ctas}, lambda: m.fp8_block_linear(x, w, s, (128, 128)))}
+                if "us" in row:
+                    row["gb_per_s"] = nbytes / row["us"] / 1e3
                 rows.append(row)
             out += rows
             ok = [r for r in rows if "us" in r]
@@ -160,15 +160,11 @@ def tune_invariant_mla_decode(device="cuda") -> list[dict]:
         normal_us = _time(lambda: m.mla_decode_attention(q, qpe, cache, tables, lens, qsl, 0.1)) * 1e3
         rows = []
         for per_head, min_split in itertools.product((2, 4, 8, 16), (32, 64, 128)):
-            old = _set(m, {"INV_SPLIT_TOKENS_PER_HEAD": per_head, "INV_MIN_SPLIT_TOKENS": min_split})
-            row = {"heads": heads, "batch": batch, "seq": seq, "per_head": per_head, "min_split": min_split, "normal_us": normal_us}
-            try:
-                row["us"] = _time(lambda: m.invariant_mla_decode_attention(q, qpe, cache, tables, lens, qsl, 0.1)) * 1e3
+            row = {"heads": heads, "batch": batch, "seq": seq, "per_head": per_head, "min_split": min_split, "normal_us": normal_us,
+                   **_timed(m, {"INV_SPLIT_TOKENS_PER_HEAD": per_head, "INV_MIN_SPLIT_TOKENS": min_split},
+                            lambda: m.invariant_mla_decode_attention(q, qpe, cache, tables, lens, qsl, 0.1))}
+            if "us" in row:
                 row["over_normal"] = row["us"] / normal_us
-            except Exception as exc:
-                row["error"] = f"{type(exc).__name__}: {exc}"[:200]
-            finally:
-                _set(m, old)
             rows.append(row)
         out += rows
         ok = [r for r in rows if "us" in r]
@@ -196,17 +192,10 @@ def tune_invariant_linear(device="cuda") -> list[dict]:
             rows = []
             for tile, ctas, bk in itertools.product(tiles, (1, 2, 4), (64, 128, 256)):
                 cfg = {"INVARIANT_TILE": tile, "INVARIANT_SPLIT_K_CTAS_PER_SM": ctas, "PLAIN_BLOCK_K": bk}
-                old = _set(m, cfg)
-                row = {"linear": name, "tokens": tokens, "tile": tile, "split_ctas_per_sm": ctas, "block_k": bk, "cublas_us": cublas_us}
-                try:
-                    m._ONES.clear()
-                    row["us"] = _time(lambda: m.invariant_linear(x, w)) * 1e3
+                row = {"linear": name, "tokens": tokens, "tile": tile, "split_ctas_per_sm": ctas, "block_k": bk, "cublas_us": cublas_us,
+                       **_timed(m, cfg, lambda: m.invariant_linear(x, w))}
+                if "us" in row:
                     row["over_cublas"] = row["us"] / cublas_us
-                except Exception as exc:
-                    row["error"] = f"{type(exc).__name__}: {exc}"[:200]
-                finally:
-                    _set(m, old)
-                    m._ONES.clear()
                 rows.append(row)
             out += rows
             ok = [r for r in rows if "us" in r]

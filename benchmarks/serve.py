@@ -19,8 +19,6 @@ import contextlib
 import datetime
 import json
 import random
-import socket
-import threading
 import time
 from pathlib import Path
 
@@ -31,27 +29,16 @@ SYSTEM = "You are a careful Python reviewer. Answer with code only, no prose. Fo
 
 @contextlib.contextmanager
 def _local_server(args):
-    import uvicorn
-
     from deepinfer_core import LLM
     from deepinfer_core.serving.async_llm import AsyncLLM
-    from deepinfer_core.serving.server import build_app
+    from deepinfer_core.serving.server import build_app, serve_in_thread
 
     llm = LLM(model=args.model, accelerator=args.accelerator, max_num_seqs=args.max_num_seqs, progress=False)
     engine = AsyncLLM(llm)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, "bench"), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{port}", llm.tokenizer
+        with serve_in_thread(build_app(engine, "bench")) as url:
+            yield url, llm.tokenizer
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
         engine.shutdown()
 
 

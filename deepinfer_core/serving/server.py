@@ -13,9 +13,12 @@ blocks are freed at once). Every response carries usage: prompt, completion and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
+import socket
+import threading
 import time
 import uuid
 
@@ -93,6 +96,30 @@ def _validation_message(e: ValidationError | RequestValidationError) -> tuple[st
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     return (f"{param}: {first['msg']}" if param else first["msg"]), param
+
+
+@contextlib.contextmanager
+def serve_in_thread(app, host: str = "127.0.0.1", timeout_s: float = 30.0):
+    """Run ``app`` with uvicorn on ``host`` (a free port) in a daemon thread; yields its base URL
+    and stops the server on exit (tests, benchmarks)."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + timeout_s
+    while not server.started:
+        if time.time() > deadline or not thread.is_alive():
+            raise RuntimeError(f"the server did not start on {host}:{port}")
+        time.sleep(0.05)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
 
 
 def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, limits: Limits | None = None) -> FastAPI:

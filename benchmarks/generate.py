@@ -86,6 +86,31 @@ def write_model(name: str, layers: int | None, directory: Path) -> Path:
     return path
 
 
+def model_with_tokenizer(name: str, layers: int | None = None, tokenizer_vocab: bool = False) -> str | None:
+    """None for ``name == "default"`` (the embedded default model); else a config-only checkpoint
+    of ``name`` (random weights: load_format="dummy") holding the default model's tokenizer files,
+    for benchmarks that send text. ``tokenizer_vocab``: the model's vocabulary cut to the
+    tokenizer's, so that every sampled token has text (a stream's chunks carry text)."""
+    if name == "default":
+        return None
+    import shutil
+    import tempfile
+
+    from deepinfer_core.api import resolve_model_dir
+
+    path = write_model(name, layers, Path(tempfile.mkdtemp(prefix="bench-")))
+    for f in resolve_model_dir(None).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, path / f.name)
+    if tokenizer_vocab:
+        from deepinfer_core.engine.engine import load_tokenizer
+
+        tokenizer, config = load_tokenizer(path), json.loads((path / "config.json").read_text())
+        config.update(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+        (path / "config.json").write_text(json.dumps(config, indent=1))
+    return str(path)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

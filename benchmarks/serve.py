@@ -1,6 +1,6 @@
 """Serving benchmark: the HTTP server under a request-rate sweep, measured as clients see it.
 
-    python -m benchmarks.serve [--model DIR] [--rates 1,2,4,8] [--requests 64] [--max-tokens 64] --out results/
+    python -m benchmarks.serve [--model default|v2-lite] [--rates 1,2,4,8] [--requests 64] [--max-tokens 64] --out results/
 
 Starts ``deepinfer serve``'s app in this process (on 127.0.0.1, a free port; or ``--url`` for a
 server already running) and, per rate, sends ``--requests`` streamed completions with Poisson
@@ -22,7 +22,7 @@ import random
 import time
 from pathlib import Path
 
-from benchmarks.generate import metadata
+from benchmarks.generate import metadata, model_with_tokenizer
 
 SYSTEM = "You are a careful Python reviewer. Answer with code only, no prose. Follow PEP 8. "
 
@@ -33,7 +33,10 @@ def _local_server(args):
     from deepinfer_core.serving.async_llm import AsyncLLM
     from deepinfer_core.serving.server import build_app, serve_in_thread
 
-    llm = LLM(model=args.model, accelerator=args.accelerator, max_num_seqs=args.max_num_seqs, progress=False)
+    # a random-weight model's vocabulary is cut to the tokenizer's: every token then streams text
+    path = model_with_tokenizer(args.model, args.layers, tokenizer_vocab=True)
+    llm = LLM(model=path, accelerator=args.accelerator, dtype=args.dtype, max_num_seqs=args.max_num_seqs, progress=False,
+              load_format="dummy" if path else "safetensors")
     engine = AsyncLLM(llm)
     try:
         with serve_in_thread(build_app(engine, "bench")) as url:
@@ -137,7 +140,10 @@ def _plot(points: list[dict], path: Path) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded default model)")
+    p.add_argument("--model", default="default", help="'default' (the embedded model) or a benchmarks.models name (random "
+                   "weights, the default model's tokenizer)")
+    p.add_argument("--layers", type=int, default=None, help="with a benchmarks.models name: that many decoder layers")
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--url", default=None, help="benchmark this running server instead (its /metrics must be open)")
     p.add_argument("--accelerator", default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)

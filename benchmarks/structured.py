@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.generate import guarded, metadata, sync
+from benchmarks.generate import guarded, metadata, model_with_tokenizer, sync
 
 MIN_ITEMS = 200  # array items: more tokens than any max_tokens here, so no request ends early
 STRESS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": MIN_ITEMS}
@@ -73,28 +73,10 @@ RECORD = {"type": "object", "additionalProperties": False, "required": list(_FIE
 SCHEMAS = {"record": (RECORD, "user = "), "stress": (STRESS, "numbers = [")}  # name: (schema, prompt)
 
 
-def _model(args) -> str | None:
-    """None (the embedded default model), or a config-only checkpoint of ``args.model`` holding
-    the default model's tokenizer files."""
-    if args.model == "default":
-        return None
-    import shutil
-    import tempfile
-
-    from benchmarks.generate import write_model
-    from deepinfer_core.api import resolve_model_dir
-
-    path = write_model(args.model, args.layers, Path(tempfile.mkdtemp(prefix="structured-")))
-    for f in resolve_model_dir(None).iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, path / f.name)
-    return str(path)
-
-
 def e2e(args) -> list[dict]:
     from deepinfer_core import LLM, SamplingParams
 
-    path = _model(args)
+    path = model_with_tokenizer(args.model, args.layers)
     llm = LLM(model=path, accelerator=args.accelerator, dtype=args.dtype, progress=False, max_num_seqs=max(args.batches),
               load_format="dummy" if path else "safetensors")
     schema, prompt = SCHEMAS[args.schema]

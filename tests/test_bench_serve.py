@@ -21,3 +21,16 @@ def test_the_serving_benchmark_runs(tmp_path):
     assert point["num_errors"] == 0 and point["output_tokens"] == 6 * 4
     assert point["ttft_s"]["p50"] > 0 and point["tpot_s"]["p99"] >= point["tpot_s"]["p50"] > 0
     assert 0 < point["prefix_hit_rate"] < 1  # the shared system prompt is found after the first request
+
+
+def test_a_random_weight_model_speaks_the_tokenizers_vocabulary():
+    """--model v2-lite: V2-Lite's shapes with the default tokenizer, its vocabulary cut to the
+    tokenizer's so every streamed token has text (else TTFT would wait for a token that has some)."""
+    from benchmarks.generate import model_with_tokenizer
+    from deepinfer_core.engine.engine import load_tokenizer
+
+    path = model_with_tokenizer("v2-lite", 1, tokenizer_vocab=True)
+    config, tokenizer = json.loads(open(f"{path}/config.json").read()), load_tokenizer(path)
+    assert config["vocab_size"] == len(tokenizer) and config["hidden_size"] == 2048 and config["num_hidden_layers"] == 1
+    assert config["eos_token_id"] == tokenizer.eos_token_id
+    assert json.loads(open(f"{model_with_tokenizer('v2-lite', 1)}/config.json").read())["vocab_size"] == 102400

@@ -4,7 +4,7 @@
 #   bash tools/gpu_session.sh [tests|kernels|e2e|tune|profile|conformance|invariant|structured|all|none ...]
 #   (default: all = tests kernels e2e; conformance: the op suite per dtype, the pytest plugin, the e2e
 #   baselines recorded and re-checked; invariant: benchmarks/batch_invariant.py; structured:
-#   benchmarks/structured.py; none: only install, for a command of your own after it).
+#   benchmarks/structured.py; serve: benchmarks/serve.py (SERVE_ARGS); none: only install, for a command of your own after it).
 #   TEST_PATHS narrows the tests part (default: tests/nvidia tests/test_gpu.py).
 set -uo pipefail
 out="${OUT:-/tmp/out}"
@@ -47,6 +47,8 @@ for part in "${parts[@]}"; do
       timeout "${INVARIANT_TIMEOUT:-300}" python3 -m benchmarks.batch_invariant --out "$out" ${INVARIANT_ARGS:-} 2>&1 ;;
     structured)
       timeout "${STRUCTURED_TIMEOUT:-120}" python3 -m benchmarks.structured --out "$out" ${STRUCTURED_ARGS:-} 2>&1 ;;
+    serve)
+      timeout "${SERVE_TIMEOUT:-240}" python3 -m benchmarks.serve --out "$out" ${SERVE_ARGS:---model v2-lite --rates 2,8,32,128} 2>&1 ;;
     e2e|all)
       timeout "${E2E_TIMEOUT:-540}" python3 -m benchmarks.e2e --model v2-lite --model v3-slice --hf-peer --out "$out" ${QUICK:+--quick} 2>&1
       python3 -m benchmarks.plots "$out" ;;

@@ -4,6 +4,7 @@ answers, and the report holds what the README quotes."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -30,7 +31,7 @@ def test_a_random_weight_model_speaks_the_tokenizers_vocabulary():
     from deepinfer_core.engine.engine import load_tokenizer
 
     path = model_with_tokenizer("v2-lite", 1, tokenizer_vocab=True)
-    config, tokenizer = json.loads(open(f"{path}/config.json").read()), load_tokenizer(path)
+    config, tokenizer = json.loads(open(f"{path}/config.json").read()), load_tokenizer(Path(path))
     assert config["vocab_size"] == len(tokenizer) and config["hidden_size"] == 2048 and config["num_hidden_layers"] == 1
     assert config["eos_token_id"] == tokenizer.eos_token_id
     assert json.loads(open(f"{model_with_tokenizer('v2-lite', 1)}/config.json").read())["vocab_size"] == 102400

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from deepinfer_core.chat import chat_prompt
+from deepinfer_core.recipe import recipe_for
 from deepinfer_core.config import DEFAULT_MODEL_DIR, ConfigError, EngineConfig, settings
 from deepinfer_core.engine.engine import Engine, Request
 from deepinfer_core.sampling.params import SamplingParams
@@ -208,18 +210,37 @@ class LLM:
         messages: list[dict] | Seq[list[dict]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Reply to one conversation ([{"role": ..., "content": ...}, ...]) or to a list of
-        them, as vLLM's ``LLM.chat``: each is laid out by the tokenizer's chat template, ending
-        with the assistant's turn, then generated like ``generate``'s prompts."""
+        them, as vLLM's ``LLM.chat``: each is laid out as the model's chat format wants it,
+        ending with the assistant's turn, then generated like ``generate``'s prompts. V2/V3: the
+        tokenizer's chat template (``tools`` and ``chat_template_kwargs`` go to it). V4/V4.1:
+        DeepSeek's encoding (deepseek-recipe); ``chat_template_kwargs={"thinking": False}``
+        turns thinking mode off (on by default, as on DeepSeek's API). The text is the raw
+        output: reasoning, then content (the server's chat routes split them)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        kwargs = dict(chat_template_kwargs or {})
+        recipe = self._recipe
+        if recipe is not None and set(kwargs) - {"thinking"}:
+            raise ValueError(f"chat_template_kwargs {sorted(set(kwargs) - {'thinking'})}: DeepSeek's V4 chat format takes only 'thinking'")
         prompts = []
         for i, conversation in enumerate(conversations):
             try:
-                prompts.append({"prompt_token_ids": chat_prompt(self.engine.tokenizer, list(conversation))})
+                if recipe is not None:
+                    ids = recipe.chat_prompt(list(conversation), tools, kwargs.get("thinking"))
+                else:
+                    ids = chat_prompt(self.engine.tokenizer, list(conversation), tools, kwargs)
+                prompts.append({"prompt_token_ids": ids})
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}") from None
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    @functools.cached_property
+    def _recipe(self):
+        """deepseek-recipe for a V4 / V4.1 checkpoint (its chat format), None for the others."""
+        return recipe_for(self.model_dir, self.engine.model_config.model_type)
 
     def generate(
         self,

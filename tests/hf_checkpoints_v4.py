@@ -602,3 +602,33 @@ def random_prompt(length: int, vocab: int = 160, seed: int = 0) -> list[int]:
     """Token ids in [2, vocab) (no BOS / EOS)."""
     gen = torch.Generator().manual_seed(1000 + seed)
     return torch.randint(2, vocab, (length,), generator=gen).tolist()
+
+
+# DeepSeek's special tokens besides BOS / EOS (the conformance tokenizer's ids 0 and 1), as
+# deepseek-recipe spells them: what its V4 / V4.1 chat encoding writes into prompts.
+CHAT_SPECIAL_TOKENS = ["<think>", "</think>", "<｜System｜>", "<｜User｜>", "<｜Assistant｜>", "<｜latest_reminder｜>",
+                       "｜DSML｜", "<｜image｜>", "<｜ref｜>", "<｜/ref｜>", "<｜box｜>", "<｜/box｜>", "<｜point｜>",
+                       "<｜/point｜>", "<｜polygon｜>", "<｜/polygon｜>"]
+
+
+def write_chat_tokenizer(path) -> int:
+    """The conformance tokenizer with DeepSeek's chat special tokens added (ids 2048...), written
+    to ``path``; returns its size (a checkpoint's vocab_size)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    source = Path(__file__).parent.parent / "deepinfer_core" / "conformance" / "tokenizer"
+    tokenizer = Tokenizer.from_file(str(source / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHAT_SPECIAL_TOKENS])
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text((source / "tokenizer_config.json").read_text())
+    return tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def write_chat_checkpoint_v4(path, name: str = "v4_flash_like", seed: int = 0) -> Path:
+    """A tiny random V4 checkpoint (original naming, FP8) whose tokenizer carries DeepSeek's chat tokens."""
+    path = Path(path)
+    vocab = write_chat_tokenizer(path)
+    write_checkpoint_v4(name, path, seed=seed, quant="fp8", vocab_size=vocab, bos_token_id=0, eos_token_id=1)
+    return path

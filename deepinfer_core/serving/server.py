@@ -2,7 +2,8 @@
 
 Routes: ``/v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events or
 not), Anthropic's ``/v1/messages`` (``serving.anthropic``), ``/v1/models``, ``/health`` and
-Prometheus' ``/metrics`` (``serving.metrics``). With an
+Prometheus' ``/metrics`` (``serving.metrics``). A V4 / V4.1 checkpoint's chat routes are
+``serving.deepseek``'s instead: DeepSeek's protocol through deepseek-recipe. With an
 API key every route but ``/health`` wants ``Authorization: Bearer KEY`` or ``x-api-key: KEY``
 (401 otherwise). Malformed JSON, unknown values, limits exceeded and requests the engine refuses
 (streamed or not) are 4xx answers with OpenAI's error body (Anthropic's on ``/v1/messages``)
@@ -31,6 +32,7 @@ from starlette.exceptions import HTTPException
 
 from deepinfer_core.api import GenerationError, RequestOutput
 from deepinfer_core.chat import chat_prompt
+from deepinfer_core.recipe import recipe_for
 from deepinfer_core.serving.async_llm import AsyncLLM
 from deepinfer_core.serving.metrics import ServerMetrics
 from deepinfer_core.serving.protocol import ChatRequest, CompletionRequest, Limits
@@ -171,6 +173,30 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
                 "choices": choices, "usage": _usage(outs)}
 
+    recipe = recipe_for(engine.llm.model_dir, engine.engine.model_config.model_type, model_name)
+    if recipe is not None:  # V4 / V4.1: DeepSeek's chat protocol, through deepseek-recipe
+        from deepinfer_core.serving import deepseek
+
+        deepseek.register(app, engine, recipe, model_name, limits)  # /v1/chat/completions, /v1/messages
+    else:
+        _register_chat(app, engine, model_name, limits)
+        from deepinfer_core.serving.anthropic import register  # it imports this module's helpers
+
+        register(app, engine, model_name, limits)  # /v1/messages
+
+    metrics = ServerMetrics(engine.engine)
+    engine.listeners.append(metrics.observe)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _register_chat(app: FastAPI, engine: AsyncLLM, model_name: str, limits: Limits) -> None:
+    """/v1/chat/completions of a V2/V3 checkpoint: the tokenizer's chat template."""
+
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         _check_model(body.model, model_name)
@@ -189,18 +215,6 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
                    for c in out.outputs]
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
                 "choices": choices, "usage": _usage([out])}
-
-    metrics = ServerMetrics(engine.engine)
-    engine.listeners.append(metrics.observe)
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    from deepinfer_core.serving.anthropic import register  # it imports this module's helpers
-
-    register(app, engine, model_name, limits)  # /v1/messages
-    return app
 
 
 # ---- requests -----------------------------------------------------------------------------------
@@ -252,18 +266,27 @@ async def _run_all(engine: AsyncLLM, rid: str, prompts: list, params, request: R
         return last
 
     tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts)]
-    everything = asyncio.gather(*tasks)
     try:
-        while request is not None and not everything.done():
-            await asyncio.wait({everything}, timeout=DISCONNECT_POLL_S)
-            if not everything.done() and await request.is_disconnected():
-                raise BadRequest("the client disconnected", status=499)
-        return list(await everything)
-    except GenerationError as e:
-        raise BadRequest(f"generation failed: {e}", status=500, kind="server_error") from None
+        return list(await _unless_disconnected(asyncio.gather(*tasks), request))
     finally:
         for t in tasks:
             t.cancel()
+
+
+async def _unless_disconnected(work, request: Request | None):
+    """``work``'s result; BadRequest 499 (and ``work`` cancelled) if the client disconnects first,
+    500 if generation failed."""
+    task = asyncio.ensure_future(work)
+    try:
+        while request is not None and not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                raise BadRequest("the client disconnected", status=499)
+        return await task
+    except GenerationError as e:
+        raise BadRequest(f"generation failed: {e}", status=500, kind="server_error") from None
+    finally:
+        task.cancel()
 
 
 def _usage(outs: list[RequestOutput]) -> dict:

@@ -1,0 +1,78 @@
+"""The chat routes of a V4 / V4.1 checkpoint: ``/v1/chat/completions`` and ``/v1/messages``
+answered as DeepSeek's API answers them, through deepseek-recipe (``deepinfer_core.recipe``).
+
+The body goes to the library as it came (it reads OpenAI's and Anthropic's fields itself:
+thinking, reasoning_effort, tools, tool_choice, response_format, stop); what it refuses is a 4xx
+with its message. The prompt is DeepSeek's encoding; the generated tokens go through its stream
+processor, which splits reasoning from content, parses tool calls, applies stop sequences and
+counts usage (prompt, cached, completion, reasoning tokens). Streamed or not, the same chunks:
+a non-streamed answer is the chunks accumulated. ``n`` is 1, as on DeepSeek's API.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from deepinfer_core.recipe import ProtocolError, Recipe
+from deepinfer_core.serving.async_llm import AsyncLLM
+from deepinfer_core.serving.protocol import Limits
+from deepinfer_core.serving.server import BadRequest, _check_model, _merged, _sse, _unless_disconnected
+
+
+def register(app: FastAPI, engine: AsyncLLM, recipe: Recipe, model_name: str, limits: Limits) -> None:
+    def setup(raw: bytes, anthropic: bool, prefix: str):
+        try:
+            req = recipe.request(raw, anthropic)
+            _check_model(req.model, model_name)  # read before convert (which consumes the request)
+            cr = recipe.convert(req)
+            prompt = recipe.prompt(cr)
+            params = recipe.sampling_params(cr, len(prompt), engine.engine.max_model_len, limits.max_tokens)
+        except ProtocolError as e:
+            raise BadRequest(str(e), status=e.status) from None
+        rid = f"{prefix}{uuid.uuid4().hex}"
+        return cr, prompt, params, rid
+
+    async def answer(request: Request, anthropic: bool, prefix: str):
+        cr, prompt, params, rid = setup(await request.body(), anthropic, prefix)
+        chunks = _chunks(engine, recipe.answer(cr, rid, model_name, engine.engine.output.eos_ids, anthropic), rid, prompt, params)
+        if cr.stream:
+            return await _sse(_events(chunks), anthropic)
+        response = recipe.response(rid, model_name, int(time.time()), anthropic)
+
+        async def collect():
+            async for chunk in chunks:
+                response.accumulate(chunk)
+
+        await _unless_disconnected(collect(), request)
+        return Response(response.to_json(), media_type="application/json")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await answer(request, False, "chatcmpl-")
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        return await answer(request, True, "msg_")
+
+
+async def _chunks(engine: AsyncLLM, answer, rid: str, prompt: list[int], params):
+    """The answer's protocol chunks as generation goes. A stop sequence ends the answer early:
+    leaving the loop ends the request (its blocks are freed)."""
+    try:
+        async for _, out in _merged(engine, rid, [prompt], params):
+            for chunk in answer.update(out):
+                yield chunk
+            if answer.finished:
+                return
+    finally:
+        answer.close()
+
+
+async def _events(chunks):
+    async for chunk in chunks:
+        yield json.loads(chunk.to_json())

@@ -233,6 +233,28 @@ def test_text_prompts_stop_strings_and_detokenisation():
     assert late.token_ids == ids and late.finish_reason == "length"
 
 
+def test_incremental_text_is_the_full_decode_token_by_token():
+    """OutputProcessor.text_so_far decodes a window, not the whole output, each time: its text
+    must be the full decode's (less an unfinished character) after every token, multi-byte
+    characters split over tokens and special tokens included."""
+    from deepinfer_core.engine.output import OutputProcessor
+    from deepinfer_core.engine.sequence import Sequence
+    from deepinfer_core.engine.engine import load_tokenizer
+
+    tokenizer = load_tokenizer(DEFAULT_MODEL_DIR)
+    text = "déjà vu: 数据库 🚀🚀 naïve\n\tend"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = ids[:5] + [tokenizer.eos_token_id] + ids[5:]  # a special token in the middle, skipped in the text
+    assert any("\ufffd" in tokenizer.decode(ids[:i]) for i in range(len(ids)))  # characters do split over tokens
+    for skip in (True, False):
+        proc = OutputProcessor(tokenizer, (), 1 << 20)
+        seq = Sequence(seq_id=0, request_id="r", index=0, prompt_token_ids=[0], params=SamplingParams(skip_special_tokens=skip), seed=0)
+        for i, token in enumerate(ids):
+            seq.output_token_ids.append(token)
+            assert proc.text_so_far(seq) == proc.detokenize(seq).rstrip("\ufffd"), (skip, i)
+        assert proc.text_so_far(seq) == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
 def test_one_token_chunks_in_the_middle_of_a_prompt_do_not_sample(v3):
     """A budget of 2 tokens leaves one-token chunks beside decodes: the batch mixes prefill and decode."""
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=2)

@@ -71,7 +71,7 @@ class OutputProcessor:
     def _stop_string(self, seq: Sequence, num_outputs: int) -> str | None:
         """The stop string that output ``num_outputs`` completed, if any (text before min_tokens
         outputs is scanned but cannot stop the sequence); trims seq.text at it."""
-        text = self.detokenize(seq, num_outputs)
+        text = self.text_so_far(seq)
         start = max(0, seq.stop_scanned_chars - max(len(s) for s in seq.params.stop) + 1)
         seq.stop_scanned_chars = len(text)
         if num_outputs < seq.params.min_tokens:
@@ -86,6 +86,28 @@ class OutputProcessor:
         idx, s = earliest
         seq.text = text[: idx + len(s)] if seq.params.include_stop_str_in_output else text[:idx]
         return s
+
+    def text_so_far(self, seq: Sequence) -> str:
+        """The output text through the last complete character, decoded incrementally: only the
+        tokens since the last complete character are decoded again (a small window), so a long
+        output costs O(new tokens) per call, not O(all its tokens). The same text as
+        ``detokenize`` for byte-level tokenizers (DeepSeek's), less an incomplete UTF-8
+        character at the end (it waits for the tokens that complete it)."""
+        if self.tokenizer is None:
+            return ""
+        ids = seq.output_token_ids
+        if len(ids) < seq.decoded_read:  # the outputs were cut back: start again
+            seq.decoded_text, seq.decoded_from, seq.decoded_read = "", 0, 0
+        if len(ids) > seq.decoded_read:
+            skip = seq.params.skip_special_tokens
+            head = self.tokenizer.decode(ids[seq.decoded_from:seq.decoded_read], skip_special_tokens=skip)
+            window = self.tokenizer.decode(ids[seq.decoded_from:], skip_special_tokens=skip)
+            new = window[len(head):]
+            if not new or new.endswith("\ufffd"):  # an incomplete character: decoded again with the next tokens
+                return seq.decoded_text + new.rstrip("\ufffd")
+            seq.decoded_text += new
+            seq.decoded_from, seq.decoded_read = seq.decoded_read, len(ids)
+        return seq.decoded_text
 
     def detokenize(self, seq: Sequence, num_outputs: int | None = None) -> str:
         if self.tokenizer is None:

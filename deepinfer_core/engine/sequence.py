@@ -55,6 +55,11 @@ class Sequence:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     text: str = ""
     stop_scanned_chars: int = 0  # detokenised characters already searched for stop strings
+    # incremental detokenisation (OutputProcessor.text_so_far): the text of output tokens [0, read),
+    # and where the window decoded for the next tokens starts
+    decoded_text: str = ""
+    decoded_from: int = 0
+    decoded_read: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0

@@ -137,7 +137,7 @@ class AsyncLLM:
         out = to_output(req, self.engine.proposer is not None)
         for c, seq in zip(out.outputs, req.seqs):
             if not seq.is_finished:
-                text = self.engine.output.detokenize(seq).rstrip("\ufffd")
+                text = self.engine.output.text_so_far(seq)
                 hold = max(map(len, seq.params.stop)) - 1 if seq.params.stop and not seq.params.include_stop_str_in_output else 0
                 c.text = text[: max(0, len(text) - hold)]
         return out

@@ -8,16 +8,21 @@ arrivals. Every prompt is one shared system prompt (``--system-tokens`` long) pl
 its own, the workload where prefix caching pays. Per rate: time to first token and time per
 output token (p50 / p99, from the stream's chunks and the final usage), end-to-end latency,
 output tokens/s over the rate's wall time, and the prefix-cache hit rate of that rate's
-requests (the server's /metrics, read before and after). Writes serve.json and serve.png.
+requests (the server's /metrics, read before and after); for a local server also the engine
+thread's steps (mean step time, share of the time it was stepping). The clients run in a
+process of their own; ``--warmup`` requests go first, timed apart (a fresh server compiles
+kernels on its first prompts). Writes serve.json and serve.png.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import datetime
 import json
+import multiprocessing
 import random
 import time
 from pathlib import Path
@@ -25,6 +30,34 @@ from pathlib import Path
 from benchmarks.generate import metadata, model_with_tokenizer
 
 SYSTEM = "You are a careful Python reviewer. Answer with code only, no prose. Follow PEP 8. "
+
+
+class _StepClock:
+    """Times the engine's steps (local server only): how long its thread spends stepping, and
+    how much of the wall time between the first and the last step that is (the rest: the
+    front end's work on that thread, and waiting for requests)."""
+
+    def __init__(self, engine):
+        self._step, engine.step = engine.step, self
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps, self.busy, self.first, self.last = 0, 0.0, None, None
+
+    def __call__(self):
+        start = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.last = time.perf_counter()
+            self.first = self.first or start
+            self.steps += 1
+            self.busy += self.last - start
+
+    def summary(self) -> dict:
+        span = (self.last - self.first) if self.steps else 0.0
+        return {"steps": self.steps, "step_ms_mean": self.busy / self.steps * 1e3 if self.steps else None,
+                "stepping_share": self.busy / span if span else None}
 
 
 @contextlib.contextmanager
@@ -40,7 +73,7 @@ def _local_server(args):
     engine = AsyncLLM(llm)
     try:
         with serve_in_thread(build_app(engine, "bench")) as url:
-            yield url, llm.tokenizer
+            yield url, llm.tokenizer, _StepClock(llm.engine)
     finally:
         engine.shutdown()
 
@@ -117,6 +150,10 @@ async def _rate(url: str, prompts: list[str], rate: float, max_tokens: int, seed
     return point
 
 
+def _rate_in_process(url: str, prompts: list[str], rate: float, max_tokens: int, seed: int) -> dict:
+    return asyncio.run(_rate(url, prompts, rate, max_tokens, seed))
+
+
 def _plot(points: list[dict], path: Path) -> None:
     try:
         import matplotlib
@@ -152,23 +189,39 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--system-tokens", type=int, default=200, help="length of the shared system prompt")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=8, help="requests sent at once before the sweep, reported apart (0: none)")
     p.add_argument("--out", type=Path, default=Path("bench_results"))
     args = p.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     report = {"meta": metadata(args), "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "points": []}
     args.out.mkdir(parents=True, exist_ok=True)
-    server = contextlib.nullcontext((args.url, None)) if args.url else _local_server(args)
-    with server as (url, tokenizer):
+    server = contextlib.nullcontext((args.url, None, None)) if args.url else _local_server(args)
+    # the clients run in a process of their own: in the server's they would share its interpreter lock
+    clients = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    with server as (url, tokenizer, clock), clients:
         if tokenizer is None and args.url is None:
             raise SystemExit("the model has no tokenizer: the benchmark sends text prompts")
+        if args.warmup:  # the first prompts of a fresh server compile kernels: timed apart
+            start = time.perf_counter()
+            warm = clients.submit(_rate_in_process, url, _prompts(tokenizer, args.warmup, args.system_tokens, args.seed - 1),
+                                  1e9, args.max_tokens, args.seed).result()
+            report["warmup"] = {"requests": args.warmup, "wall_s": time.perf_counter() - start, "ttft_s": warm["ttft_s"],
+                                "num_errors": warm["num_errors"]}
+            print(f"[serve] warm-up: {args.warmup} requests at once in {report['warmup']['wall_s']:.1f} s", flush=True)
         for i, rate in enumerate(rates):
             prompts = _prompts(tokenizer, args.requests, args.system_tokens, args.seed + i)
-            point = asyncio.run(_rate(url, prompts, rate, args.max_tokens, args.seed + i))
+            if clock is not None:
+                clock.reset()
+            point = clients.submit(_rate_in_process, url, prompts, rate, args.max_tokens, args.seed + i).result()
+            if clock is not None:
+                point["engine"] = clock.summary()
             report["points"].append(point)
             print(f"[serve] {rate:g} req/s: {point['output_tokens_per_s']:.0f} output tok/s, TTFT p50 "
                   f"{(point['ttft_s']['p50'] or 0) * 1e3:.0f} ms p99 {(point['ttft_s']['p99'] or 0) * 1e3:.0f} ms, TPOT p50 "
                   f"{(point['tpot_s']['p50'] or 0) * 1e3:.1f} ms p99 {(point['tpot_s']['p99'] or 0) * 1e3:.1f} ms, prefix hits "
-                  f"{point['prefix_hit_rate'] or 0:.0%}, errors {point['num_errors']}", flush=True)
+                  f"{point['prefix_hit_rate'] or 0:.0%}, errors {point['num_errors']}" + (
+                      f"; engine: {point['engine']['steps']} steps of {point['engine']['step_ms_mean']:.1f} ms, stepping "
+                      f"{point['engine']['stepping_share']:.0%} of the time" if point.get("engine", {}).get("steps") else ""), flush=True)
             report["meta"]["finished"] = datetime.datetime.now(datetime.UTC).isoformat()
             (args.out / "serve.json").write_text(json.dumps(report, indent=1))
     _plot(report["points"], args.out / "serve.png")

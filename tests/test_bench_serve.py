@@ -16,12 +16,14 @@ def test_the_serving_benchmark_runs(tmp_path):
     from benchmarks import serve
 
     serve.main(["--rates", "4", "--requests", "6", "--max-tokens", "4", "--system-tokens", "40", "--accelerator", "cpu",
-                "--out", str(tmp_path)])
+                "--warmup", "2", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "serve.json").read_text())
     (point,) = report["points"]
     assert point["num_errors"] == 0 and point["output_tokens"] == 6 * 4
     assert point["ttft_s"]["p50"] > 0 and point["tpot_s"]["p99"] >= point["tpot_s"]["p50"] > 0
-    assert 0 < point["prefix_hit_rate"] < 1  # the shared system prompt is found after the first request
+    assert 0 < point["prefix_hit_rate"] <= 1  # the shared system prompt was found
+    assert report["warmup"]["num_errors"] == 0 and point["engine"]["steps"] >= 4  # 4 tokens a request: at least 4 steps
+    assert 0 < point["engine"]["stepping_share"] <= 1
 
 
 def test_a_random_weight_model_speaks_the_tokenizers_vocabulary():

@@ -176,32 +176,47 @@ def tune_invariant_mla_decode(device="cuda") -> list[dict]:
 
 
 def tune_invariant_linear(device="cuda") -> list[dict]:
-    """The batch-invariant GEMM on V2-Lite's bf16 weights (one configuration for every M, so
-    timed at decode's M = 1, 32, 64) against cuBLAS on the same product."""
+    """The batch-invariant GEMM on every bf16 linear of V2-Lite's decode step (one configuration
+    serves every M, so each is timed at M = 1 and 64) against cuBLAS on the same product, inputs
+    rotated out of L2 as in the step. Prints, per shape, the current configuration, the best at
+    M = 1, and the best for both M (least summed time over cuBLAS's)."""
     from deepinfer_nvidia_sm100.kernels import fp8_linear as m
 
     out = []
     shapes = {"q_proj": (3072, 2048), "kv_a": (576, 2048), "o_proj": (2048, 2048), "shared_gate_up": (5632, 2048),
-              "shared_down": (2048, 2816), "lm_head": (102400, 2048)}
-    tiles = [(16, 64, 4, 5), (16, 32, 4, 6), (16, 128, 4, 4), (16, 128, 8, 4), (16, 256, 8, 3)]
+              "shared_down": (2048, 2816), "router": (64, 2048), "dense_gate_up": (21888, 2048), "dense_down": (2048, 10944),
+              "lm_head": (102400, 2048)}
+    tiles = [(16, 32, 4, 6), (16, 64, 4, 5), (16, 128, 4, 4)]
+    current = {"INVARIANT_TILE": m.INVARIANT_TILE, "INVARIANT_SPLIT_K_CTAS_PER_SM": m.INVARIANT_SPLIT_K_CTAS_PER_SM,
+               "PLAIN_BLOCK_K": m.PLAIN_BLOCK_K, "FP8_SPLIT_K_MIN_K_BLOCKS": m.FP8_SPLIT_K_MIN_K_BLOCKS}
+    configs = [current] + [{"INVARIANT_TILE": t, "INVARIANT_SPLIT_K_CTAS_PER_SM": c, "PLAIN_BLOCK_K": bk, "FP8_SPLIT_K_MIN_K_BLOCKS": mk}
+                           for t, c, bk, mk in itertools.product(tiles, (1, 2, 4), (64, 128), (2, 4))]
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5
-        for tokens in (1, 32, 64):
-            x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
-            cublas_us = _time(lambda: torch.nn.functional.linear(x, w)) * 1e3
-            rows = []
-            for tile, ctas, bk in itertools.product(tiles, (1, 2, 4), (64, 128, 256)):
-                cfg = {"INVARIANT_TILE": tile, "INVARIANT_SPLIT_K_CTAS_PER_SM": ctas, "PLAIN_BLOCK_K": bk}
-                row = {"linear": name, "tokens": tokens, "tile": tile, "split_ctas_per_sm": ctas, "block_k": bk, "cublas_us": cublas_us,
-                       **_timed(m, cfg, lambda: m.invariant_linear(x, w))}
-                if "us" in row:
-                    row["over_cublas"] = row["us"] / cublas_us
-                rows.append(row)
-            out += rows
-            ok = [r for r in rows if "us" in r]
-            best = min(ok, key=lambda r: r["us"])
-            print(f"[tune] invariant {name:14s} M={tokens:2d}: cuBLAS {cublas_us:6.1f} us, default {ok[0]['us']:6.1f} us, best "
-                  f"{best['us']:6.1f} us tile {best['tile']} split/SM {best['split_ctas_per_sm']} bk {best['block_k']}", flush=True)
+        xs = {tokens: torch.randn(tokens, k, device=device, dtype=torch.bfloat16) for tokens in (1, 64)}
+        cublas = {t: _time(lambda x=x: torch.nn.functional.linear(x, w)) * 1e3 for t, x in xs.items()}
+        rows = []
+        for i, cfg in enumerate(configs):
+            row = {"linear": name, "n": n, "k": k, "current": i == 0, **{c.lower(): v for c, v in cfg.items()}}
+            for tokens, x in xs.items():
+                t = _timed(m, cfg, lambda x=x: m.invariant_linear(x, w))
+                row[f"m{tokens}_us"], row[f"m{tokens}_cublas_us"] = t.get("us"), cublas[tokens]
+                if "error" in t:
+                    row["error"] = t["error"]
+            rows.append(row)
+        out += rows
+        ok = [r for r in rows if r.get("m1_us") and r.get("m64_us")]
+        if not ok:
+            continue
+        cur, best1 = ok[0], min(ok, key=lambda r: r["m1_us"])
+        both = min(ok, key=lambda r: r["m1_us"] / cublas[1] + r["m64_us"] / cublas[64])
+
+        def show(r):
+            return (f"{r['m1_us']:6.1f}/{r['m64_us']:6.1f} us ({r['invariant_tile']} ctas {r['invariant_split_k_ctas_per_sm']} "
+                    f"bk {r['plain_block_k']} min_k {r['fp8_split_k_min_k_blocks']})")
+
+        print(f"[tune] invariant {name:14s} M=1/64: cuBLAS {cublas[1]:6.1f}/{cublas[64]:6.1f} us; current {show(cur)}; "
+              f"best at M=1 {show(best1)}; best for both {show(both)}", flush=True)
     return out
 
 

@@ -20,6 +20,7 @@ from deepinfer_core.recipe import recipe_for
 from deepinfer_core.config import DEFAULT_MODEL_DIR, ConfigError, EngineConfig, settings
 from deepinfer_core.engine.engine import Engine, Request
 from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.sampling.sampler import Logprob
 from deepinfer_core.sampling.spec_decode.stats import AcceptanceStats
 
 @dataclass
@@ -28,7 +29,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[dict[int, Logprob]] | None  # per output token: {token id: Logprob (a float, with .rank, .decoded_token)}
     finish_reason: str | None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
@@ -55,7 +56,7 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    prompt_logprobs: list[dict[int, float] | None] | None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int | None = None  # prompt tokens not computed thanks to the prefix cache (first sample's, at admission)

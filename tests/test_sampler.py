@@ -108,3 +108,13 @@ def test_sample_reports_raw_logprobs(k):
     assert lp == pytest.approx(float(raw[0, tok])) and tok in top and len(top) in (k, k + 1)
     assert set(top) >= set(raw[0].topk(k).indices.tolist()) if k else top == {tok: lp}
     assert lp2 is None and top2 is None and tok2 == int(logits[1].argmax())
+    order = raw[0].argsort(descending=True).tolist()  # ranks are the raw distribution's: 1 = most likely
+    assert all(v.rank == order.index(t) + 1 for t, v in top.items())
+
+
+def test_a_sampled_token_outside_the_top_k_gets_its_true_rank():
+    logits = torch.zeros(1, 10)
+    logits[0, 1], logits[0, 2], logits[0, 3] = 5.0, 4.0, 3.0  # token 1 first, but the prompt's repetition penalty ...
+    (tok, lp, top), = sample(OpTable.reference(), logits, [seq([1, 2], temperature=0, logprobs=1, repetition_penalty=100.0)])
+    assert tok == 3  # ... pushes 1 and 2 down: the greedy pick is the raw third
+    assert top[1].rank == 1 and top[3].rank == 3 and len(top) == 2 and top[3].logprob == lp

@@ -89,6 +89,9 @@ def test_chat_streamed_and_not(client):
     assert whole.usage.total_tokens == usage.total_tokens
     lp = client.chat.completions.create(**kw, logprobs=True, top_logprobs=2).choices[0].logprobs
     assert lp is not None and len(lp.content) == whole.usage.completion_tokens
+    for token in lp.content:  # greedy: the token is the most likely one, first of exactly 2
+        assert [t.token for t in token.top_logprobs][0] == token.token and len(token.top_logprobs) == 2
+        assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob and token.top_logprobs[0].logprob == token.logprob
 
 
 def test_response_format_json_schema_constrains_chat(client):

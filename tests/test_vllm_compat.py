@@ -1,5 +1,5 @@
 """What a vLLM user trips over first: constructor names we cannot honour are refused with what
-to do instead; request metrics carry vLLM's timestamps."""
+to do instead; request metrics carry vLLM's timestamps; logprobs are Logprob objects."""
 
 from __future__ import annotations
 
@@ -39,3 +39,30 @@ def test_request_metrics_carry_arrival_first_token_and_finish_times():
         m = o.metrics
         assert before <= m.arrival_time <= m.first_token_time <= m.finished_time <= after
         assert m.time_to_first_token == m.first_token_time - m.arrival_time
+
+
+def test_logprobs_are_objects_with_rank_and_decoded_token():
+    """vLLM's Logprob: .logprob, .rank (1 = most likely) and .decoded_token; still a float."""
+    import torch
+
+    llm = LLM(accelerator="cpu", dtype="float32", progress=False)
+    params = SamplingParams(max_tokens=6, logprobs=3, prompt_logprobs=2, temperature=1.0, seed=5, ignore_eos=True)
+    out = llm.generate("def merge(a, b):", params, use_tqdm=False)[0]
+    tokenizer = llm.get_tokenizer()
+    for token, top in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
+        assert token in top and len(top) in (3, 4)
+        ranked = sorted(top.values(), key=lambda v: v.rank)
+        assert [v.rank for v in ranked][:3] == [1, 2, 3] and ranked == sorted(top.values(), reverse=True)
+        for t, v in top.items():
+            assert v.logprob == float(v) <= 0 and v.decoded_token == tokenizer.decode([t])
+        if top[token].rank > 3:  # a sampled token outside the top 3: its true rank, from the whole distribution
+            assert len(top) == 4
+    ids = out.prompt_token_ids
+    for pos, top in enumerate(out.prompt_logprobs[1:], start=1):
+        actual = top[ids[pos]]
+        assert actual.rank >= 1 and actual.decoded_token == tokenizer.decode([ids[pos]])
+        if actual.rank <= 2:
+            assert sorted(v.rank for v in top.values()) == [1, 2]
+        else:
+            assert len(top) == 3 and all(v > actual for t, v in top.items() if t != ids[pos])
+    assert torch.tensor(list(out.outputs[0].logprobs[0].values())).dtype == torch.float32  # floats still

@@ -15,7 +15,7 @@ import logging
 import torch
 
 from deepinfer_core.engine.sequence import Sequence
-from deepinfer_core.sampling.sampler import top_logprobs
+from deepinfer_core.sampling.sampler import Logprob, top_logprobs
 
 log = logging.getLogger("deepinfer")
 
@@ -26,7 +26,7 @@ class OutputProcessor:
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
 
-    def process(self, seq: Sequence, tokens: list[int], logprobs: list[tuple[float, dict[int, float]]] | None) -> bool:
+    def process(self, seq: Sequence, tokens: list[int], logprobs: list[tuple[float, dict[int, Logprob]]] | None) -> bool:
         """Append ``tokens`` to ``seq`` (``logprobs``: (logprob, top logprobs) of each, when the
         sequence asked for them) until one finishes it. Returns True when it finished."""
         for i, token in enumerate(tokens):
@@ -40,7 +40,7 @@ class OutputProcessor:
             if seq.output_logprobs is not None:
                 logprob, top = logprobs[i]
                 seq.cumulative_logprob += logprob
-                seq.output_logprobs.append(top)
+                seq.output_logprobs.append(self.named(top))
             if self._check_stop(seq, token, len(seq.output_token_ids)):
                 return True
         return False
@@ -115,8 +115,14 @@ class OutputProcessor:
         ids = seq.output_token_ids if num_outputs is None else seq.output_token_ids[:num_outputs]
         return self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
 
-    @staticmethod
-    def record_prompt_logprobs(seq: Sequence, first: int, logits: torch.Tensor) -> None:
+    def named(self, top: dict[int, Logprob]) -> dict[int, Logprob]:
+        """``top`` with each Logprob's decoded_token set (the token's own text)."""
+        if self.tokenizer is not None:
+            for token, value in top.items():
+                value.decoded_token = self.tokenizer.decode([token])
+        return top
+
+    def record_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
         """Rows of ``logits`` predict prompt positions first, first+1, ...; positions already
         recorded (a recompute after preemption, maybe chunked differently) are skipped."""
         have = len(seq.prompt_logprobs)
@@ -125,4 +131,4 @@ class OutputProcessor:
         lps = torch.log_softmax(logits[have - first :].float(), dim=-1)
         k = seq.params.prompt_logprobs
         for i in range(lps.shape[0]):
-            seq.prompt_logprobs.append(top_logprobs(lps[i], k, seq.prompt_token_ids[have + i]))
+            seq.prompt_logprobs.append(self.named(top_logprobs(lps[i], k, seq.prompt_token_ids[have + i])))

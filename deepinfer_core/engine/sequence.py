@@ -50,7 +50,7 @@ class Sequence:
     table_version: int = 0
     prefix_leader: Sequence | None = None  # the request's first sample, whose prompt blocks this one reuses
     num_computed_tokens: int = 0
-    output_logprobs: list[dict[int, float]] | None = None
+    output_logprobs: list[dict[int, float]] | None = None  # Logprob values (sampling.sampler)
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[dict[int, float] | None] | None = None
     text: str = ""

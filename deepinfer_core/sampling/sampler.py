@@ -49,14 +49,46 @@ def _float32_safe(value: float) -> float:
     return min(max(value, FLOAT32_SAFE[0]), FLOAT32_SAFE[1])
 
 
-def top_logprobs(logprobs_row: torch.Tensor, k: int, token: int | None = None) -> dict[int, float]:
-    """{token id: logprob} for the k most likely tokens, plus ``token`` if given."""
-    out: dict[int, float] = {}
+class Logprob(float):
+    """A token's log-probability: a float, and, as vLLM's ``Logprob``, ``.logprob`` (the same
+    value), ``.rank`` (1 for the most likely token) and ``.decoded_token`` (its text; filled
+    once the output reaches the tokenizer, None without one)."""
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, value: float, rank: int | None = None, decoded_token: str | None = None):
+        obj = super().__new__(cls, value)
+        obj.rank, obj.decoded_token = rank, decoded_token
+        return obj
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __reduce__(self):
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank}, decoded_token={self.decoded_token!r})"
+
+
+def ranked(ids: list[int], values: list[float], token: int, token_value: float, token_rank: int) -> dict[int, Logprob]:
+    """{id: Logprob} of the top ``ids`` (ranks 1, 2, ... in order) and of ``token`` (``token_rank``)."""
+    out = {i: Logprob(v, r) for r, (i, v) in enumerate(zip(ids, values), start=1)}
+    if token not in out:
+        out[token] = Logprob(token_value, token_rank)
+    return out
+
+
+def top_logprobs(logprobs_row: torch.Tensor, k: int, token: int | None = None) -> dict[int, Logprob]:
+    """{token id: Logprob} for the k most likely tokens, plus ``token`` if given."""
+    out: dict[int, Logprob] = {}
     if k > 0:
         values, ids = logprobs_row.topk(min(k, logprobs_row.shape[-1]))
-        out = dict(zip(ids.tolist(), values.tolist()))
+        out = {i: Logprob(v, r) for r, (i, v) in enumerate(zip(ids.tolist(), values.tolist()), start=1)}
     if token is not None and token not in out:
-        out[token] = float(logprobs_row[token])
+        value = logprobs_row[token]
+        out[token] = Logprob(float(value), int((logprobs_row > value).sum()) + 1)
     return out
 
 
@@ -184,7 +216,7 @@ class SampledBatch:
     wanted: list[int]  # rows that asked for logprobs
     bitmask: torch.Tensor | None = None  # the grammar masks the rows were sampled under (host int32 [N, W])
 
-    def resolve(self) -> list[tuple[int, float | None, dict[int, float] | None]]:
+    def resolve(self) -> list[tuple[int, float | None, dict[int, Logprob] | None]]:
         """(token, logprob, top logprobs) per row, the last two None unless its sequence asked for them."""
         copied = self.host.wait()
         tokens, finite = copied[0].tolist()
@@ -197,13 +229,12 @@ class SampledBatch:
                 f"finite (checked at load), so an activation overflowed or a kernel is wrong; a float32 run "
                 f"(LLM(dtype='float32')) or the reference backend (accelerator='cpu') tells which"
             )
-        results: list[tuple[int, float | None, dict[int, float] | None]] = [(t, None, None) for t in tokens]
+        results: list[tuple[int, float | None, dict[int, Logprob] | None]] = [(t, None, None) for t in tokens]
         if self.wanted:
-            chosen, values, ids = copied[1].tolist(), copied[2].tolist(), copied[3].tolist()
+            chosen, values, ids, ranks = copied[1].tolist(), copied[2].tolist(), copied[3].tolist(), copied[4].tolist()
             for row, i in enumerate(self.wanted):
                 k = rows[i].params.logprobs
-                top = dict(zip(ids[row][:k], values[row][:k]))
-                top.setdefault(tokens[i], chosen[row])
+                top = ranked(ids[row][:k], values[row][:k], tokens[i], chosen[row], ranks[row])
                 results[i] = (tokens[i], chosen[row], top)
         return results
 
@@ -271,11 +302,12 @@ def launch(ops, logits: torch.Tensor, rows: list[Sequence | SampleRow], eos_ids:
         logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
         k = min(max(params[i].logprobs for i in wanted), vocab)
         values, ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
-        out += [logprobs.gather(1, tokens.index_select(0, index)[:, None])[:, 0], values, ids]
+        chosen = logprobs.gather(1, tokens.index_select(0, index)[:, None])
+        out += [chosen[:, 0], values, ids, (logprobs > chosen).sum(dim=-1) + 1]  # the sampled token's rank last
     return SampledBatch(rows, tokens, copy_to_host(out), wanted, bitmask)
 
 
-def sample(ops, logits: torch.Tensor, seqs: list[Sequence | SampleRow], eos_ids: tuple[int, ...] = ()) -> list[tuple[int, float | None, dict[int, float] | None]]:
+def sample(ops, logits: torch.Tensor, seqs: list[Sequence | SampleRow], eos_ids: tuple[int, ...] = ()) -> list[tuple[int, float | None, dict[int, Logprob] | None]]:
     """For each row of ``logits`` [N, V] and its sequence: (token, logprob, top logprobs), the last
     two None unless the sequence asked for logprobs."""
     return launch(ops, logits, seqs, eos_ids).resolve()

@@ -168,7 +168,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
             return await _sse(_stream_completion(engine, rid, model_name, prompts, params))
         outs = await _run_all(engine, rid, prompts, params, request)
         choices = [{"index": p * params.n + c.index, "text": c.text, "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason, "logprobs": _completion_logprobs(engine, c) if params.logprobs is not None else None}
+                    "stop_reason": c.stop_reason, "logprobs": _completion_logprobs(c) if params.logprobs is not None else None}
                    for p, out in enumerate(outs) for c in out.outputs]
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
                 "choices": choices, "usage": _usage(outs)}
@@ -211,7 +211,7 @@ def _register_chat(app: FastAPI, engine: AsyncLLM, model_name: str, limits: Limi
             return await _sse(_stream_chat(engine, rid, model_name, prompt, params))
         (out,) = await _run_all(engine, rid, [prompt], params, request)
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason, "logprobs": _chat_logprobs(engine, c) if params.logprobs is not None else None}
+                    "stop_reason": c.stop_reason, "logprobs": _chat_logprobs(c, params.logprobs) if params.logprobs is not None else None}
                    for c in out.outputs]
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
                 "choices": choices, "usage": _usage([out])}
@@ -297,24 +297,28 @@ def _usage(outs: list[RequestOutput]) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _piece(engine: AsyncLLM, token: int) -> str:
-    return engine.tokenizer.decode([token]) if engine.tokenizer is not None else str(token)
+def _piece(token: int, logprob) -> str:
+    """A token's text, from its Logprob (decoded by the engine; the id without a tokenizer)."""
+    return logprob.decoded_token if getattr(logprob, "decoded_token", None) is not None else str(token)
 
 
-def _completion_logprobs(engine: AsyncLLM, c, start: int = 0) -> dict:
+def _completion_logprobs(c, start: int = 0) -> dict:
     ids, tops = c.token_ids[start:], (c.logprobs or [])[start:]
-    return {"tokens": [_piece(engine, t) for t in ids], "token_logprobs": [top.get(t) for t, top in zip(ids, tops)],
-            "top_logprobs": [{_piece(engine, k): v for k, v in top.items()} for top in tops], "text_offset": []}
+    return {"tokens": [_piece(t, top.get(t)) for t, top in zip(ids, tops)], "token_logprobs": [top.get(t) for t, top in zip(ids, tops)],
+            "top_logprobs": [{_piece(k, v): v for k, v in top.items()} for top in tops], "text_offset": []}
 
 
-def _chat_logprobs(engine: AsyncLLM, c, start: int = 0) -> dict:
-    def entry(token: int, logprob: float | None) -> dict:
-        piece = _piece(engine, token)
+def _chat_logprobs(c, top_n: int, start: int = 0) -> dict:
+    """OpenAI's chat logprobs: per token its own, and the ``top_n`` most likely (by rank)."""
+
+    def entry(token: int, logprob) -> dict:
+        piece = _piece(token, logprob)
         return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
 
     content = []
     for t, top in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
-        content.append({**entry(t, top.get(t)), "top_logprobs": [entry(k, v) for k, v in top.items() if k != t or len(top) == 1]})
+        best = sorted((v.rank, k) for k, v in top.items() if v.rank is not None and v.rank <= top_n)
+        content.append({**entry(t, top.get(t)), "top_logprobs": [entry(k, top[k]) for _, k in best]})
     return {"content": content}
 
 
@@ -417,7 +421,7 @@ async def _stream_completion(engine: AsyncLLM, rid: str, model: str, prompts: li
             if not delta and c.finish_reason is None:
                 continue
             choice = {"index": index, "text": delta, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                      "logprobs": _completion_logprobs(engine, c, start) if params.logprobs is not None else None}
+                      "logprobs": _completion_logprobs(c, start) if params.logprobs is not None else None}
             yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
         if out.finished:
             finals[p] = out
@@ -439,6 +443,6 @@ async def _stream_chat(engine: AsyncLLM, rid: str, model: str, prompt, params):
                 continue
             yield {**head, "choices": [{"index": c.index, "delta": {"content": delta} if delta else {},
                                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                                        "logprobs": _chat_logprobs(engine, c, start) if params.logprobs is not None else None}]}
+                                        "logprobs": _chat_logprobs(c, params.logprobs, start) if params.logprobs is not None else None}]}
         last = out
     yield {**head, "choices": [], "usage": _usage([last])}

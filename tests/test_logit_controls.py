@@ -142,3 +142,14 @@ def test_invalid_values_are_clear_errors_and_the_engine_keeps_working(llm, tmp_p
     with pytest.raises(RequestError, match="bad_words need a tokenizer"):
         bare.generate([[5, 17, 42]], with_(GREEDY, bad_words=["x"]), use_tqdm=False)
     assert len(bare.generate([[5, 17, 42]], with_(GREEDY, logit_bias={3: 100}), use_tqdm=False)[0].outputs[0].token_ids) == 16
+
+
+def test_a_request_whose_controls_allow_no_token_ends_and_its_neighbour_does_not(llm):
+    """allowed_token_ids that bad_words ban entirely leave no token: the request ends at once
+    with EOS (not a made-up token 0); the other request in the batch runs as alone."""
+    token = next(t for t in range(300, 400) if [t] in banned_in(llm, llm.tokenizer.decode([t])))
+    stuck = SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=[token], bad_words=[llm.tokenizer.decode([token])])
+    alone = ids(llm, PROMPTS[1:], GREEDY)[0][0]
+    got = llm.generate(PROMPTS, [stuck, GREEDY], use_tqdm=False)
+    assert got[0].outputs[0].token_ids == [llm.tokenizer.eos_token_id] and got[0].outputs[0].finish_reason == "stop"
+    assert got[1].outputs[0].token_ids == alone

@@ -291,6 +291,9 @@ def launch(ops, logits: torch.Tensor, rows: list[Sequence | SampleRow], eos_ids:
     processed = apply_penalties(logits, rows, eos_ids)
     if bitmask is not None:
         processed = ops.apply_token_bitmask(processed, to_device(bitmask, device))
+    if eos_ids:  # a row whose controls (and grammar) allow no token at all ends: EOS gets a chance
+        nothing = torch.isneginf(processed).all(dim=-1)
+        processed[:, eos_ids[0]] = torch.where(nothing, 0.0, processed[:, eos_ids[0]])
     params = [r.params for r in rows]
     floats, ints, host_params = _row_tensors(rows, vocab, device)
     tokens = ops.sample_tokens(processed, floats[0], ints[0], floats[1], floats[2], ints[1], ints[2], host_params=host_params)

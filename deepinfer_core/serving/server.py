@@ -90,7 +90,25 @@ class _Guard:
                 refusal = _error(request, 413, f"request body larger than {self.max_body_bytes} bytes")
             if refusal is not None:
                 return await refusal(scope, receive, send)
+            if size is None:  # a chunked body: counted as it arrives
+                receive = self._capped(receive)
         await self.app(scope, receive, send)
+
+    def _capped(self, receive):
+        """``receive`` that refuses (413, through the app's HTTPException handler) a body that
+        grows past the limit."""
+        received = 0
+
+        async def capped():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise HTTPException(413, f"request body larger than {self.max_body_bytes} bytes")
+            return message
+
+        return capped
 
 
 def _validation_message(e: ValidationError | RequestValidationError) -> tuple[str, str | None]:

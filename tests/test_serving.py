@@ -147,16 +147,16 @@ def test_bad_chat_requests(server):
     big = httpx.post(url + "/v1/completions", content=b"x" * (1 << 17), headers=headers)
     assert big.status_code == 413
 
-    def chunks(n: int):  # a body without Content-Length (chunked transfer), counted as it arrives
+    def chunks(n: int, size: int = 4096):  # a body without Content-Length (chunked transfer), counted as it arrives
         yield b'{"prompt": "'
         for _ in range(n):
-            yield b"x" * 4096
+            yield b"x" * size
         yield b'", "max_tokens": 2}'
 
     for path in ("/v1/completions", "/v1/messages"):
         big = httpx.post(url + path, content=chunks(40), headers=headers, timeout=60)
         assert big.status_code == 413 and "larger than" in big.text, big.text
-    small = httpx.post(url + "/v1/completions", content=chunks(2), headers={**headers, "Content-Type": "application/json"}, timeout=60)
+    small = httpx.post(url + "/v1/completions", content=chunks(4, 16), headers={**headers, "Content-Type": "application/json"}, timeout=60)
     assert small.status_code == 200, small.text
 
 

@@ -172,3 +172,14 @@ def test_the_client_sees_bad_requests_and_big_bodies(server, client):
     assert e.value.status_code == 400 and e.value.body["error"]["type"] == "invalid_request_error"
     r = httpx.post(server[0] + "/v1/messages", content=b"x" * (1 << 17), headers={"x-api-key": KEY})
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+
+
+def test_count_tokens_is_the_prompt_a_message_gets(server, client):
+    counted = client.messages.count_tokens(model=MODEL, system=SYSTEM, messages=ASK)
+    whole = client.messages.create(**CALL)
+    assert counted.input_tokens == whole.usage.input_tokens + whole.usage.cache_read_input_tokens > 0
+    r = httpx.post(server[0] + "/v1/messages/count_tokens", json={"model": "other", "messages": ASK}, headers={"x-api-key": KEY})
+    assert r.status_code == 404 and r.json()["type"] == "error"
+    r = httpx.post(server[0] + "/v1/messages/count_tokens", json={"model": MODEL, "messages": []}, headers={"x-api-key": KEY})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.post(server[0] + "/v1/messages/count_tokens", json={"messages": ASK}).status_code == 401

@@ -177,6 +177,15 @@ def test_what_the_protocol_refuses_is_a_4xx_naming_it(server, body, status, mess
                                                   "max_tokens": 2}).status_code == 200  # still serving
 
 
+def test_count_tokens_is_the_encodings_length(server, checkpoint):
+    body = {"system": "Be brief.", "messages": [{"role": "user", "content": "hi"}], "tools": [
+        {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]}
+    r = _post(server, "/v1/messages/count_tokens", {**body, "model": NAME})
+    assert r.status_code == 200 and r.json() == {"input_tokens": len(_expected(checkpoint, body, anthropic=True))}
+    r = _post(server, "/v1/messages/count_tokens", {"model": NAME, "messages": []})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+
+
 def test_anthropic_events_stream_in_order(server):
     body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
     with httpx.stream("POST", server[0] + "/v1/messages", json=body, headers=AUTH, timeout=60) as r:

@@ -8,6 +8,7 @@ prompt tokens not read from the prefix cache, as Anthropic's does; ``cache_read_
 the others. Streamed, it sends Anthropic's named events: message_start, content_block_start,
 ping, content_block_delta (text_delta)..., content_block_stop, message_delta, message_stop.
 Errors, before or during a stream, carry Anthropic's body (``server.ANTHROPIC_PATHS``).
+``POST /v1/messages/count_tokens`` answers ``{"input_tokens": N}``: the prompt's length.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from fastapi import FastAPI, Request
 
 from deepinfer_core.chat import chat_prompt
 from deepinfer_core.serving.async_llm import AsyncLLM
-from deepinfer_core.serving.protocol import Limits, MessagesRequest
+from deepinfer_core.serving.protocol import CountTokensRequest, Limits, MessagesRequest
 from deepinfer_core.serving.server import BadRequest, _check_model, _Deltas, _merged, _params, _run_all, _sse
 
 _NO_STOP = {"stop_reason": None, "stop_sequence": None}
@@ -35,6 +36,12 @@ def register(app: FastAPI, engine: AsyncLLM, model_name: str, limits: Limits) ->
             return await _sse(_stream(engine, mid, model_name, prompt, params), anthropic=True)
         (out,) = await _run_all(engine, mid, [prompt], params, request)
         return _message(mid, model_name, [{"type": "text", "text": out.outputs[0].text}], _stop(out.outputs[0]), _usage(out))
+
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest):
+        _check_model(body.model, model_name)
+        return {"input_tokens": len(_prompt(engine, body))}
 
 
 def _prompt(engine: AsyncLLM, body: MessagesRequest) -> list[int]:

@@ -7,6 +7,7 @@ with its message. The prompt is DeepSeek's encoding; the generated tokens go thr
 processor, which splits reasoning from content, parses tool calls, applies stop sequences and
 counts usage (prompt, cached, completion, reasoning tokens). Streamed or not, the same chunks:
 a non-streamed answer is the chunks accumulated. ``n`` is 1, as on DeepSeek's API.
+``/v1/messages/count_tokens``: the length of the prompt the same body would get.
 """
 
 from __future__ import annotations
@@ -58,6 +59,15 @@ def register(app: FastAPI, engine: AsyncLLM, recipe: Recipe, model_name: str, li
     @app.post("/v1/messages")
     async def messages(request: Request):
         return await answer(request, True, "msg_")
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        try:
+            req = recipe.request(await request.body(), anthropic=True)
+            _check_model(req.model, model_name)
+            return {"input_tokens": len(recipe.prompt(recipe.convert(req)))}
+        except ProtocolError as e:
+            raise BadRequest(str(e), status=e.status) from None
 
 
 async def _chunks(engine: AsyncLLM, answer, rid: str, prompt: list[int], params):

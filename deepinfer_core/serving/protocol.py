@@ -175,3 +175,9 @@ class MessagesRequest(BaseModel):
             raise ValueError(f"max_tokens={self.max_tokens} is more than this server allows ({limits.max_tokens})")
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_tokens,
                               stop=self.stop_sequences or [])
+
+
+class CountTokensRequest(MessagesRequest):
+    """Anthropic's ``/v1/messages/count_tokens`` body: a Messages request without max_tokens."""
+
+    max_tokens: int | None = Field(None, ge=1)

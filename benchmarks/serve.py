@@ -37,12 +37,31 @@ class _StepClock:
     how much of the wall time between the first and the last step that is (the rest: the
     front end's work on that thread, and waiting for requests)."""
 
+    SLOW_S = 0.1  # a step this long is listed with what it ran (and the kernels compiled meanwhile)
+
     def __init__(self, engine):
         self._step, engine.step = engine.step, self
+        self._observer, engine.observer = engine.observer, self._observe
+        self.compiles: list[tuple[float, str]] = []
+        try:  # Triton's compile hook (called before each compilation): JIT compiles during the run
+            from triton import knobs
+
+            knobs.runtime.jit_cache_hook = self._compiling
+        except (ImportError, AttributeError):
+            pass
         self.reset()
 
     def reset(self) -> None:
-        self.steps, self.busy, self.first, self.last = 0, 0.0, None, None
+        self.steps, self.busy, self.first, self.last, self.durations, self.stats, self.compiles = 0, 0.0, None, None, [], [], []
+
+    def _compiling(self, fn=None, **_) -> bool:
+        self.compiles.append((time.perf_counter(), getattr(fn, "name", str(fn))))
+        return False  # compile it
+
+    def _observe(self, stats) -> None:
+        self.stats.append(stats)
+        if self._observer is not None:
+            self._observer(stats)
 
     def __call__(self):
         start = time.perf_counter()
@@ -53,11 +72,22 @@ class _StepClock:
             self.first = self.first or start
             self.steps += 1
             self.busy += self.last - start
+            self.durations.append((start, self.last))
 
     def summary(self) -> dict:
-        span = (self.last - self.first) if self.steps else 0.0
-        return {"steps": self.steps, "step_ms_mean": self.busy / self.steps * 1e3 if self.steps else None,
-                "stepping_share": self.busy / span if span else None}
+        if not self.steps:
+            return {"steps": 0}
+        span = self.last - self.first
+        ms = sorted((b - a) * 1e3 for a, b in self.durations)
+        slow = sorted(((b - a, a, b, s) for (a, b), s in zip(self.durations, self.stats + [None] * len(self.durations))
+                       if b - a > self.SLOW_S), reverse=True)[:8]
+        return {"steps": self.steps, "step_ms_mean": self.busy / self.steps * 1e3, "stepping_share": self.busy / span if span else None,
+                "step_ms_p50": ms[len(ms) // 2], "step_ms_p90": ms[int(0.9 * len(ms))], "step_ms_max": ms[-1],
+                "slow_steps": sum(1 for v in ms if v > self.SLOW_S * 1e3), "slow_steps_ms": sum(v for v in ms if v > self.SLOW_S * 1e3),
+                "compiles": len(self.compiles),
+                "slowest": [{"ms": d * 1e3, "prefill_tokens": getattr(st, "num_prefill_tokens", None),
+                             "decode_tokens": getattr(st, "num_decode_tokens", None),
+                             "compiled": sorted({n for t, n in self.compiles if a <= t <= b})} for d, a, b, st in slow]}
 
 
 @contextlib.contextmanager
@@ -220,8 +250,13 @@ def main(argv=None) -> None:
                   f"{(point['ttft_s']['p50'] or 0) * 1e3:.0f} ms p99 {(point['ttft_s']['p99'] or 0) * 1e3:.0f} ms, TPOT p50 "
                   f"{(point['tpot_s']['p50'] or 0) * 1e3:.1f} ms p99 {(point['tpot_s']['p99'] or 0) * 1e3:.1f} ms, prefix hits "
                   f"{point['prefix_hit_rate'] or 0:.0%}, errors {point['num_errors']}" + (
-                      f"; engine: {point['engine']['steps']} steps of {point['engine']['step_ms_mean']:.1f} ms, stepping "
-                      f"{point['engine']['stepping_share']:.0%} of the time" if point.get("engine", {}).get("steps") else ""), flush=True)
+                      f"; engine: {point['engine']['steps']} steps, mean {point['engine']['step_ms_mean']:.1f} ms, p50 "
+                      f"{point['engine']['step_ms_p50']:.1f} ms, {point['engine']['slow_steps']} over 100 ms, "
+                      f"{point['engine']['compiles']} kernel compiles, stepping {point['engine']['stepping_share']:.0%} of the time"
+                      if point.get("engine", {}).get("steps") else ""), flush=True)
+            for slow in point.get("engine", {}).get("slowest", [])[:3]:
+                print(f"[serve]   slow step {slow['ms']:.0f} ms: {slow['prefill_tokens']} prefill + {slow['decode_tokens']} decode "
+                      f"tokens, compiled {', '.join(slow['compiled'][:6]) or 'nothing'}", flush=True)
             report["meta"]["finished"] = datetime.datetime.now(datetime.UTC).isoformat()
             (args.out / "serve.json").write_text(json.dumps(report, indent=1))
     _plot(report["points"], args.out / "serve.png")

@@ -187,9 +187,9 @@ def tune_invariant_linear(device="cuda") -> list[dict]:
               "shared_down": (2048, 2816), "router": (64, 2048), "dense_gate_up": (21888, 2048), "dense_down": (2048, 10944),
               "lm_head": (102400, 2048)}
     tiles = [(16, 32, 4, 6), (16, 64, 4, 5), (16, 128, 4, 4)]
-    current = {"INVARIANT_TILE": m.INVARIANT_TILE, "INVARIANT_SPLIT_K_CTAS_PER_SM": m.INVARIANT_SPLIT_K_CTAS_PER_SM,
+    current = {"INVARIANT_TILE": m.INVARIANT_TILE, "INVARIANT_PLAIN_SPLIT_K_CTAS_PER_SM": m.INVARIANT_PLAIN_SPLIT_K_CTAS_PER_SM,
                "PLAIN_BLOCK_K": m.PLAIN_BLOCK_K, "FP8_SPLIT_K_MIN_K_BLOCKS": m.FP8_SPLIT_K_MIN_K_BLOCKS}
-    configs = [current] + [{"INVARIANT_TILE": t, "INVARIANT_SPLIT_K_CTAS_PER_SM": c, "PLAIN_BLOCK_K": bk, "FP8_SPLIT_K_MIN_K_BLOCKS": mk}
+    configs = [current] + [{"INVARIANT_TILE": t, "INVARIANT_PLAIN_SPLIT_K_CTAS_PER_SM": c, "PLAIN_BLOCK_K": bk, "FP8_SPLIT_K_MIN_K_BLOCKS": mk}
                            for t, c, bk, mk in itertools.product(tiles, (1, 2, 4), (64, 128), (2, 4))]
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5
@@ -212,7 +212,7 @@ def tune_invariant_linear(device="cuda") -> list[dict]:
         both = min(ok, key=lambda r: r["m1_us"] / cublas[1] + r["m64_us"] / cublas[64])
 
         def show(r):
-            return (f"{r['m1_us']:6.1f}/{r['m64_us']:6.1f} us ({r['invariant_tile']} ctas {r['invariant_split_k_ctas_per_sm']} "
+            return (f"{r['m1_us']:6.1f}/{r['m64_us']:6.1f} us ({r['invariant_tile']} ctas {r['invariant_plain_split_k_ctas_per_sm']} "
                     f"bk {r['plain_block_k']} min_k {r['fp8_split_k_min_k_blocks']})")
 
         print(f"[tune] invariant {name:14s} M=1/64: cuBLAS {cublas[1]:6.1f}/{cublas[64]:6.1f} us; current {show(cur)}; "

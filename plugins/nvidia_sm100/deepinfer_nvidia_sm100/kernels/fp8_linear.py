@@ -56,7 +56,12 @@ FP8_SPLIT_K_MIN_K_BLOCKS = 4  # ... but give each split at least this many bk-bl
 # Batch-invariant mode: one tile and one K split for every M (invariant_config), so tuned for
 # what decode needs of it (benchmarks/tune.py --only invariant_linear).
 INVARIANT_TILE = FP8_DECODE_TILE
-INVARIANT_SPLIT_K_CTAS_PER_SM = FP8_SPLIT_K_CTAS_PER_SM
+INVARIANT_SPLIT_K_CTAS_PER_SM = FP8_SPLIT_K_CTAS_PER_SM  # FP8 weights (not tuned for this mode yet)
+# Plain (bf16) weights: H200, 2026-12-02, every linear of V2-Lite's decode step timed at M=1 and 64
+# with L2-cold weights (tune.py --only invariant_linear): one K split per SM's worth of row
+# tiles and PLAIN_BLOCK_K = 64 summed 1310 / 2059 us a step against 1361 / 2431 us for the FP8
+# defaults (cuBLAS: 1223 / 1278 us).
+INVARIANT_PLAIN_SPLIT_K_CTAS_PER_SM = 1
 FP8_SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles per program (H100/B200 have ~228 KB)
 FP8_REDUCE_BLOCK_N = 1024  # split-K reduction: columns per program
 INTERPRETER_SMS = 4  # "SM count" used under TRITON_INTERPRET (CPU tensors)
@@ -110,17 +115,18 @@ def _split_k(tiles: int, k_blocks: int, device: torch.device, ctas_per_sm: int |
     return triton.cdiv(k_blocks, triton.cdiv(k_blocks, split))
 
 
-def invariant_config(n: int, k: int, bk: int, x_dtype: torch.dtype, w_bytes: int, device: torch.device) -> Fp8Config:
+def invariant_config(n: int, k: int, bk: int, x_dtype: torch.dtype, w_bytes: int, device: torch.device,
+                     ctas_per_sm: int | None = None) -> Fp8Config:
     """The one launch configuration of every [m, k] x [n, k]^T product in batch-invariant mode,
     whatever m: INVARIANT_TILE, W8A16 (the weight widened; plain weights as they are), and the
-    K splits one row tile gets (INVARIANT_SPLIT_K_CTAS_PER_SM), so that each output element sums
+    K splits one row tile gets (``ctas_per_sm``, default INVARIANT_SPLIT_K_CTAS_PER_SM), so that each output element sums
     the same products in the same order (split by split, then the splits in order) for any m."""
     block_m, block_n, warps, stages = INVARIANT_TILE
     x_bytes = torch.finfo(x_dtype).bits // 8
     per_stage = block_m * bk * x_bytes + block_n * bk * w_bytes
     converted = block_n * bk * x_bytes if w_bytes != x_bytes else 0  # the widened weight tile
     stages = max(2, min(stages, (FP8_SMEM_BUDGET - converted) // per_stage))
-    split = _split_k(triton.cdiv(n, block_n), triton.cdiv(k, bk), device, INVARIANT_SPLIT_K_CTAS_PER_SM)
+    split = _split_k(triton.cdiv(n, block_n), triton.cdiv(k, bk), device, ctas_per_sm or INVARIANT_SPLIT_K_CTAS_PER_SM)
     return Fp8Config(block_m, block_n, warps, stages, split, W8A16)
 
 
@@ -382,7 +388,7 @@ def head_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # alone (invariant_config): an output element sums the same products in the same order at any M.
 # Plain weights go through the same kernel with unit scales (a stride-0 tensor of ones: the
 # rescale multiplies by 1.0, exact), stepping K by PLAIN_BLOCK_K.
-PLAIN_BLOCK_K = 128
+PLAIN_BLOCK_K = 64  # see INVARIANT_PLAIN_SPLIT_K_CTAS_PER_SM
 
 
 _ONES: dict[torch.device, torch.Tensor] = {}  # one 1.0 per device, made outside graph capture
@@ -402,7 +408,7 @@ def _unit_scales(n: int, k: int, device: torch.device) -> torch.Tensor:
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``linear``, batch-invariant (the Triton GEMM with unit scales)."""
     n, k = weight.shape
-    cfg = invariant_config(n, k, PLAIN_BLOCK_K, x.dtype, weight.element_size(), x.device)
+    cfg = invariant_config(n, k, PLAIN_BLOCK_K, x.dtype, weight.element_size(), x.device, INVARIANT_PLAIN_SPLIT_K_CTAS_PER_SM)
     return fp8_block_linear_with_config(x, weight, _unit_scales(n, k, x.device), (1, PLAIN_BLOCK_K), bias, cfg)
 
 

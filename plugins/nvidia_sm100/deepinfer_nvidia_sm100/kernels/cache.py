@@ -61,7 +61,7 @@ def write_latent_cache(kv_cache: torch.Tensor, latent: torch.Tensor, k_pe: torch
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_SLOTS"])  # per-step sizes: one compile, not one per value class
 def _gather_latent_kernel(
     cache_ptr, slot_ptr, out_ptr,
     D, BLOCK_SIZE, NUM_SLOTS,

@@ -145,7 +145,7 @@ def round_to_e4m3(v):
     return steps * spacing
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # per-step sizes: one compile, not one per value class
 def _quantize_activations_kernel(
     x_ptr, q_ptr, s_ptr,
     M, K,
@@ -169,7 +169,7 @@ def _quantize_activations_kernel(
     tl.store(s_ptr + rows64 * stride_sm + kb, a_scale, mask=mask_m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "stride_os"])  # per-step sizes: one compile, not one per value class
 def _fp8_block_gemm_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr,
     M, N, K,
@@ -256,7 +256,7 @@ def _fp8_block_gemm_kernel(
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # per-step sizes: one compile, not one per value class
 def _split_k_reduce_kernel(
     part_ptr, bias_ptr, out_ptr,
     M, N,

@@ -152,7 +152,7 @@ def _sequence_of_row(qsl_ptr, num_seqs, row, BLOCK_B: tl.constexpr):
     return tl.sum(count, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "split_cap", "num_seqs", "row0", "s_btb"])  # per-step sizes: one compile, not one per value class
 def _mla_decode_split_kernel(
     q_ptr, qpe_ptr, cache_ptr, bt_ptr, lens_ptr, qsl_ptr, out_ptr, part_ptr, lse_ptr,
     scale_log2,
@@ -234,7 +234,7 @@ def _mla_decode_split_kernel(
                  mask=(h_mask & (start < end))[:, None] & dc_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "row0"])  # per-step sizes: one compile, not one per value class
 def _mla_decode_combine_kernel(
     part_ptr, lse_ptr, out_ptr,
     num_heads, num_splits, row0,

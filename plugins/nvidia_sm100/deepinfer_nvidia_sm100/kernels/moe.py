@@ -302,7 +302,7 @@ def _write_layout(counts, sorted_ptr, block_expert_ptr, num_padded_ptr, num_expe
     return starts
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])  # per-step sizes: one compile, not one per value class
 def _align_single_kernel(
     ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, num_experts, max_blocks,
@@ -331,7 +331,7 @@ def _align_single_kernel(
         n0 += BLOCK_N
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # per-step sizes: one compile, not one per value class
 def _align_count_kernel(ids_ptr, chunk_counts_ptr, num_pairs, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
     chunk = tl.program_id(0)
     offs = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -340,7 +340,7 @@ def _align_count_kernel(ids_ptr, chunk_counts_ptr, num_pairs, BLOCK_N: tl.conste
     tl.store(chunk_counts_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), _expert_histogram(ids, valid, BLOCK_E))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks", "num_pairs", "max_blocks"])  # per-step sizes: one compile, not one per value class
 def _align_prefix_kernel(
     chunk_counts_ptr, chunk_base_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
     num_chunks, num_pairs, num_experts, max_blocks,
@@ -368,7 +368,7 @@ def _align_prefix_kernel(
         c0 += BLOCK_C
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # per-step sizes: one compile, not one per value class
 def _align_scatter_kernel(ids_ptr, chunk_base_ptr, sorted_ptr, num_pairs,
                           BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
     chunk = tl.program_id(0)
@@ -458,7 +458,7 @@ def _accumulate(acc, a, a_scale, w, w_scale,
     return acc + part
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])  # per-step sizes: one compile, not one per value class
 def _expert_gemm_kernel(
     a_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr,
     sorted_ptr, block_expert_ptr, num_padded_ptr,

@@ -35,7 +35,9 @@ SYSTEM = "You are a careful Python reviewer. Answer with code only, no prose. Fo
 class _StepClock:
     """Times the engine's steps (local server only): how long its thread spends stepping, and
     how much of the wall time between the first and the last step that is (the rest: the
-    front end's work on that thread, and waiting for requests)."""
+    front end's work on that thread, and waiting for requests). A slow step is listed with the
+    Triton kernels compiled during it and the StepStats reported during it (with overlapped
+    scheduling those describe the step launched one call earlier)."""
 
     SLOW_S = 0.1  # a step this long is listed with what it ran (and the kernels compiled meanwhile)
 

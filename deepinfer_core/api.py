@@ -16,9 +16,9 @@ import torch
 from tqdm.auto import tqdm
 
 from deepinfer_core.chat import chat_prompt
-from deepinfer_core.recipe import recipe_for
 from deepinfer_core.config import DEFAULT_MODEL_DIR, ConfigError, EngineConfig, settings
 from deepinfer_core.engine.engine import Engine, Request
+from deepinfer_core.recipe import recipe_for
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.sampler import Logprob
 from deepinfer_core.sampling.spec_decode.stats import AcceptanceStats

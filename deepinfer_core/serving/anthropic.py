@@ -37,7 +37,6 @@ def register(app: FastAPI, engine: AsyncLLM, model_name: str, limits: Limits) ->
         (out,) = await _run_all(engine, mid, [prompt], params, request)
         return _message(mid, model_name, [{"type": "text", "text": out.outputs[0].text}], _stop(out.outputs[0]), _usage(out))
 
-
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest):
         _check_model(body.model, model_name)

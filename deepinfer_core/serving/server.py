@@ -195,7 +195,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
     if recipe is not None:  # V4 / V4.1: DeepSeek's chat protocol, through deepseek-recipe
         from deepinfer_core.serving import deepseek
 
-        deepseek.register(app, engine, recipe, model_name, limits)  # /v1/chat/completions, /v1/messages
+        deepseek.register(app, engine, recipe, model_name, limits)  # /v1/chat/completions, /v1/messages(/count_tokens)
     else:
         _register_chat(app, engine, model_name, limits)
         from deepinfer_core.serving.anthropic import register  # it imports this module's helpers

@@ -11,8 +11,9 @@ Hooks are called by the core:
 * once at start-up, for the selected backend only: ``deepinfer_platform``, then
   ``deepinfer_ops`` and ``deepinfer_scheduler_limits``;
 * once per engine step, for every backend that implements it: ``deepinfer_step_observer``;
-* never yet: ``deepinfer_communicator`` (specified for multi-process runs, which the core does
-  not have yet; the scale-out work will call it).
+* once per process group, by ``dist.communicator.communicator_for`` (the expert-parallel layer
+  ``dist.expert_parallel`` uses what it returns): ``deepinfer_communicator``. The engine itself
+  runs one process yet, so it never asks.
 
 What each hook returns is checked against this contract when it is called (types and fields of
 the returned objects, the signatures of op callables): a mistake is reported naming the plugin,
@@ -201,8 +202,9 @@ class BackendSpec:
     def deepinfer_communicator(self, platform: Platform, group: Any) -> Any:
         """Return a communicator for ``group`` (all_reduce, all_gather, reduce_scatter,
         all_to_all / MoE dispatch-combine, broadcast, barrier), or ``None`` to use the core's
-        torch.distributed one. To be called once per process group when world size > 1; the
-        core does not run more than one process yet, so today it is never called.
+        torch.distributed one (``dist.communicator.TorchCommunicator``, whose methods are the
+        interface). Called once per process group when world size > 1, through
+        ``dist.communicator.communicator_for``; the engine runs one process yet.
         """
 
     @hookspec(firstresult=True)

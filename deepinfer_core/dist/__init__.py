@@ -1,7 +1,8 @@
-"""Multi-process layout (process groups, expert-parallel layouts come with the parallelism issue).
+"""Multi-process pieces: ``eplb`` (where expert copies live), ``communicator`` (collectives over
+torch.distributed, or the backend's own), ``expert_parallel`` (one MoE layer across an EP
+group). The engine does not launch several processes yet.
 
-Only what every process needs today lives here, and it must stay cheap to import: backend
-probe modules use it.
+This module itself must stay cheap to import: backend probe modules use ``local_rank``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,112 @@
+"""Expert parallelism for one MoE layer (deepinfer_core/dist/expert_parallel.py) across 2 and 4
+CPU processes on gloo: every rank's tokens get the same routed-expert output as the reference
+``moe_experts`` over all experts in one process, with the plain layout and with an EPLB
+placement holding copies of the hot experts, including a rank that has no tokens. And the
+communicator comes from the backend's ``deepinfer_communicator`` when it has one."""
+
+from __future__ import annotations
+
+import os
+import socket
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from deepinfer_core.dist.communicator import TorchCommunicator, communicator_for
+from deepinfer_core.dist.eplb import Placement, num_physical_experts, rebalance
+from deepinfer_core.dist.expert_parallel import ExpertShard, moe_expert_parallel
+from deepinfer_core.ops.moe import moe_experts
+
+EXPERTS, TOP_K, HIDDEN, INTER = 8, 3, 16, 24
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _layer(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g) / HIDDEN**0.5
+    w2 = torch.randn(EXPERTS, HIDDEN, INTER, generator=g) / INTER**0.5
+    return w13, w2
+
+
+def _tokens(rank: int, world: int, empty_rank: int | None):
+    """This rank's tokens, skewed towards experts 0 and 1 (so EPLB has hot experts to copy)."""
+    g = torch.Generator().manual_seed(100 + rank)
+    count = 0 if rank == empty_rank else 5 + 3 * rank
+    x = torch.randn(count, HIDDEN, generator=g)
+    popularity = torch.tensor([8.0, 6.0] + [1.0] * (EXPERTS - 2))
+    ids = torch.stack([torch.multinomial(popularity, TOP_K, generator=g) for _ in range(count)]) if count else torch.zeros(0, TOP_K, dtype=torch.int64)
+    weights = torch.rand(count, TOP_K, generator=g)
+    return x, weights, ids
+
+
+def _placement(kind: str, world: int) -> Placement:
+    if kind == "plain":
+        return Placement.contiguous(1, EXPERTS, world)
+    load = torch.tensor([[40.0, 30.0] + [5.0] * (EXPERTS - 2)])
+    return rebalance(load, num_physical_experts(EXPERTS, world, extra=world), world)
+
+
+def _worker(rank: int, world: int, port: int, kind: str, empty_rank: int | None) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        w13, w2 = _layer()
+        placement = _placement(kind, world)
+        if kind == "eplb":
+            assert int(placement.replicas[0, 0]) > 1, "the hot expert should have copies"
+        shard = ExpertShard.from_full(w13, w2, placement, rank)
+        x, weights, ids = _tokens(rank, world, empty_rank)
+        got = moe_expert_parallel(x, weights, ids, shard, TorchCommunicator(), moe_experts)
+        want = moe_experts(x, w13, w2, weights, ids)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world, kind, empty_rank", [(2, "plain", None), (2, "eplb", 1), (4, "plain", 0), (4, "eplb", 2)])
+def test_expert_parallel_matches_one_process(world, kind, empty_rank):
+    mp.spawn(_worker, args=(world, _free_port(), kind, empty_rank), nprocs=world, join=True)
+
+
+def test_a_shard_holds_its_slots_weights():
+    w13, w2 = _layer()
+    placement = _placement("eplb", 4)
+    per = placement.slots_per_gpu
+    for rank in range(4):
+        shard = ExpertShard.from_full(w13, w2, placement, rank)
+        for s, e in enumerate(placement.phy2log[0, rank * per:(rank + 1) * per].tolist()):
+            assert torch.equal(shard.w13[s], w13[e]) and torch.equal(shard.w2[s], w2[e])
+
+
+def _backend(name: str, communicator):
+    from deepinfer_core.hookspecs import SPEC_VERSION, BackendInfo, ProbeResult, hookimpl
+
+    return SimpleNamespace(
+        deepinfer_backend=hookimpl(lambda: BackendInfo(name=name, priority=-10, min_spec_version=SPEC_VERSION,
+                                                       max_spec_version=SPEC_VERSION)),
+        deepinfer_probe=hookimpl(lambda: ProbeResult(True)),
+        deepinfer_communicator=hookimpl(lambda platform, group: communicator),
+    )
+
+
+def test_the_backends_communicator_is_used_when_it_has_one():
+    from deepinfer_core.plugins import PluginManager
+
+    provided = object()
+    manager = PluginManager()
+    manager.add("commchip", _backend("commchip", provided))
+    manager.add("plainchip", _backend("plainchip", None))
+    assert not manager.backends["commchip"].error and not manager.backends["plainchip"].error
+    assert communicator_for(manager, "commchip", platform=None, group="g") is provided
+    with pytest.raises(ValueError, match="process group has not been initialized"):  # the core's torch.distributed one
+        communicator_for(manager, "plainchip", platform=None)

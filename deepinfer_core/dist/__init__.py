@@ -1,6 +1,7 @@
 """Multi-process pieces: ``eplb`` (where expert copies live), ``communicator`` (collectives over
 torch.distributed, or the backend's own), ``expert_parallel`` (one MoE layer across an EP
-group). The engine does not launch several processes yet.
+group), ``context_parallel`` (zig-zag chunks, the log-sum-exp merge of partial attention). The
+engine does not launch several processes yet.
 
 This module itself must stay cheap to import: backend probe modules use ``local_rank``.
 """

@@ -1,0 +1,58 @@
+"""Context parallelism for long prefill: which tokens of a prompt each CP rank owns, and how the
+partial attention results of several ranks merge into the exact one.
+
+* ``zigzag_chunks``: a prompt of L tokens in 2C equal chunks; rank r owns chunks r and
+  2C-1-r. Under a causal mask the work of a query grows with its position, so pairing an early
+  chunk with a late one gives every rank the same attention work (within one chunk's rounding).
+* ``merge_partials``: attention over a key set split in parts is each part's softmax-weighted
+  output together with its log-sum-exp; the exact result weighs each part by exp(lse_i - lse)
+  with lse = log sum_i exp(lse_i). A part with no visible key has lse = -inf and weight 0.
+* ``partial_attention``: the reference computation of one part (a query block against a key
+  block, causal by absolute positions), returning the output and its log-sum-exp: what a
+  backend's attention op returns when it runs one part.
+
+A rank holds the KV of the tokens it owns; the other ranks' partial results for its queries
+reach it through the communicator and are merged there. The engine does not run CP yet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def zigzag_chunks(length: int, cp_size: int) -> list[list[tuple[int, int]]]:
+    """Per CP rank, its [start, end) token ranges: chunks r and 2C-1-r of 2C near-equal chunks."""
+    if cp_size < 1 or length < 0:
+        raise ValueError(f"need cp_size >= 1 and length >= 0, got {cp_size}, {length}")
+    pieces = 2 * cp_size
+    bounds = [length * i // pieces for i in range(pieces + 1)]
+    chunks = [(bounds[i], bounds[i + 1]) for i in range(pieces)]
+    return [[chunks[r], chunks[pieces - 1 - r]] for r in range(cp_size)]
+
+
+def causal_work(ranges: list[tuple[int, int]]) -> int:
+    """(query, key) pairs a causal prompt's queries in ``ranges`` attend to: sum of (position + 1)."""
+    return sum((end * (end + 1) - start * (start + 1)) // 2 for start, end in ranges)
+
+
+def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of queries [Tq, H, Dk] at ``q_pos`` over keys [Tk, Dk] / values [Tk, Dv]
+    (shared by the heads, MLA's latent form) at ``k_pos``, in float32: (out [Tq, H, Dv], lse [Tq, H]);
+    a query that sees none of these keys gets out 0 and lse -inf."""
+    scores = torch.einsum("qhd,kd->qhk", q.float(), k.float()) * scale
+    visible = (k_pos[None, :] <= q_pos[:, None])[:, None, :]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    return torch.einsum("qhk,kd->qhd", weights, v.float()), lse
+
+
+def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention over the union of the parts' keys, from each part's (out [T, H, D], lse [T, H])."""
+    lse = torch.logsumexp(torch.stack(lses), dim=0)
+    finite = torch.where(torch.isinf(lse), 0.0, lse)
+    out = torch.zeros_like(outs[0], dtype=torch.float32)
+    for o, part in zip(outs, lses):  # in part order: a fixed summation order
+        out += torch.exp(part - finite)[..., None] * o.float()
+    return out, lse

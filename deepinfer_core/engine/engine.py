@@ -223,18 +223,29 @@ class Engine:
         self.spec_stats = AcceptanceStats()  # speculative decoding since start-up: drafts verified / accepted by position
 
     def _warm_up(self, sizes: tuple[int, ...], progress: bool) -> None:
-        """Run a few steps at every graph batch size through the whole path (prefill chunks, mixed
-        steps, greedy and sampled rows, graph replays), so that the kernels a first ``generate``
-        would compile for those shapes are compiled now; then forget them (the engine is as new)."""
+        """Run a few steps at every graph batch size through the whole path, so that the kernels
+        a first ``generate`` (or a server's first requests) would compile for those shapes are
+        compiled now; then forget them (the engine is as new). Per size: a first wave of prompts
+        is prefilled and decodes while a second wave arrives (mixed steps), whose prompts share
+        the first wave's prefix (prefix-cache hits: prefill after a cached context); greedy and
+        sampled rows; graph replays. A server's first requests compiled 1-2 s of kernels each
+        without the second wave (H200, 2026-12-02)."""
         t0 = time.perf_counter()
-        vocab, length = self.model_config.vocab_size, min(2 * self.kv.block_size + 1, self.max_model_len - 4)
+        block = self.kv.block_size
+        vocab, length = self.model_config.vocab_size, min(2 * block + 1, self.max_model_len - 4)
         if length < 1:
             return
-        greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-        sampled = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3, ignore_eos=True)
+        greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        sampled = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=4, ignore_eos=True)
         for size in tqdm(sizes, desc="Warming up", unit="batch size", disable=not progress):
-            for i in range(size):
-                self.add_request([(7 * i + j) % vocab for j in range(length)], sampled if i % 2 else greedy)
+            prompts = [[(7 * i + j) % vocab for j in range(length)] for i in range(size)]
+            first = max(1, size // 2)
+            for i in range(first):
+                self.add_request(prompts[i], sampled if i % 2 else greedy)
+            self.step()
+            for i in range(first, size):  # the first wave's prefix and a tail of their own: cached context + new tokens
+                self.add_request(prompts[i - first][: length - 3] + [(11 * i + j) % vocab for j in range(3)],
+                                 sampled if i % 2 else greedy)
             while self.has_unfinished():
                 self.step()
         self.platform.synchronize()

@@ -41,6 +41,18 @@ def _timed(module, values: dict, fn) -> dict:
         _set(module, old)
 
 
+def _decode_inputs(heads: int, batch: int, seq: int, block_size: int, device):
+    """Random paged-MLA decode inputs (V3's latent 512 + rope 64): q, q_pe, cache, block tables,
+    lengths (all ``seq``), query start offsets (one row per sequence)."""
+    blocks = batch * (seq // block_size)
+    cache = torch.randn(blocks, block_size, 576, device=device, dtype=torch.bfloat16)
+    tables = torch.randperm(blocks, device=device, dtype=torch.int32).view(batch, -1)
+    lens = torch.full((batch,), seq, device=device, dtype=torch.int32)
+    q = torch.randn(batch, heads, 512, device=device, dtype=torch.bfloat16)
+    qpe = torch.randn(batch, heads, 64, device=device, dtype=torch.bfloat16)
+    return q, qpe, cache, tables, lens, torch.arange(batch + 1, dtype=torch.int32, device=device)
+
+
 def tune_mla_decode(device="cuda") -> list[dict]:
     from deepinfer_nvidia_sm100.kernels import mla_decode as m
 
@@ -50,19 +62,14 @@ def tune_mla_decode(device="cuda") -> list[dict]:
     shapes += [(128, b, s) for b, s in ((1, 4096), (32, 4096), (64, 1024))]
     grid = {"BLOCK_N": (32, 64), "NUM_STAGES": (2, 3), "MIN_SPLIT_TOKENS": (64, 256), "SPLIT_WAVES": (1.0, 4.0)}
     for heads, batch, seq in shapes:
-        blocks = batch * (seq // block_size)
-        cache = torch.randn(blocks, block_size, 576, device=device, dtype=torch.bfloat16)
-        tables = torch.randperm(blocks, device=device, dtype=torch.int32).view(batch, -1)
-        lens = torch.full((batch,), seq, device=device, dtype=torch.int32)
-        q = torch.randn(batch, heads, 512, device=device, dtype=torch.bfloat16)
-        qpe = torch.randn(batch, heads, 64, device=device, dtype=torch.bfloat16)
+        q, qpe, cache, tables, lens, qsl = _decode_inputs(heads, batch, seq, block_size, device)
         nbytes = batch * seq * 576 * 2
         for values in itertools.product(*grid.values()):
             cfg = dict(zip(grid, values))
             if heads >= 64 and cfg["BLOCK_N"] == 64:
                 continue  # shared memory: 64 x 576 tiles with 64 heads do not fit every chip
-            row = {"heads": heads, "batch": batch, "seq": seq, **cfg, **_timed(m, cfg, lambda: m.mla_decode_attention(
-                q, qpe, cache, tables, lens, torch.arange(batch + 1, dtype=torch.int32, device=device), 0.1))}
+            row = {"heads": heads, "batch": batch, "seq": seq, **cfg,
+                   **_timed(m, cfg, lambda: m.mla_decode_attention(q, qpe, cache, tables, lens, qsl, 0.1))}
             if "us" in row:
                 row["kv_gb_per_s"] = nbytes / row["us"] / 1e3
             out.append(row)
@@ -150,13 +157,7 @@ def tune_invariant_mla_decode(device="cuda") -> list[dict]:
     block_size = 16
     shapes = [(16, b, s) for b in (1, 8, 32, 64) for s in (256, 1024, 4096)] + [(128, b, 1024) for b in (1, 32)]
     for heads, batch, seq in shapes:
-        blocks = batch * (seq // block_size)
-        cache = torch.randn(blocks, block_size, 576, device=device, dtype=torch.bfloat16)
-        tables = torch.randperm(blocks, device=device, dtype=torch.int32).view(batch, -1)
-        lens = torch.full((batch,), seq, device=device, dtype=torch.int32)
-        q = torch.randn(batch, heads, 512, device=device, dtype=torch.bfloat16)
-        qpe = torch.randn(batch, heads, 64, device=device, dtype=torch.bfloat16)
-        qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        q, qpe, cache, tables, lens, qsl = _decode_inputs(heads, batch, seq, block_size, device)
         normal_us = _time(lambda: m.mla_decode_attention(q, qpe, cache, tables, lens, qsl, 0.1)) * 1e3
         rows = []
         for per_head, min_split in itertools.product((2, 4, 8, 16), (32, 64, 128)):

@@ -80,6 +80,12 @@ def ranked(ids: list[int], values: list[float], token: int, token_value: float, 
     return out
 
 
+def most_likely(top: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
+    """The ``n`` most likely entries of a position's logprobs, by rank (the sampled token is
+    among them only when its rank is within ``n``)."""
+    return sorted(((t, v) for t, v in top.items() if v.rank is not None and v.rank <= n), key=lambda tv: tv[1].rank)
+
+
 def top_logprobs(logprobs_row: torch.Tensor, k: int, token: int | None = None) -> dict[int, Logprob]:
     """{token id: Logprob} for the k most likely tokens, plus ``token`` if given."""
     out: dict[int, Logprob] = {}
@@ -291,10 +297,12 @@ def launch(ops, logits: torch.Tensor, rows: list[Sequence | SampleRow], eos_ids:
     processed = apply_penalties(logits, rows, eos_ids)
     if bitmask is not None:
         processed = ops.apply_token_bitmask(processed, to_device(bitmask, device))
-    if eos_ids:  # a row whose controls (and grammar) allow no token at all ends: EOS gets a chance
+    params = [r.params for r in rows]
+    # a row whose controls (and grammar) allow no token at all ends: EOS gets a chance. Only
+    # allowed_token_ids, bad_words and grammars can forbid every token; other steps skip the check.
+    if eos_ids and (bitmask is not None or any(p.allowed_token_ids is not None or p.bad_words for p in params)):
         nothing = torch.isneginf(processed).all(dim=-1)
         processed[:, eos_ids[0]] = torch.where(nothing, 0.0, processed[:, eos_ids[0]])
-    params = [r.params for r in rows]
     floats, ints, host_params = _row_tensors(rows, vocab, device)
     tokens = ops.sample_tokens(processed, floats[0], ints[0], floats[1], floats[2], ints[1], ints[2], host_params=host_params)
     # the tokens and, per row, whether its logits were finite: one copy

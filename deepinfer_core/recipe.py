@@ -21,6 +21,7 @@ from pathlib import Path
 
 from deepinfer_core.config import ConfigError
 from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.sampling.sampler import most_likely
 
 # model_type -> (deepseek-recipe ModelVersion, encoding class, DeepSeek's API name of the model)
 VERSIONS = {
@@ -174,8 +175,7 @@ class Answer:
         if c.logprobs is None:
             return None
         rows = c.logprobs[self.sent:self.sent + len(ids)]
-        return [(float(row[t]), [(k, float(v)) for k, v in sorted(row.items(), key=lambda kv: -kv[1])[: self.top]])
-                for t, row in zip(ids, rows)]
+        return [(float(row[t]), [(k, float(v)) for k, v in most_likely(row, self.top)]) for t, row in zip(ids, rows)]
 
     def close(self) -> None:
         if not self.finished:

@@ -26,20 +26,23 @@ from deepinfer_core.serving.server import BadRequest, _check_model, _merged, _ss
 
 
 def register(app: FastAPI, engine: AsyncLLM, recipe: Recipe, model_name: str, limits: Limits) -> None:
-    def setup(raw: bytes, anthropic: bool, prefix: str):
+    def converted(raw: bytes, anthropic: bool):
+        """(the ConversationRequest, its prompt ids) of a body; BadRequest for what the protocol refuses."""
         try:
             req = recipe.request(raw, anthropic)
             _check_model(req.model, model_name)  # read before convert (which consumes the request)
             cr = recipe.convert(req)
-            prompt = recipe.prompt(cr)
+            return cr, recipe.prompt(cr)
+        except ProtocolError as e:
+            raise BadRequest(str(e), status=e.status) from None
+
+    async def answer(request: Request, anthropic: bool, prefix: str):
+        cr, prompt = converted(await request.body(), anthropic)
+        try:
             params = recipe.sampling_params(cr, len(prompt), engine.engine.max_model_len, limits.max_tokens)
         except ProtocolError as e:
             raise BadRequest(str(e), status=e.status) from None
         rid = f"{prefix}{uuid.uuid4().hex}"
-        return cr, prompt, params, rid
-
-    async def answer(request: Request, anthropic: bool, prefix: str):
-        cr, prompt, params, rid = setup(await request.body(), anthropic, prefix)
         chunks = _chunks(engine, recipe.answer(cr, rid, model_name, engine.engine.output.eos_ids, anthropic), rid, prompt, params)
         if cr.stream:
             return await _sse(_events(chunks), anthropic)
@@ -62,12 +65,7 @@ def register(app: FastAPI, engine: AsyncLLM, recipe: Recipe, model_name: str, li
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
-        try:
-            req = recipe.request(await request.body(), anthropic=True)
-            _check_model(req.model, model_name)
-            return {"input_tokens": len(recipe.prompt(recipe.convert(req)))}
-        except ProtocolError as e:
-            raise BadRequest(str(e), status=e.status) from None
+        return {"input_tokens": len(converted(await request.body(), anthropic=True)[1])}
 
 
 async def _chunks(engine: AsyncLLM, answer, rid: str, prompt: list[int], params):

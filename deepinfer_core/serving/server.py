@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException
 from deepinfer_core.api import GenerationError, RequestOutput
 from deepinfer_core.chat import chat_prompt
 from deepinfer_core.recipe import recipe_for
+from deepinfer_core.sampling.sampler import most_likely
 from deepinfer_core.serving.async_llm import AsyncLLM
 from deepinfer_core.serving.metrics import ServerMetrics
 from deepinfer_core.serving.protocol import ChatRequest, CompletionRequest, Limits
@@ -335,8 +336,7 @@ def _chat_logprobs(c, top_n: int, start: int = 0) -> dict:
 
     content = []
     for t, top in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
-        best = sorted((v.rank, k) for k, v in top.items() if v.rank is not None and v.rank <= top_n)
-        content.append({**entry(t, top.get(t)), "top_logprobs": [entry(k, top[k]) for _, k in best]})
+        content.append({**entry(t, top.get(t)), "top_logprobs": [entry(k, v) for k, v in most_likely(top, top_n)]})
     return {"content": content}
 
 

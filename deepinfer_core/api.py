@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import logging
@@ -13,15 +14,18 @@ from pathlib import Path
 from typing import Sequence as Seq
 
 import torch
+from pydantic import ValidationError
 from tqdm.auto import tqdm
 
 from deepinfer_core.chat import chat_prompt
-from deepinfer_core.config import DEFAULT_MODEL_DIR, ConfigError, EngineConfig, settings
-from deepinfer_core.engine.engine import Engine, Request
+from deepinfer_core.config import DEFAULT_MODEL_DIR, ConfigError, EngineConfig, ParallelConfig, settings, validation_problems
+from deepinfer_core.engine.engine import Engine, Request, RequestError
 from deepinfer_core.recipe import recipe_for
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.sampler import Logprob
 from deepinfer_core.sampling.spec_decode.stats import AcceptanceStats
+
+log = logging.getLogger("deepinfer")
 
 @dataclass
 class CompletionOutput:
@@ -149,6 +153,12 @@ class LLM:
     "prompt_lookup_max": n}`` (prompt-lookup drafts, verified exactly).
     batch_invariant: bitwise the same logits and tokens for a request whatever batch it runs in
     and whether or not it was preempted (None reads DEEPINFER_BATCH_INVARIANT; off by default).
+    data_parallel_size: N ranks, one process each (this one is rank 0 and starts the others;
+    under torchrun the launched processes are the ranks and None means WORLD_SIZE), each with
+    its own engine and share of the requests, stepping together. expert_parallel: the MoE
+    layers' routed experts sharded over those ranks, with EPLB (``dist/``). Under torchrun every
+    rank calls ``generate``: rank 0's prompts run, and every rank gets all the outputs.
+    context_parallel_size > 1 is refused: context parallelism is not in the engine yet.
     """
 
     def __init__(
@@ -171,6 +181,9 @@ class LLM:
         progress: bool = True,
         trust_remote_code: bool = False,
         quantization: str | None = None,
+        data_parallel_size: int | None = None,
+        expert_parallel: bool = False,
+        context_parallel_size: int = 1,
         **unsupported,
     ):
         env = settings()
@@ -194,9 +207,34 @@ class LLM:
         )
         if dtype == "auto" and env.dtype:
             dtype = env.dtype
-        self.engine = Engine(self.model_dir, config, accelerator or env.accelerator, dtype, progress=progress)
+        self.parallel = None  # dist.data_parallel.DataParallel when several ranks run this LLM
+        parallel = _parallel_config(data_parallel_size, expert_parallel, context_parallel_size)
+        if parallel.data_parallel_size > 1:
+            config = _parallel_engine_config(config, parallel)
+            self._start_parallel(parallel, (self.model_dir, config, accelerator or env.accelerator, dtype), progress, env.log_level)
+        else:
+            self.engine = Engine(self.model_dir, config, accelerator or env.accelerator, dtype, progress=progress)
         self._lock = threading.Lock()  # one generate at a time: the engine is not thread-safe
         self._generating_in: int | None = None  # the thread running generate, to refuse re-entry
+
+    def _start_parallel(self, parallel: ParallelConfig, engine_args: tuple, progress: bool, log_level: str) -> None:
+        from deepinfer_core.dist import data_parallel, launch
+
+        size = parallel.data_parallel_size
+        if launch.under_torchrun():
+            self.engine = Engine(*engine_args, progress=progress)
+            group = launch.join_torchrun(self.engine.device, size)
+        else:
+            group, self.engine = launch.spawn(size, data_parallel.worker_main, (engine_args, parallel.expert_parallel, log_level),
+                                              lambda: Engine(*engine_args, progress=progress))
+            atexit.register(self.close)
+        self.parallel = data_parallel.DataParallel(self.engine, group, parallel.expert_parallel)
+
+    def close(self) -> None:
+        """Stop the other ranks of a data-parallel LLM this process started (also done at exit);
+        nothing to do for a single-process one."""
+        if self.parallel is not None and self.parallel.group.spawned:
+            self.parallel.close()
 
     @property
     def tokenizer(self):
@@ -281,6 +319,8 @@ class LLM:
                 self._generating_in = None
 
     def _generate(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        if self.parallel is not None:
+            return self._generate_parallel(prompts, params, use_tqdm)
         engine = self.engine
         before = (set(engine.requests), engine.next_seq_id, engine.next_request_id)
         order: list[str] = []
@@ -307,11 +347,72 @@ class LLM:
             raise
         return [to_output(done[rid], engine.proposer is not None) for rid in order]
 
+    def _generate_parallel(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        from deepinfer_core.dist.data_parallel import GENERATE, Work
+
+        dp, engine = self.parallel, self.engine
+        if dp.group.broken:
+            raise RuntimeError(f"this LLM's data-parallel group failed earlier ({dp.group.broken}); create a new LLM")
+
+        def prepare():
+            work, seq_id, request_id = [], engine.next_seq_id, engine.next_request_id
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                text, ids = engine.validate(prompt, p, label=f"prompt {i}")
+                work.append(Work(i, str(request_id), text, ids, p, seq_id))
+                seq_id, request_id = seq_id + p.n, request_id + 1
+            return work, (seq_id, request_id)
+
+        try:
+            if dp.group.spawned:
+                dp.command(GENERATE)
+            return dp.generate(prepare if dp.rank == 0 else None, use_tqdm)
+        except (GenerationError, RequestError, ValueError, TypeError):
+            raise  # the group is intact: every rank got the same outcome
+        except BaseException as e:  # a collective failed (a rank died), or an interrupt left the ranks out of step
+            if not dp.group.spawned:
+                raise
+            raise dp.group.failure(e) from e
+
     def _withdraw(self, before: tuple[set[str], int, int]) -> None:
         """Take back every request this call added (those not in ``before[0]``), even one whose id
         the call had not stored yet when it was interrupted."""
         engine = self.engine
         engine.withdraw([rid for rid in engine.requests if rid not in before[0]], before[1:])
+
+
+def _parallel_config(data_parallel_size: int | None, expert_parallel: bool, context_parallel_size: int) -> ParallelConfig:
+    from deepinfer_core.dist.launch import under_torchrun
+
+    if data_parallel_size is None:
+        data_parallel_size = int(os.environ.get("WORLD_SIZE", "1") or 1) if under_torchrun() else 1
+    try:
+        parallel = ParallelConfig(data_parallel_size=data_parallel_size, expert_parallel=expert_parallel,
+                                  context_parallel_size=context_parallel_size)
+    except ValidationError as e:
+        raise ConfigError(f"bad parallel settings: {validation_problems(e)}") from None
+    if parallel.context_parallel_size > 1:
+        raise ConfigError(
+            f"context_parallel_size={parallel.context_parallel_size}: context parallelism is not wired into the engine yet "
+            "(deepinfer_core/dist/context_parallel.py has the zig-zag split and the log-sum-exp merge); leave it at 1"
+        )
+    if parallel.expert_parallel and parallel.data_parallel_size == 1:
+        raise ConfigError("expert_parallel=True needs data_parallel_size > 1 (the experts are sharded over the "
+                          "data-parallel ranks); set data_parallel_size or run under torchrun")
+    return parallel
+
+
+def _parallel_engine_config(config: EngineConfig, parallel: ParallelConfig) -> EngineConfig:
+    """The engine settings every rank runs with: under expert parallelism a step is one eager
+    forward pass (the experts' exchange has per-step sizes no graph can hold; the lock-step
+    counts forward passes)."""
+    if not parallel.expert_parallel:
+        return config
+    if config.speculative_config is not None:
+        raise ConfigError("speculative decoding with expert_parallel=True is not supported yet (its draft and "
+                          "verification passes would have to run in lock-step on every rank); drop speculative_config")
+    if not config.enforce_eager:
+        log.info("expert parallelism: decode graphs are off (every step runs eagerly)")
+    return config.model_copy(update={"enforce_eager": True})
 
 
 def to_output(req: Request, speculative: bool) -> RequestOutput:

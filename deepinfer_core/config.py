@@ -53,6 +53,11 @@ class Settings(BaseSettings):
         description="DeepSeek's switch: 1 turns on DSpark with adaptive verification (V4.1; drafts "
                     "DEEPINFER_USE_NEXTN_DECODE tokens at most, default 5) when LLM() is given no speculative_config.",
     )
+    eplb_interval: int = Field(
+        1000, ge=0,
+        description="Expert parallelism: re-place the experts for their measured load every N lock-step steps (0: never).",
+    )
+    dist_timeout: float = Field(600.0, gt=0, description="Seconds a data-parallel collective or a rank's start-up may take.")
 
 
 def settings() -> Settings:
@@ -461,6 +466,20 @@ class EngineConfig(BaseModel):
     # preempted and recomputed: the backend's batch-invariant op table, every token computed as a
     # decode row (needs a backend whose platform supports it, and an MLA model).
     batch_invariant: bool = False
+
+
+class ParallelConfig(BaseModel):
+    """How many processes run one ``LLM`` (its ``data_parallel_size`` / ``expert_parallel`` /
+    ``context_parallel_size`` arguments)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # Ranks, each with its own engine and share of the requests (attention data parallelism).
+    data_parallel_size: int = Field(1, gt=0)
+    # The MoE layers' routed experts sharded over those ranks (EP size = data_parallel_size), with EPLB.
+    expert_parallel: bool = False
+    # Ranks one long prompt's prefill is split over (zig-zag chunks): not wired into the engine yet.
+    context_parallel_size: int = Field(1, gt=0)
 
 
 class SpeculativeConfig(BaseModel):

@@ -15,15 +15,26 @@ and back.
 
 A rank with no tokens still takes part (it sends nothing and computes what it receives). The
 communicator is ``dist.communicator``'s (torch.distributed, or the backend's own).
+
+``ExpertParallel`` does this for a whole model: it cuts every MoE layer's experts down to this
+rank's slots, counts each expert's load (the tokens routed to it), runs the idle pass of a rank
+without work (every MoE layer's exchange with no rows, so the others are not left waiting), and
+rebalances: the loads summed over the group, a new EPLB placement computed identically on every
+rank, and the expert weights moved to their new slots through the communicator.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import logging
+
 import torch
 
-from deepinfer_core.dist.eplb import Placement
+from deepinfer_core.dist.eplb import Placement, num_physical_experts, rebalance
+
+log = logging.getLogger("deepinfer")
+WEIGHTS = ("w13", "w2", "w13_scale", "w2_scale")
 
 
 @dataclass
@@ -90,3 +101,148 @@ def moe_expert_parallel(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     for j in range(k):  # each token's experts added in ascending id, as the reference does
         out += pair_out[torch.arange(tokens, device=x.device), ascending[:, j]]
     return out
+
+
+class ExpertParallel:
+    """A model's MoE layers sharded over the ranks of ``comm`` (attention stays with each rank's
+    own requests). ``moe_layers(model)`` gives the MoE modules in forward order; each has
+    ``experts`` (gate_up_proj, down_proj and their scales, ``block``) and ``experts_op`` (its
+    local routed-expert op, ``moe_experts``' signature). Every layer's experts are replaced by
+    this rank's slots of a placement with ``num_physical_experts`` slots per layer (the extra
+    copies go to the lowest expert ids until the first rebalance has measured a load)."""
+
+    def __init__(self, model, comm, num_experts: int, extra: int | None = None, num_groups: int = 1):
+        self.comm = comm
+        self.dtype = model.dtype  # what the exchanged rows are in (experts may be kept in FP8)
+        self.layers = moe_layers(model)
+        self.num_experts, self.num_groups = num_experts, num_groups
+        self.num_slots = num_physical_experts(num_experts, comm.size, extra)
+        self.placement = rebalance(torch.ones(len(self.layers), num_experts), self.num_slots, comm.size, num_groups)
+        device = self.layers[0].experts.gate_up_proj.device if self.layers else torch.device("cpu")
+        self.load = torch.zeros((len(self.layers), num_experts), dtype=torch.int64, device=device)
+        self.forwards = 0  # real forward passes through the first MoE layer (idle passes not counted)
+        for index, moe in enumerate(self.layers):
+            ex = moe.experts
+            shard = ExpertShard.from_full(ex.gate_up_proj.data, ex.down_proj.data, self.placement, comm.rank, index,
+                                          _data(ex.gate_up_proj_scale_inv), _data(ex.down_proj_scale_inv), ex.block)
+            moe.ep = _Layer(self, index, moe, shard)
+            _release(ex)
+
+    def idle(self) -> None:
+        """The MoE exchanges of one forward pass with no tokens: what a rank without work runs
+        while the others step."""
+        for moe in self.layers:
+            w13 = moe.ep.shard.w13
+            moe.ep.exchange(w13.new_empty((0, w13.shape[2]), dtype=self.dtype), w13.new_empty((0, 1), dtype=torch.float32),
+                            torch.zeros((0, 1), dtype=torch.int64, device=w13.device))
+
+    def imbalance(self, load: torch.Tensor | None = None) -> float:
+        """Mean over layers of the busiest rank's load / the mean rank load under the current
+        placement (1.0 = even), for ``load`` (default: the group's counted load; a collective)."""
+        if load is None:
+            load = self.group_load()
+        return float(self.placement.imbalance(load.cpu()).mean()) if load.sum() else 1.0
+
+    def group_load(self) -> torch.Tensor:
+        """[layers, experts]: tokens routed to each expert since the last rebalance, summed over
+        the group (a collective: every rank calls it)."""
+        total = self.load.clone()
+        self.comm.all_reduce(total)
+        return total
+
+    def rebalance(self) -> dict:
+        """Place the experts for the load counted since the last rebalance (summed over the
+        group), move the weights, reset the counts. Every rank calls it at the same step.
+        Returns the imbalance under the old and the new placement (same load) and how many slots
+        received weights from another rank."""
+        load = self.group_load().cpu()
+        old = self.placement
+        if not load.sum():
+            return {"imbalance_before": 1.0, "imbalance_after": 1.0, "slots_moved": 0}
+        new = rebalance(load, self.num_slots, self.comm.size, self.num_groups)
+        moved = 0
+        for index, moe in enumerate(self.layers):
+            moved += moe.ep.move_to(new)
+        self.placement = new
+        self.load.zero_()
+        stats = {"imbalance_before": float(old.imbalance(load).mean()), "imbalance_after": float(new.imbalance(load).mean()),
+                 "slots_moved": moved}
+        log.info("EPLB: imbalance %.3f -> %.3f (busiest rank / mean, mean over %d layers); %d slots got new weights",
+                 stats["imbalance_before"], stats["imbalance_after"], len(self.layers), moved)
+        return stats
+
+
+def moe_layers(model) -> list:
+    """The MoE modules of ``model``'s decoder stack (``model.model``; MTP modules are not part of
+    it), in forward order: every module with an ``experts_op``."""
+    return [m for m in model.model.modules() if hasattr(m, "experts_op")]
+
+
+class _Layer:
+    """One MoE layer's expert-parallel state: what ``moe.ep(x, weights, ids)`` runs."""
+
+    def __init__(self, owner: ExpertParallel, index: int, moe, shard: ExpertShard):
+        self.owner, self.index, self.moe, self.shard = owner, index, moe, shard
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        owner = self.owner
+        owner.load[self.index] += torch.bincount(topk_ids.reshape(-1), minlength=owner.num_experts)
+        if self.index == 0:
+            owner.forwards += 1
+        return self.exchange(x, topk_weights, topk_ids)
+
+    def exchange(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return moe_expert_parallel(x, topk_weights, topk_ids, self.shard, self.owner.comm, self.moe.experts_op)
+
+    def move_to(self, new: Placement) -> int:
+        """Fill this rank's slots of ``new`` (same layer index): weights already here are copied
+        locally, the others come from the rank holding the expert's first copy under the old
+        placement, through one all-to-all per weight tensor. Returns the slots (over the whole
+        group) that got their weights from another rank."""
+        comm, layer, old = self.owner.comm, self.index, self.shard.placement
+        per = old.slots_per_gpu
+        old_row, new_row = old.phy2log[layer].tolist(), new.phy2log[layer].tolist()
+        held = [set(old_row[r * per:(r + 1) * per]) for r in range(comm.size)]
+        # (destination rank, its local slot) <- (source rank, the source's local slot), for every slot
+        plan = []
+        for slot, expert in enumerate(new_row):
+            dest = slot // per
+            if expert in held[dest]:
+                src, src_slot = dest, old_row.index(expert, dest * per, (dest + 1) * per)
+            else:
+                first = int(old.log2phy[layer, expert, 0])
+                src, src_slot = first // per, first
+            plan.append((dest, slot % per, src, src_slot % per))
+        me = comm.rank
+        sends = sorted((d, ds, ss) for d, ds, s, ss in plan if s == me and d != me)  # by destination, then slot
+        recvs = sorted((s, ds, ss) for d, ds, s, ss in plan if d == me and s != me)  # by source, then the order it sends
+        send_counts = [sum(1 for d, _, _ in sends if d == r) for r in range(comm.size)]
+        recv_counts = [sum(1 for s, _, _ in recvs if s == r) for r in range(comm.size)]
+        local = [(ds, ss) for d, ds, s, ss in plan if d == me and s == me]
+        shard = self.shard
+        for name in WEIGHTS:
+            tensor = getattr(shard, name)
+            if tensor is None:
+                continue
+            rows = torch.tensor([ss for _, _, ss in sends], dtype=torch.int64, device=tensor.device)
+            received, _ = comm.all_to_all(tensor.index_select(0, rows), send_counts, recv_counts)
+            out = torch.empty_like(tensor)
+            for ds, ss in local:
+                out[ds] = tensor[ss]
+            for row, (_, ds, _) in enumerate(recvs):
+                out[ds] = received[row]
+            setattr(shard, name, out)
+        shard.placement = new
+        return sum(1 for d, _, s, _ in plan if d != s)
+
+
+def _data(param):
+    return None if param is None else param.data
+
+
+def _release(experts) -> None:
+    """Free a layer's full expert weights once its shard has been cut from them."""
+    for name in ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv"):
+        param = getattr(experts, name, None)
+        if param is not None:
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)

@@ -198,6 +198,7 @@ class Engine:
             log.info("overlapped scheduling is off with speculative decoding (drafts are proposed from the host's tokens)")
             self.async_scheduling = False
         self._grammars = None  # sampling.structured.Grammars, built at the first constrained request
+        self.stats_extra: dict = {}  # what others (data parallelism's EPLB) add to the next step's StepStats.extra
         self.in_flight: InFlight | None = None
         self.observer = None
         self._reset_counters()
@@ -414,10 +415,17 @@ class Engine:
         except ValueError as e:
             raise RequestError(f"{label}: {e}") from None
 
-    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
-                    label: str = "prompt") -> str:
+    def validate(self, prompt: str | list[int] | dict, params: SamplingParams, label: str = "prompt") -> tuple[str | None, list[int]]:
+        """Every check ``add_request`` makes, without queueing anything: (prompt text, token ids).
+        Raises RequestError naming what is wrong."""
         text, ids = self.encode(prompt, label)
         self.check(ids, params, label)
+        self.bad_words_token_ids(params, label)
+        return text, ids
+
+    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
+                    label: str = "prompt") -> str:
+        text, ids = self.validate(prompt, params, label)
         rid = request_id if request_id is not None else str(self.next_request_id)
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
@@ -621,7 +629,9 @@ class Engine:
                 num_accepted_tokens=step_spec.num_accepted_tokens,
                 drafts_by_position=step_spec.proposed,
                 accepted_by_position=step_spec.accepted,
+                extra=self.stats_extra,
             ))
+        self.stats_extra = {}
         return finished
 
     def _rejection_verify(self, seq: Sequence, logits: torch.Tensor, drafts: list[int], sampled: list[int], logprobs: list,

@@ -172,6 +172,11 @@ class MoE(nn.Module):
             self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, ops, alloc)
         else:
             self.shared_experts = None
+        self.ep = None  # set by dist.expert_parallel.ExpertParallel: the routed experts run across ranks
+
+    def experts_op(self, x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, block=None) -> torch.Tensor:
+        """The routed experts over the given expert weights (all of them, or one rank's slots)."""
+        return self.ops.moe_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -188,9 +193,11 @@ class MoE(nn.Module):
             routed_scaling_factor=c.routed_scaling_factor,
         )
         ex = self.experts
-        out = self.ops.moe_experts(
-            x, ex.gate_up_proj, ex.down_proj, weights, ids, ex.gate_up_proj_scale_inv, ex.down_proj_scale_inv, ex.block
-        )
+        if self.ep is not None:
+            out = self.ep(x, weights, ids)
+        else:
+            out = self.experts_op(x, ex.gate_up_proj, ex.down_proj, weights, ids, ex.gate_up_proj_scale_inv,
+                                  ex.down_proj_scale_inv, ex.block)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

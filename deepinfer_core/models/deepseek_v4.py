@@ -277,6 +277,15 @@ class MoE(nn.Module):
         self.experts = Experts(config, Alloc(alloc.dtype, alloc.device, None))  # MXFP4/FP8 experts dequantised at load
         inter = config.moe_intermediate_size * config.n_shared_experts
         self.shared_experts = ClampedMLP(config.hidden_size, inter, ops, alloc, config.swiglu_limit) if inter else None
+        self.ep = None  # set by dist.expert_parallel.ExpertParallel: the routed experts run across ranks
+
+    def experts_op(self, x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, block=None) -> torch.Tensor:
+        """The routed experts (V4's clamped SwiGLU where the config has a limit) over the given
+        expert weights (all of them, or one rank's slots); V4 keeps them dequantised, no scales."""
+        limit = self.config.swiglu_limit
+        if limit is None:
+            return self.ops.moe_experts(x, w13, w2, topk_weights, topk_ids)
+        return self.ops.moe_experts_clamped(x, w13, w2, topk_weights, topk_ids, limit)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         c, ops = self.config, self.ops
@@ -287,10 +296,7 @@ class MoE(nn.Module):
             routed_scaling_factor=c.routed_scaling_factor,
         )
         ex = self.experts
-        if c.swiglu_limit is None:
-            out = ops.moe_experts(x, ex.gate_up_proj, ex.down_proj, weights, ids)
-        else:
-            out = ops.moe_experts_clamped(x, ex.gate_up_proj, ex.down_proj, weights, ids, c.swiglu_limit)
+        out = self.ep(x, weights, ids) if self.ep is not None else self.experts_op(x, ex.gate_up_proj, ex.down_proj, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

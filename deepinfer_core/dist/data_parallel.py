@@ -1,0 +1,232 @@
+"""Attention data parallelism with the MoE layers expert-parallel: N ranks, each with its own
+engine (scheduler, KV cache, its share of the requests), stepping together.
+
+``DataParallel.generate`` is one collective call on every rank:
+
+1. **Requests.** Rank 0 checks every request (a bad one raises on every rank, nothing queued),
+   gives them their ids and sequence ids (so seeds are what one engine would give), and spreads
+   them over the ranks by load: heaviest first (prompt + max_tokens, times n), each to the rank
+   with the least queued work, ties to the lowest rank (``assign``).
+2. **Lock-step.** Every step starts with one small all-reduce: who still has work, who failed,
+   how many requests finished. While anyone has work, every rank steps: a rank with work runs
+   its engine's step; a rank whose step ran no forward pass (nothing to do, or nothing that
+   could run) runs the MoE layers' exchanges empty (``ExpertParallel.idle``), so the ranks
+   that compute are never left waiting. Under expert parallelism an engine step runs at most one
+   forward pass (no speculative decoding, no graphs), which keeps the count the same everywhere.
+3. **EPLB.** Every ``DEEPINFER_EPLB_INTERVAL`` steps (counted the same on every rank) the
+   experts are re-placed for the load counted since the last time, between two steps: requests
+   in flight go on with the moved weights. The imbalance before and after goes into the next
+   ``StepStats.extra["eplb"]``.
+4. **Outputs.** Every rank's finished requests are gathered on every rank and returned in
+   prompt order (under torchrun every rank's ``generate`` returns all of them).
+
+An engine error on one rank (outside the forward pass) is reported at the next step's
+all-reduce: every rank aborts what it has, the finished outputs are gathered, and every rank
+raises ``GenerationError`` with them. A rank that dies is reported by ``launch.Group.failure``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from deepinfer_core.api import GenerationError, to_output
+from deepinfer_core.config import settings
+from deepinfer_core.dist import launch
+from deepinfer_core.dist.communicator import communicator_for
+from deepinfer_core.dist.expert_parallel import ExpertParallel
+from deepinfer_core.dist.launch import Group
+from deepinfer_core.sampling.params import SamplingParams
+
+log = logging.getLogger("deepinfer")
+GENERATE, STOP = "generate", "stop"  # what rank 0 tells spawned ranks
+
+
+class Refused(RuntimeError):
+    """On a rank other than 0: rank 0 refused the requests of this ``generate`` (it raises why)."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(f"rank 0 refused the requests: {type(error).__name__}: {error}")
+        self.error = error
+
+
+@dataclass
+class Work:
+    """One checked request as rank 0 hands it to the rank that runs it."""
+
+    index: int  # its place in the caller's list
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    first_seq_id: int
+    rank: int = 0
+
+    @property
+    def cost(self) -> int:
+        return (len(self.prompt_token_ids) + (self.params.max_tokens or 0)) * self.params.n
+
+
+def assign(costs: list[int], loads: list[int]) -> list[int]:
+    """The rank for each of ``costs``: heaviest first, each to the rank whose load (``loads``, the
+    work it already has) is then the least; ties go to the lowest rank."""
+    loads = list(loads)
+    ranks = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        rank = min(range(len(loads)), key=lambda r: (loads[r], r))
+        ranks[i] = rank
+        loads[rank] += costs[i]
+    return ranks
+
+
+class DataParallel:
+    """This rank's engine in a data-parallel group (``launch.Group``), with the MoE layers'
+    experts sharded over the group when ``expert_parallel``."""
+
+    def __init__(self, engine, group: Group, expert_parallel: bool):
+        self.engine, self.group = engine, group
+        self.ep = None
+        if expert_parallel:
+            config = engine.model_config
+            comm = communicator_for(engine.plugins, engine.backend.name, engine.platform)
+            self.ep = ExpertParallel(engine.model, comm, config.n_routed_experts, num_groups=getattr(config, "n_group", None) or 1)
+            log.info("expert parallelism over %d ranks: %d expert slots per MoE layer (%d per rank)", group.size,
+                     self.ep.num_slots, self.ep.num_slots // group.size)
+        self.eplb_interval = settings().eplb_interval
+        self.steps = 0  # lock-step steps since start-up (the same on every rank)
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    def queued_tokens(self) -> int:
+        """This rank's unfinished work: prompt tokens still to compute plus tokens still to generate."""
+        total = 0
+        for req in self.engine.requests.values():
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    total += max(0, len(seq.prompt_token_ids) - seq.num_computed_tokens)
+                    total += max(0, (req.params.max_tokens or 0) - len(seq.output_token_ids))
+        return total
+
+    # ---- the collective generate ---------------------------------------------------------------
+    def generate(self, prepare=None, use_tqdm: bool = False) -> list:
+        """Run a batch of requests across the group; every rank calls it. On rank 0 ``prepare()``
+        returns the checked requests (``Work``, ranks unset) and the engine's next (seq, request)
+        ids after them, or raises (then every rank raises: rank 0 the error itself, the others
+        ``Refused`` around it); other ranks pass None. Returns the RequestOutputs in the caller's
+        order on every rank."""
+        control = self.group.control
+        loads = [None] * self.group.size
+        dist.all_gather_object(loads, self.queued_tokens(), group=control)
+        box = [None]
+        if self.rank == 0:
+            try:
+                work, next_ids = prepare()
+                for w, rank in zip(work, assign([w.cost for w in work], loads)):
+                    w.rank = rank
+                box = [(work, next_ids)]
+            except Exception as e:  # noqa: BLE001 - sent to every rank, raised there
+                box = [e]
+        dist.broadcast_object_list(box, src=0, group=control)
+        if isinstance(box[0], BaseException):
+            raise Refused(box[0]) if self.rank else box[0]
+        work, next_ids = box[0]
+        engine = self.engine
+        for w in work:
+            if w.rank == self.rank:
+                engine.next_seq_id = w.first_seq_id  # the seeds one engine would have given
+                engine.add_request({"prompt_token_ids": w.prompt_token_ids}, w.params, request_id=w.request_id)
+        engine.next_seq_id, engine.next_request_id = next_ids
+        done, failure = self._run(len(work), use_tqdm)
+        gathered = [None] * self.group.size
+        dist.all_gather_object(gathered, (done, failure), group=control)
+        outputs = {rid: out for part, _ in gathered for rid, out in part.items()}
+        ordered = [dataclasses.replace(outputs[w.request_id], prompt=w.prompt) for w in work]
+        failures = [f for _, f in gathered if f]
+        if failures:
+            raise GenerationError(f"generation failed: {'; '.join(failures)}; finished results are in .outputs", ordered)
+        return ordered
+
+    def _run(self, total: int, use_tqdm: bool) -> tuple[dict, str | None]:
+        """Step in lock-step until no rank has work or one failed. Returns this rank's outputs by
+        request id and its failure (None if it had none)."""
+        engine, control = self.engine, self.group.control
+        done: dict = {}
+        failure = None
+        with tqdm(total=total, desc=f"Generating ({self.group.size} ranks)", unit="req",
+                  disable=not (use_tqdm and self.rank == 0)) as bar:
+            while True:
+                working = failure is None and engine.has_unfinished()
+                flags = torch.tensor([int(working), int(failure is not None), len(done)], dtype=torch.int64)
+                dist.all_reduce(flags, group=control)
+                bar.update(int(flags[2]) - bar.n)
+                if flags[1] or not flags[0]:
+                    break
+                forwards = self.ep.forwards if self.ep is not None else 0
+                if working:
+                    try:
+                        for req in engine.step():
+                            done[req.request_id] = to_output(req, engine.proposer is not None)
+                    except Exception as e:  # noqa: BLE001 - reported to every rank at the next all-reduce
+                        log.exception("rank %d: engine step failed", self.rank)
+                        failure = f"rank {self.rank}: {type(e).__name__}: {e}"
+                if self.ep is not None and self.ep.forwards == forwards:
+                    self.ep.idle()
+                self.steps += 1
+                if self.ep is not None and self.eplb_interval and self.steps % self.eplb_interval == 0:
+                    engine.stats_extra["eplb"] = self.ep.rebalance()
+        if failure is not None or flags[1]:
+            for req in engine.abort_all():
+                done.setdefault(req.request_id, to_output(req, engine.proposer is not None))
+        return done, failure
+
+    # ---- spawned ranks -------------------------------------------------------------------------
+    def serve(self) -> None:
+        """A spawned rank's life after start-up: take rank 0's commands until it says stop."""
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0, group=self.group.control)
+            if box[0] == STOP:
+                return
+            try:
+                self.generate()
+            except (Refused, GenerationError) as e:  # rank 0 raises it for the caller; the group goes on
+                log.debug("rank %d: generate ended with %s", self.rank, e)
+
+    def command(self, what: str) -> None:
+        """Rank 0 of a spawned group: tell the other ranks what comes next."""
+        dist.broadcast_object_list([what], src=0, group=self.group.control)
+
+    def close(self) -> None:
+        """Rank 0 of a spawned group: stop the other ranks and leave the process group."""
+        group = self.group
+        if group.broken is None and group.spawned:
+            try:
+                self.command(STOP)
+            except Exception:  # noqa: BLE001 - a rank may already be gone
+                pass
+        group.stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def worker_main(rank: int, size: int, port: int, engine_args: tuple, expert_parallel: bool, log_level: str) -> None:
+    """A spawned rank (``launch.spawn``'s worker): build the engine, join the group, serve rank 0's
+    commands. An error after start-up is written to the rendezvous store for rank 0 to report."""
+    from deepinfer_core.api import _configure_logging
+    from deepinfer_core.engine.engine import Engine
+
+    _configure_logging(log_level)
+    group, engine = launch.worker_join(rank, size, port, lambda: Engine(*engine_args, progress=False))
+    try:
+        DataParallel(engine, group, expert_parallel).serve()
+    except BaseException as e:
+        launch.report(group.store, rank, e)
+        raise SystemExit(1) from None
+    dist.destroy_process_group()

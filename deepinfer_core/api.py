@@ -227,13 +227,13 @@ class LLM:
         else:
             group, self.engine = launch.spawn(size, data_parallel.worker_main, (engine_args, parallel.expert_parallel, log_level),
                                               lambda: Engine(*engine_args, progress=progress))
-            atexit.register(self.close)
         self.parallel = data_parallel.DataParallel(self.engine, group, parallel.expert_parallel)
+        atexit.register(self.close)
 
     def close(self) -> None:
-        """Stop the other ranks of a data-parallel LLM this process started (also done at exit);
-        nothing to do for a single-process one."""
-        if self.parallel is not None and self.parallel.group.spawned:
+        """Data-parallel LLM: stop the ranks this process started (also done at exit) and leave
+        the process group; nothing to do for a single-process one."""
+        if self.parallel is not None:
             self.parallel.close()
 
     @property
@@ -352,7 +352,7 @@ class LLM:
 
         dp, engine = self.parallel, self.engine
         if dp.group.broken:
-            raise RuntimeError(f"this LLM's data-parallel group failed earlier ({dp.group.broken}); create a new LLM")
+            raise RuntimeError(f"this LLM's data-parallel group is gone ({dp.group.broken}); create a new LLM")
 
         def prepare():
             work, seq_id, request_id = [], engine.next_seq_id, engine.next_request_id

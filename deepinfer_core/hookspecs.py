@@ -130,7 +130,9 @@ class StepStats:
     prompt tokens that sequences admitted in this step took from the prefix cache;
     num_draft_tokens / num_accepted_tokens: drafts verified / accepted (speculative decoding),
     drafts_by_position / accepted_by_position the same counts by draft position;
-    seconds: from the step's launch to its tokens being processed.
+    seconds: from the step's launch to its tokens being processed. ``extra["eplb"]``, on the step
+    after experts were re-placed (data parallelism with expert_parallel): the imbalance (busiest
+    rank's routed tokens / the mean) under the old and the new placement, and the slots moved.
     """
 
     step: int

@@ -204,14 +204,20 @@ class DataParallel:
         dist.broadcast_object_list([what], src=0, group=self.group.control)
 
     def close(self) -> None:
-        """Rank 0 of a spawned group: stop the other ranks and leave the process group."""
+        """Leave the group: rank 0 of a spawned group stops the other ranks first; under torchrun
+        every rank closes (a barrier, so none leaves while another still talks to it). Safe to
+        call twice."""
         group = self.group
-        if group.broken is None and group.spawned:
+        if group.broken is None and dist.is_initialized():
             try:
-                self.command(STOP)
+                if group.spawned:
+                    self.command(STOP)
+                elif group.control is not None:
+                    dist.barrier(group=group.control)
             except Exception:  # noqa: BLE001 - a rank may already be gone
                 pass
         group.stop()
+        group.broken = group.broken or "closed"
         if dist.is_initialized():
             dist.destroy_process_group()
 

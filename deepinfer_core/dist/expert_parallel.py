@@ -167,8 +167,9 @@ class ExpertParallel:
         self.load.zero_()
         stats = {"imbalance_before": float(old.imbalance(load).mean()), "imbalance_after": float(new.imbalance(load).mean()),
                  "slots_moved": moved}
-        log.info("EPLB: imbalance %.3f -> %.3f (busiest rank / mean, mean over %d layers); %d slots got new weights",
-                 stats["imbalance_before"], stats["imbalance_after"], len(self.layers), moved)
+        if self.comm.rank == 0:
+            log.info("EPLB: imbalance %.3f -> %.3f (busiest rank / mean, mean over %d layers); %d slots got new weights",
+                     stats["imbalance_before"], stats["imbalance_after"], len(self.layers), moved)
         return stats
 
 

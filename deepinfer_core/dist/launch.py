@@ -53,6 +53,7 @@ class Group:
     processes: dict[int, Any] = field(default_factory=dict)
     store: Any = None
     broken: str | None = None  # why the group can no longer be used
+    threads_before: int | None = None  # torch's CPU threads in this process before the group took its share
 
     @property
     def spawned(self) -> bool:
@@ -74,10 +75,18 @@ class Group:
             message = f"{type(error).__name__}: {error}"
         self.stop()
         self.broken = message
+        try:
+            dist.destroy_process_group()  # so that a new LLM can start a group in this process
+        except Exception:  # noqa: BLE001 - the broken group may not shut down cleanly; it is dropped either way
+            pass
         return RankFailure(f"data-parallel group failed: {message}; the other ranks were stopped. Create a new LLM to go on")
 
     def stop(self, wait: float = 10.0) -> None:
-        """End the ranks this process started (after they were asked to stop, or at once)."""
+        """End the ranks this process started (after they were asked to stop, or at once), and
+        give this process its CPU threads back."""
+        if self.threads_before is not None:
+            torch.set_num_threads(self.threads_before)
+            self.threads_before = None
         deadline = time.monotonic() + wait
         for process in self.processes.values():
             process.join(max(0.0, deadline - time.monotonic()))
@@ -125,10 +134,13 @@ def _timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=settings().dist_timeout)
 
 
-def _host_threads(size: int) -> None:
-    """On the CPU every rank shares the host's cores: each takes its share of torch's threads."""
+def _host_threads(size: int) -> int:
+    """On the CPU every rank shares the host's cores: each takes its share of torch's threads.
+    Returns the number of threads before."""
+    before = torch.get_num_threads()
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     torch.set_num_threads(max(1, cpus // size))
+    return before
 
 
 def join_torchrun(device: torch.device, size: int) -> Group:
@@ -169,7 +181,7 @@ def spawn(size: int, worker: Callable, worker_args: tuple, build: Callable[[], A
         dist.init_process_group(dist_backend(device), store=dist.PrefixStore(STORE_PREFIX, store), rank=0, world_size=size,
                                 timeout=_timeout())
         if device.type == "cpu":
-            _host_threads(size)
+            group.threads_before = _host_threads(size)
         group.control = dist.new_group(backend="gloo", timeout=_timeout())
     except BaseException:
         group.stop(wait=0)
@@ -189,7 +201,11 @@ def _wait_ready(group: Group, ranks) -> None:
                 continue
             code = group.processes[rank].exitcode
             if code is not None:
-                raise RankFailure(f"rank {rank} died while starting ({_exit_reason(code)}){_reported(store, rank)}")
+                why = _reported(store, rank) or (
+                    " before it reached DeepInfer (its stderr says why). Ranks are started with the 'spawn' method, "
+                    "which imports your main script again in every rank: create the LLM under "
+                    "`if __name__ == \"__main__\":`")
+                raise RankFailure(f"rank {rank} died while starting ({_exit_reason(code)}){why}")
         if pending and time.monotonic() > deadline:
             raise RankFailure(f"ranks {sorted(pending)} did not start within DEEPINFER_DIST_TIMEOUT={settings().dist_timeout} s")
         if pending:

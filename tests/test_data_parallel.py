@@ -1,0 +1,186 @@
+"""Data parallelism with expert-parallel MoE layers, end to end through ``LLM.generate`` on CPU
+(gloo, 2 and 4 processes on this 2-core machine, tiny V3 and V4 checkpoints, float32): greedy
+tokens and logprobs equal the single-process run, with prompt chunks mixed with decode rows,
+with preemption, and with EPLB re-placing the experts mid-run; an engine error on one rank
+loses no finished output and leaves the group usable; a killed rank is a clear error, not a
+hang; the launch under torchrun gives every rank the same outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.config import ConfigError
+from deepinfer_core.dist.data_parallel import assign
+from deepinfer_core.dist.launch import RankFailure
+from deepinfer_core.engine.engine import RequestError
+from tests.hf_checkpoints import write_checkpoint
+from tests.hf_checkpoints_v4 import write_checkpoint_v4
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = Path(__file__).resolve().parent.parent
+GREEDY = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
+# prompts of 3..48 tokens: with 16 tokens a step, the long ones are prefilled in chunks beside decode rows
+PROMPTS = [[(5 * i + 3 * j) % 150 + 1 for j in range(3 + 9 * i)] for i in range(6)]
+SMALL_STEPS = {"max_num_batched_tokens": 16, "max_num_seqs": 4}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    v3 = tmp_path_factory.mktemp("v3_grouped")
+    write_checkpoint("v3_grouped", v3)  # 16 experts, 4 per token, 4 groups
+    v4 = tmp_path_factory.mktemp("v4")
+    write_checkpoint_v4("v4_flash_like", v4)
+    return {"v3": v3, "v4": v4}
+
+
+@pytest.fixture(autouse=True)
+def short_timeout(monkeypatch):
+    """A rank out of step fails these tests in a minute instead of hanging CI for the default ten."""
+    monkeypatch.setenv("DEEPINFER_DIST_TIMEOUT", "60")
+
+
+def _llm(path, **kwargs) -> LLM:
+    return LLM(str(path), accelerator="cpu", dtype="float32", progress=False, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints):
+    """The single-process outputs (the same step budget; a roomy KV cache)."""
+    out = {}
+    for name, path in checkpoints.items():
+        llm = _llm(path, **SMALL_STEPS)
+        out[name] = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    return out
+
+
+def _assert_same(got, want, same_ids: bool = True):
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.prompt_token_ids == w.prompt_token_ids and (g.request_id == w.request_id or not same_ids), i
+        gc, wc = g.outputs[0], w.outputs[0]
+        assert gc.token_ids == wc.token_ids, f"prompt {i}: {gc.token_ids} != {wc.token_ids}"
+        for step, (gl, wl, t) in enumerate(zip(gc.logprobs, wc.logprobs, wc.token_ids)):
+            assert abs(gl[t].logprob - wl[t].logprob) <= 1e-5, (i, step, gl[t].logprob, wl[t].logprob)
+
+
+def test_assign_spreads_work_by_load():
+    assert assign([10, 10, 10, 10], [0, 0]) == [0, 1, 0, 1]
+    assert assign([100, 30, 30, 30], [0, 0]) == [0, 1, 1, 1]  # the heavy one alone
+    assert assign([5, 5], [50, 0, 7]) == [1, 1]  # the busy rank gets nothing; 1 stays lightest (ties: lowest rank)
+    assert assign([], [0, 0]) == []
+
+
+@pytest.mark.parametrize("model, world, eplb", [("v3", 2, 0), ("v4", 2, 0), ("v3", 4, 2)])
+def test_data_and_expert_parallel_match_one_process(checkpoints, reference, monkeypatch, model, world, eplb):
+    monkeypatch.setenv("DEEPINFER_EPLB_INTERVAL", str(eplb))  # 2: the experts move every second step
+    llm = _llm(checkpoints[model], data_parallel_size=world, expert_parallel=True, **SMALL_STEPS)
+    try:
+        ep = llm.parallel.ep
+        start = ep.placement.phy2log.clone()
+        seen = []
+        llm.engine.observer = seen.append  # rank 0's StepStats
+        assert ep.num_slots % world == 0 and ep.layers and all(m.ep is not None for m in ep.layers)
+        assert ep.layers[0].ep.shard.w13.shape[0] == ep.num_slots // world  # this rank holds its slots only
+        _assert_same(llm.generate(PROMPTS, GREEDY, use_tqdm=False), reference[model])
+        if eplb:
+            assert llm.parallel.steps >= 2 * eplb
+            assert not ep.placement.phy2log.equal(start), "EPLB should have moved experts for the measured load"
+            moves = [s.extra["eplb"] for s in seen if "eplb" in s.extra]
+            assert moves and all(m["imbalance_after"] <= m["imbalance_before"] for m in moves)
+            assert any(m["slots_moved"] > 0 for m in moves)
+        _assert_same(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False), reference[model][:2], same_ids=False)  # a second call
+    finally:
+        llm.close()
+
+
+def test_data_parallel_without_expert_parallel_and_preemption(checkpoints, reference):
+    """Full experts on every rank; a KV cache so small that rank 0 (the n=2 request) preempts."""
+    llm = _llm(checkpoints["v3"], data_parallel_size=2, num_kv_blocks=6, block_size=16, **SMALL_STEPS)
+    try:
+        assert llm.parallel.ep is None
+        params = [SamplingParams(temperature=0, max_tokens=40, n=2, logprobs=1, ignore_eos=True)] + [GREEDY] * 5
+        got = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert llm.engine.num_preemptions > 0
+        _assert_same(got[1:], reference["v3"][1:])
+        one = _llm(checkpoints["v3"], **SMALL_STEPS).generate(PROMPTS[:1], params[0], use_tqdm=False)[0]
+        assert [c.token_ids for c in got[0].outputs] == [c.token_ids for c in one.outputs]
+    finally:
+        llm.close()
+
+
+def test_engine_error_on_one_rank_loses_nothing_and_the_group_goes_on(checkpoints, reference, monkeypatch):
+    llm = _llm(checkpoints["v3"], data_parallel_size=2, expert_parallel=True, **SMALL_STEPS)
+    try:
+        step, calls = llm.engine.step, []
+
+        def failing_step():
+            calls.append(1)
+            if len(calls) == 11:  # rank 1 has finished its short prompt by then
+                raise RuntimeError("injected failure")
+            return step()
+
+        monkeypatch.setattr(llm.engine, "step", failing_step)
+        with pytest.raises(Exception) as info:
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert type(info.value).__name__ == "GenerationError" and "rank 0: RuntimeError: injected failure" in str(info.value)
+        outputs = info.value.outputs
+        assert [o.request_id for o in outputs] == [w.request_id for w in reference["v3"]]
+        finished = [o for o in outputs if o.outputs[0].finish_reason == "length"]
+        aborted = [o for o in outputs if o.outputs[0].finish_reason == "abort"]
+        assert finished and aborted and len(finished) + len(aborted) == len(outputs)
+        monkeypatch.setattr(llm.engine, "step", step)
+        with pytest.raises(RequestError, match="outside the vocabulary"):  # refused on rank 0, nothing queued anywhere
+            llm.generate([[1, 2, 10**6]], GREEDY, use_tqdm=False)
+        again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        for g, w in zip(again, reference["v3"]):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+    finally:
+        llm.close()
+
+
+def test_a_killed_rank_is_a_clear_error_not_a_hang(checkpoints):
+    llm = _llm(checkpoints["v3"], data_parallel_size=2, expert_parallel=True, **SMALL_STEPS)
+    try:
+        os.kill(llm.parallel.group.processes[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure, match=r"rank 1 died \(killed by signal 9\)"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert time.monotonic() - t0 < 30
+        with pytest.raises(RuntimeError, match="group is gone .rank 1 died"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        llm.close()
+
+
+def test_parallel_settings_that_cannot_run_are_refused(checkpoints):
+    path = checkpoints["v3"]
+    with pytest.raises(ConfigError, match="context parallelism is not wired"):
+        _llm(path, data_parallel_size=2, context_parallel_size=2)
+    with pytest.raises(ConfigError, match="needs data_parallel_size > 1"):
+        _llm(path, expert_parallel=True)
+    with pytest.raises(ConfigError, match="speculative decoding with expert_parallel"):
+        _llm(path, data_parallel_size=2, expert_parallel=True,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
+    with pytest.raises(ConfigError, match="data_parallel_size"):
+        _llm(path, data_parallel_size=0)
+
+
+def test_torchrun_launch_gives_every_rank_the_same_outputs(checkpoints, reference, tmp_path):
+    script = ROOT / "tests" / "dp_torchrun_script.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(script), str(checkpoints["v3"]), str(tmp_path), json.dumps(PROMPTS)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = [w.outputs[0].token_ids for w in reference["v3"]]
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == want

@@ -73,6 +73,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     from deepinfer_core import LLM, GenerationError, SamplingParams
     from deepinfer_core.config import validation_problems
+    from deepinfer_core.dist.launch import RankFailure
     from deepinfer_core.plugins import BackendError
 
     try:  # the parameters first: a bad one is reported before minutes of loading a model
@@ -92,9 +93,11 @@ def _generate(args: argparse.Namespace) -> int:
     spec = {"method": "mtp", "num_speculative_tokens": args.mtp} if args.mtp else spec
     try:
         llm = LLM(model=args.model, accelerator=args.accelerator, enable_prefix_caching=not args.no_prefix_caching,
-                  speculative_config=spec, batch_invariant=args.batch_invariant or None)
+                  speculative_config=spec, batch_invariant=args.batch_invariant or None,
+                  data_parallel_size=args.data_parallel_size, expert_parallel=args.expert_parallel)
         outputs = llm.generate(args.prompt, params)
-    except (BackendError, GenerationError, ValueError) as e:  # ValueError: bad config, checkpoint, request or parameter
+        llm.close()
+    except (BackendError, GenerationError, RankFailure, ValueError) as e:  # ValueError: bad config, checkpoint, request or parameter
         print(f"error: {_one_line(str(e))}", file=sys.stderr)
         return 1
     for out in outputs:
@@ -217,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mtp", type=int, default=0, metavar="K", help="speculative decoding: K draft tokens per step from the model's MTP module")
     g.add_argument("--batch-invariant", action="store_true",
                    help="bitwise the same output for a prompt whatever batch it runs in (DEEPINFER_BATCH_INVARIANT=1)")
+    g.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
+                   help="N ranks, one process each with its own engine and share of the prompts (under torchrun: WORLD_SIZE)")
+    g.add_argument("--expert-parallel", action="store_true",
+                   help="shard the MoE layers' routed experts over the data-parallel ranks (with EPLB)")
     g.set_defaults(func=_generate)
     v = sub.add_parser("serve", help="serve a model over an OpenAI- and Anthropic-compatible HTTP API")
     v.add_argument("model", nargs="?", default=None,

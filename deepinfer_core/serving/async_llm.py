@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from deepinfer_core.api import LLM, GenerationError, RequestOutput, to_output
+from deepinfer_core.config import ConfigError
 from deepinfer_core.sampling.params import SamplingParams
 
 log = logging.getLogger("deepinfer")
@@ -38,6 +39,9 @@ class AsyncLLM:
     this front end runs: both would drive the same engine)."""
 
     def __init__(self, llm: LLM):
+        if getattr(llm, "parallel", None) is not None:
+            raise ConfigError("serving a data-parallel LLM is not supported yet (the server drives one engine; the ranks "
+                              "step together only inside LLM.generate); serve with data_parallel_size=1")
         self.llm = llm
         self.engine = llm.engine
         self._inbox: deque = deque()

@@ -77,6 +77,7 @@ def test_assign_spreads_work_by_load():
     assert assign([100, 30, 30, 30], [0, 0]) == [0, 1, 1, 1]  # the heavy one alone
     assert assign([5, 5], [50, 0, 7]) == [1, 1]  # the busy rank gets nothing; 1 stays lightest (ties: lowest rank)
     assert assign([], [0, 0]) == []
+    assert assign([5], [0, 0], free_blocks=[3, 9]) == [1]  # equal load: the rank with more free KV blocks
 
 
 @pytest.mark.parametrize("model, world, eplb", [("v3", 2, 0), ("v4", 2, 0), ("v3", 4, 2)])
@@ -102,16 +103,17 @@ def test_data_and_expert_parallel_match_one_process(checkpoints, reference, monk
         llm.close()
 
 
-def test_data_parallel_without_expert_parallel_and_preemption(checkpoints, reference):
-    """Full experts on every rank; a KV cache so small that rank 0 (the n=2 request) preempts."""
+def test_data_parallel_without_expert_parallel_and_preemption_on_one_rank(checkpoints, reference):
+    """Full experts on every rank; a KV cache of 6 blocks: rank 0 gets the long n=2 request (two
+    63-token samples need 8 blocks) and preempts, rank 1 the two short ones and does not."""
     llm = _llm(checkpoints["v3"], data_parallel_size=2, num_kv_blocks=6, block_size=16, **SMALL_STEPS)
     try:
         assert llm.parallel.ep is None
-        params = [SamplingParams(temperature=0, max_tokens=40, n=2, logprobs=1, ignore_eos=True)] + [GREEDY] * 5
-        got = llm.generate(PROMPTS, params, use_tqdm=False)
-        assert llm.engine.num_preemptions > 0
-        _assert_same(got[1:], reference["v3"][1:])
-        one = _llm(checkpoints["v3"], **SMALL_STEPS).generate(PROMPTS[:1], params[0], use_tqdm=False)[0]
+        long = SamplingParams(temperature=0, max_tokens=60, n=2, logprobs=1, ignore_eos=True)
+        got = llm.generate(PROMPTS[:3], [long, GREEDY, GREEDY], use_tqdm=False)
+        assert llm.parallel.rank_preemptions[0] > 0 and llm.parallel.rank_preemptions[1] == 0
+        _assert_same(got[1:], reference["v3"][1:3])
+        one = _llm(checkpoints["v3"], **SMALL_STEPS).generate(PROMPTS[:1], long, use_tqdm=False)[0]
         assert [c.token_ids for c in got[0].outputs] == [c.token_ids for c in one.outputs]
     finally:
         llm.close()

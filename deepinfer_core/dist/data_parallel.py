@@ -72,13 +72,15 @@ class Work:
         return (len(self.prompt_token_ids) + (self.params.max_tokens or 0)) * self.params.n
 
 
-def assign(costs: list[int], loads: list[int]) -> list[int]:
+def assign(costs: list[int], loads: list[int], free_blocks: list[int] | None = None) -> list[int]:
     """The rank for each of ``costs``: heaviest first, each to the rank whose load (``loads``, the
-    work it already has) is then the least; ties go to the lowest rank."""
+    work it already has) is then the least; ties go to the rank with the most free KV blocks,
+    then to the lowest rank."""
     loads = list(loads)
+    free = free_blocks or [0] * len(loads)
     ranks = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        rank = min(range(len(loads)), key=lambda r: (loads[r], r))
+        rank = min(range(len(loads)), key=lambda r: (loads[r], -free[r], r))
         ranks[i] = rank
         loads[rank] += costs[i]
     return ranks
@@ -99,6 +101,7 @@ class DataParallel:
                      self.ep.num_slots, self.ep.num_slots // group.size)
         self.eplb_interval = settings().eplb_interval
         self.steps = 0  # lock-step steps since start-up (the same on every rank)
+        self.rank_preemptions: list[int] = []  # every rank's engine.num_preemptions after the last generate
 
     @property
     def rank(self) -> int:
@@ -123,12 +126,12 @@ class DataParallel:
         order on every rank."""
         control = self.group.control
         loads = [None] * self.group.size
-        dist.all_gather_object(loads, self.queued_tokens(), group=control)
+        dist.all_gather_object(loads, (self.queued_tokens(), self.engine.kv.num_free), group=control)
         box = [None]
         if self.rank == 0:
             try:
                 work, next_ids = prepare()
-                for w, rank in zip(work, assign([w.cost for w in work], loads)):
+                for w, rank in zip(work, assign([w.cost for w in work], [q for q, _ in loads], [f for _, f in loads])):
                     w.rank = rank
                 box = [(work, next_ids)]
             except Exception as e:  # noqa: BLE001 - sent to every rank, raised there
@@ -145,10 +148,11 @@ class DataParallel:
         engine.next_seq_id, engine.next_request_id = next_ids
         done, failure = self._run(len(work), use_tqdm)
         gathered = [None] * self.group.size
-        dist.all_gather_object(gathered, (done, failure), group=control)
-        outputs = {rid: out for part, _ in gathered for rid, out in part.items()}
+        dist.all_gather_object(gathered, (done, failure, engine.num_preemptions), group=control)
+        self.rank_preemptions = [n for _, _, n in gathered]
+        outputs = {rid: out for part, _, _ in gathered for rid, out in part.items()}
         ordered = [dataclasses.replace(outputs[w.request_id], prompt=w.prompt) for w in work]
-        failures = [f for _, f in gathered if f]
+        failures = [f for _, f, _ in gathered if f]
         if failures:
             raise GenerationError(f"generation failed: {'; '.join(failures)}; finished results are in .outputs", ordered)
         return ordered

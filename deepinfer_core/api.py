@@ -18,7 +18,8 @@ from pydantic import ValidationError
 from tqdm.auto import tqdm
 
 from deepinfer_core.chat import chat_prompt
-from deepinfer_core.config import DEFAULT_MODEL_DIR, ConfigError, EngineConfig, ParallelConfig, settings, validation_problems
+from deepinfer_core.config import (DEFAULT_MODEL_DIR, ConfigError, EngineConfig, ModelConfig, ParallelConfig, settings,
+                                   validation_problems)
 from deepinfer_core.engine.engine import Engine, Request, RequestError
 from deepinfer_core.recipe import recipe_for
 from deepinfer_core.sampling.params import SamplingParams
@@ -158,7 +159,8 @@ class LLM:
     its own engine and share of the requests, stepping together. expert_parallel: the MoE
     layers' routed experts sharded over those ranks, with EPLB (``dist/``). Under torchrun every
     rank calls ``generate``: rank 0's prompts run, and every rank gets all the outputs.
-    context_parallel_size > 1 is refused: context parallelism is not in the engine yet.
+    context_parallel_size: C (dividing data_parallel_size) ranks prefill a long prompt together
+    (DEEPINFER_CP_MIN_TOKENS tokens or more; MLA models), and its own rank decodes it.
     """
 
     def __init__(
@@ -210,7 +212,7 @@ class LLM:
         self.parallel = None  # dist.data_parallel.DataParallel when several ranks run this LLM
         parallel = _parallel_config(data_parallel_size, expert_parallel, context_parallel_size)
         if parallel.data_parallel_size > 1:
-            config = _parallel_engine_config(config, parallel)
+            config = _parallel_engine_config(config, parallel, self.model_dir)
             self._start_parallel(parallel, (self.model_dir, config, accelerator or env.accelerator, dtype), progress, env.log_level)
         else:
             self.engine = Engine(self.model_dir, config, accelerator or env.accelerator, dtype, progress=progress)
@@ -225,9 +227,13 @@ class LLM:
             self.engine = Engine(*engine_args, progress=progress)
             group = launch.join_torchrun(self.engine.device, size)
         else:
-            group, self.engine = launch.spawn(size, data_parallel.worker_main, (engine_args, parallel.expert_parallel, log_level),
+            group, self.engine = launch.spawn(size, data_parallel.worker_main, (engine_args, parallel, log_level),
                                               lambda: Engine(*engine_args, progress=progress))
-        self.parallel = data_parallel.DataParallel(self.engine, group, parallel.expert_parallel)
+        try:
+            self.parallel = data_parallel.DataParallel(self.engine, group, parallel)
+        except BaseException:
+            group.stop(wait=0)  # the other ranks would wait for rank 0 until the timeout
+            raise
         atexit.register(self.close)
 
     def close(self) -> None:
@@ -390,21 +396,31 @@ def _parallel_config(data_parallel_size: int | None, expert_parallel: bool, cont
                                   context_parallel_size=context_parallel_size)
     except ValidationError as e:
         raise ConfigError(f"bad parallel settings: {validation_problems(e)}") from None
-    if parallel.context_parallel_size > 1:
-        raise ConfigError(
-            f"context_parallel_size={parallel.context_parallel_size}: context parallelism is not wired into the engine yet "
-            "(deepinfer_core/dist/context_parallel.py has the zig-zag split and the log-sum-exp merge); leave it at 1"
-        )
+    cp = parallel.context_parallel_size
+    if cp > 1 and parallel.data_parallel_size % cp:
+        raise ConfigError(f"context_parallel_size={cp} must divide data_parallel_size={parallel.data_parallel_size} "
+                          "(each CP group is that many of the data-parallel ranks)")
     if parallel.expert_parallel and parallel.data_parallel_size == 1:
         raise ConfigError("expert_parallel=True needs data_parallel_size > 1 (the experts are sharded over the "
                           "data-parallel ranks); set data_parallel_size or run under torchrun")
     return parallel
 
 
-def _parallel_engine_config(config: EngineConfig, parallel: ParallelConfig) -> EngineConfig:
+def _parallel_engine_config(config: EngineConfig, parallel: ParallelConfig, model_dir: Path) -> EngineConfig:
     """The engine settings every rank runs with: under expert parallelism a step is one eager
     forward pass (the experts' exchange has per-step sizes no graph can hold; the lock-step
-    counts forward passes)."""
+    counts forward passes). Context parallelism hands its prefixes over through the prefix
+    cache, on the models that have a context-parallel prefill."""
+    if parallel.context_parallel_size > 1:
+        from deepinfer_core.models.registry import get_model_class
+
+        model_type = ModelConfig.from_dir(model_dir).model_type
+        if not getattr(get_model_class(model_type), "supports_context_parallel", False):
+            raise ConfigError(f"context_parallel_size > 1 is supported for the MLA models (DeepSeek-V2/V3/R1), not for "
+                              f"model_type {model_type!r} yet; leave context_parallel_size at 1")
+        if not config.enable_prefix_caching or config.speculative_config is not None:
+            raise ConfigError("context_parallel_size > 1 needs prefix caching on and no speculative decoding (the owner "
+                              "rank finds the prefix the CP group computed in its prefix cache)")
     if not parallel.expert_parallel:
         return config
     if config.speculative_config is not None:

@@ -57,6 +57,10 @@ class Settings(BaseSettings):
         1000, ge=0,
         description="Expert parallelism: re-place the experts for their measured load every N lock-step steps (0: never).",
     )
+    cp_min_tokens: int = Field(
+        4096, gt=0,
+        description="Context parallelism: a prompt whose cacheable prefix has at least this many tokens is prefilled across its CP group.",
+    )
     dist_timeout: float = Field(600.0, gt=0, description="Seconds a data-parallel collective or a rank's start-up may take.")
 
 
@@ -478,7 +482,8 @@ class ParallelConfig(BaseModel):
     data_parallel_size: int = Field(1, gt=0)
     # The MoE layers' routed experts sharded over those ranks (EP size = data_parallel_size), with EPLB.
     expert_parallel: bool = False
-    # Ranks one long prompt's prefill is split over (zig-zag chunks): not wired into the engine yet.
+    # Ranks one long prompt's prefill is split over (zig-zag chunks); divides data_parallel_size
+    # (CP groups of consecutive ranks). Prompts of DEEPINFER_CP_MIN_TOKENS or more are split.
     context_parallel_size: int = Field(1, gt=0)
 
 

@@ -1,7 +1,8 @@
 """Data parallelism with expert-parallel MoE layers, end to end through ``LLM.generate`` on CPU
 (gloo, 2 and 4 processes on this 2-core machine, tiny V3 and V4 checkpoints, float32): greedy
 tokens and logprobs equal the single-process run, with prompt chunks mixed with decode rows,
-with preemption, and with EPLB re-placing the experts mid-run; an engine error on one rank
+with preemption, with EPLB re-placing the experts mid-run, and with long prompts prefilled by
+context parallelism (V3; V4 is refused); an engine error on one rank
 loses no finished output and leaves the group usable; a killed rank is a clear error, not a
 hang; the launch under torchrun gives every rank the same outputs."""
 
@@ -103,6 +104,30 @@ def test_data_and_expert_parallel_match_one_process(checkpoints, reference, monk
         llm.close()
 
 
+LONG_PROMPTS = [[(5 * i + 3 * j) % 150 + 1 for j in range(20 + 37 * i)] for i in range(5)]  # 20..168 tokens
+
+
+@pytest.mark.parametrize("world, cp, ep", [(2, 2, False), (4, 2, True)])
+def test_context_parallel_prefill_matches_one_process(checkpoints, monkeypatch, world, cp, ep):
+    """Prompts whose whole-block prefix reaches 32 tokens are prefilled across their CP group
+    (zig-zag chunks, latent rows gathered per layer); the owner finds the prefix in its prefix
+    cache and decodes. With 4 ranks there are two CP groups, and under EP a group with no long
+    prompt left runs the MoE exchanges empty while the other prefills."""
+    monkeypatch.setenv("DEEPINFER_CP_MIN_TOKENS", "32")
+    steps = {"max_num_batched_tokens": 32}
+    want = _llm(checkpoints["v3"], **steps).generate(LONG_PROMPTS, GREEDY, use_tqdm=False)
+    llm = _llm(checkpoints["v3"], data_parallel_size=world, context_parallel_size=cp, expert_parallel=ep, **steps)
+    try:
+        got = llm.generate(LONG_PROMPTS, GREEDY, use_tqdm=False)
+        _assert_same(got, want)
+        for g in got:  # the CP group's prefix, found by the owner: whole blocks before the last token
+            prefix = (len(g.prompt_token_ids) - 1) // 16 * 16
+            assert g.num_cached_tokens == (prefix if prefix >= 32 else 0), (len(g.prompt_token_ids), g.num_cached_tokens)
+        assert llm.parallel.num_cp_prefills > 0
+    finally:
+        llm.close()
+
+
 def test_data_parallel_without_expert_parallel_and_preemption_on_one_rank(checkpoints, reference):
     """Full experts on every rank; a KV cache of 6 blocks: rank 0 gets the long n=2 request (two
     63-token samples need 8 blocks) and preempts, rank 1 the two short ones and does not."""
@@ -165,8 +190,12 @@ def test_a_killed_rank_is_a_clear_error_not_a_hang(checkpoints):
 
 def test_parallel_settings_that_cannot_run_are_refused(checkpoints):
     path = checkpoints["v3"]
-    with pytest.raises(ConfigError, match="context parallelism is not wired"):
-        _llm(path, data_parallel_size=2, context_parallel_size=2)
+    with pytest.raises(ConfigError, match="must divide data_parallel_size"):
+        _llm(path, data_parallel_size=2, context_parallel_size=4)
+    with pytest.raises(ConfigError, match="not for model_type 'deepseek_v4'"):
+        _llm(checkpoints["v4"], data_parallel_size=2, context_parallel_size=2)
+    with pytest.raises(ConfigError, match="needs prefix caching on"):
+        _llm(path, data_parallel_size=2, context_parallel_size=2, enable_prefix_caching=False)
     with pytest.raises(ConfigError, match="needs data_parallel_size > 1"):
         _llm(path, expert_parallel=True)
     with pytest.raises(ConfigError, match="speculative decoding with expert_parallel"):

@@ -710,3 +710,27 @@ def test_bytes_per_sequence_counts_ring_and_state_groups_only():
     assert KVCache.bytes_per_sequence(groups, 4, 2) == 512 + 576
     assert KVCache.bytes_per_sequence([paged()], 4, 2) == 0
     assert KVCache.bytes_per_sequence([ring(window=8)], 4, 0) == 3 * 4 * 8 * 2
+
+
+def test_cache_prefix_computed_elsewhere_is_found_by_a_new_sequence():
+    """A context-parallel prefill's prefix: written into fresh blocks, registered, left free and cached."""
+    kv = manager(num_blocks=8, block_size=4)
+    written = {}
+    assert kv.cache_prefix(list(range(8)), lambda blocks: written.update(blocks))
+    assert len(written["kv"]) == 2 and kv.num_free == 8  # released: free, but holding the prefix
+    hit, blocks = kv.find_cached(make_seq(range(11)))
+    assert hit == 8 and blocks == written
+    assert not kv.cache_prefix(list(range(6)), lambda blocks: None)  # not whole blocks
+    assert not manager(num_blocks=1, block_size=4).cache_prefix(list(range(8)), lambda blocks: None)  # no room
+    assert not manager(prefix_caching=False).cache_prefix(list(range(8)), lambda blocks: None)
+
+
+def test_cache_prefix_frees_its_blocks_when_the_write_fails():
+    kv = manager(num_blocks=4, block_size=4)
+
+    def fail(blocks):
+        raise RuntimeError("write failed")
+
+    with pytest.raises(RuntimeError, match="write failed"):
+        kv.cache_prefix(list(range(8)), fail)
+    assert kv.num_free == 4 and not kv.pools["kv"].by_hash

@@ -1,7 +1,8 @@
-"""Multi-process pieces: ``eplb`` (where expert copies live), ``communicator`` (collectives over
-torch.distributed, or the backend's own), ``expert_parallel`` (one MoE layer across an EP
-group), ``context_parallel`` (zig-zag chunks, the log-sum-exp merge of partial attention). The
-engine does not launch several processes yet.
+"""Multi-process pieces: ``launch`` (spawned ranks or torchrun's, failures), ``data_parallel``
+(each rank's engine stepping in lock-step, requests spread by load, CP prefills, EPLB
+schedule), ``eplb`` (where expert copies live), ``communicator`` (collectives over
+torch.distributed, or the backend's own), ``expert_parallel`` (MoE layers across an EP group),
+``context_parallel`` (zig-zag chunks, the gathered-latent prefill, the log-sum-exp merge).
 
 This module itself must stay cheap to import: backend probe modules use ``local_rank``.
 """

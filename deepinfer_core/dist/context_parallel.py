@@ -11,8 +11,13 @@ partial attention results of several ranks merge into the exact one.
   block, causal by absolute positions), returning the output and its log-sum-exp: what a
   backend's attention op returns when it runs one part.
 
-A rank holds the KV of the tokens it owns; the other ranks' partial results for its queries
-reach it through the communicator and are merged there. The engine does not run CP yet.
+* ``ContextParallel``: what the engine runs (``DataParallel``'s CP prefill). For MLA the
+  per-token cache row is one small latent ([c | k_pe], 576 values on V3, against 128 heads x 128
+  values of a partial output plus its log-sum-exp), so every rank gathers the latent rows of the
+  whole prefix, layer by layer, and attends its own zig-zag chunks over them: the attention work
+  is balanced by the chunks, no partial output crosses ranks, and every rank ends up with the
+  prefix's cache rows, which the request's owner writes into its KV cache. ``partial_attention``
+  / ``merge_partials`` stay the pieces for attention whose keys are too big to gather.
 """
 
 from __future__ import annotations
@@ -56,3 +61,42 @@ def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[
     for o, part in zip(outs, lses):  # in part order: a fixed summation order
         out += torch.exp(part - finite)[..., None] * o.float()
     return out, lse
+
+
+class ContextParallel:
+    """One prompt prefix of ``length`` tokens prefilled across ``comm``'s ranks (a CP group):
+    this rank computes the tokens of its zig-zag chunks (``positions``) and ``gather`` brings
+    every rank's rows of a layer together in position order."""
+
+    def __init__(self, comm, length: int):
+        if length < 2 * comm.size:
+            raise ValueError(f"a {length}-token prefix cannot be cut into {2 * comm.size} chunks")
+        self.comm, self.length = comm, length
+        self.ranges = zigzag_chunks(length, comm.size)
+        self.mine = self.ranges[comm.rank]
+        self.width = max(sum(e - s for s, e in r) for r in self.ranges)  # rows per rank, padded to the widest
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """This rank's token positions, chunk by chunk."""
+        return torch.cat([torch.arange(s, e, device=device) for s, e in self.mine])
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """[length, D]: every rank's ``rows`` ([its tokens, D], in ``positions`` order) in position order."""
+        padded = rows.new_zeros((self.width, *rows.shape[1:]))
+        padded[: rows.shape[0]] = rows
+        out = rows.new_empty((self.length, *rows.shape[1:]))
+        for ranges, part in zip(self.ranges, self.comm.all_gather(padded)):
+            offset = 0
+            for s, e in ranges:
+                out[s:e] = part[offset: offset + e - s]
+                offset += e - s
+        return out
+
+    def attention_inputs(self) -> tuple[list[int], list[int]]:
+        """cu_seqlens (q, k) for attending this rank's chunks, each a sequence whose keys are the
+        prefix up to the chunk's end (its queries the last ones): what ``mla_prefill_attention`` takes."""
+        cu_q, cu_k = [0], [0]
+        for s, e in self.mine:
+            cu_q.append(cu_q[-1] + e - s)
+            cu_k.append(cu_k[-1] + e)
+        return cu_q, cu_k

@@ -13,11 +13,17 @@ engine (scheduler, KV cache, its share of the requests), stepping together.
    could run) runs the MoE layers' exchanges empty (``ExpertParallel.idle``), so the ranks
    that compute are never left waiting. Under expert parallelism an engine step runs at most one
    forward pass (no speculative decoding, no graphs), which keeps the count the same everywhere.
-3. **EPLB.** Every ``DEEPINFER_EPLB_INTERVAL`` steps (counted the same on every rank) the
+3. **Context parallelism** (``context_parallel_size`` C > 1: CP groups of C consecutive ranks).
+   Before the loop, every prompt whose whole-block prefix (before its last token) reaches
+   ``DEEPINFER_CP_MIN_TOKENS`` is prefilled by its owner's CP group: zig-zag chunks, the latent
+   rows gathered per layer (``ContextParallel``). The owner puts the prefix's cache rows into its
+   prefix cache, and the request's admission finds them there: it computes only its last few
+   tokens and decodes on the owner. (Those tokens count as cached tokens in its output.)
+4. **EPLB.** Every ``DEEPINFER_EPLB_INTERVAL`` steps (counted the same on every rank) the
    experts are re-placed for the load counted since the last time, between two steps: requests
    in flight go on with the moved weights. The imbalance before and after goes into the next
    ``StepStats.extra["eplb"]``.
-4. **Outputs.** Every rank's finished requests are gathered on every rank and returned in
+5. **Outputs.** Every rank's finished requests are gathered on every rank and returned in
    prompt order (under torchrun every rank's ``generate`` returns all of them).
 
 An engine error on one rank (outside the forward pass) is reported at the next step's
@@ -28,6 +34,7 @@ raises ``GenerationError`` with them. A rank that dies is reported by ``launch.G
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 from dataclasses import dataclass
 
@@ -36,9 +43,10 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from deepinfer_core.api import GenerationError, to_output
-from deepinfer_core.config import settings
+from deepinfer_core.config import ParallelConfig, settings
 from deepinfer_core.dist import launch
 from deepinfer_core.dist.communicator import communicator_for
+from deepinfer_core.dist.context_parallel import ContextParallel
 from deepinfer_core.dist.expert_parallel import ExpertParallel
 from deepinfer_core.dist.launch import Group
 from deepinfer_core.sampling.params import SamplingParams
@@ -88,12 +96,23 @@ def assign(costs: list[int], loads: list[int], free_blocks: list[int] | None = N
 
 class DataParallel:
     """This rank's engine in a data-parallel group (``launch.Group``), with the MoE layers'
-    experts sharded over the group when ``expert_parallel``."""
+    experts sharded over the group when ``parallel.expert_parallel``, and CP groups of
+    ``parallel.context_parallel_size`` consecutive ranks."""
 
-    def __init__(self, engine, group: Group, expert_parallel: bool):
+    def __init__(self, engine, group: Group, parallel: ParallelConfig):
         self.engine, self.group = engine, group
         self.ep = None
-        if expert_parallel:
+        self.cp_size = parallel.context_parallel_size
+        self.cp_comm = None
+        if self.cp_size > 1:  # every rank creates every CP group, in the same order
+            for first in range(0, group.size, self.cp_size):
+                members = list(range(first, first + self.cp_size))
+                handle = dist.new_group(members, timeout=datetime.timedelta(seconds=settings().dist_timeout))
+                if group.rank in members:
+                    self.cp_comm = communicator_for(engine.plugins, engine.backend.name, engine.platform, handle)
+        self.cp_min_tokens = settings().cp_min_tokens
+        self.num_cp_prefills = 0  # prefixes this rank's requests got from a CP prefill
+        if parallel.expert_parallel:
             config = engine.model_config
             comm = communicator_for(engine.plugins, engine.backend.name, engine.platform)
             self.ep = ExpertParallel(engine.model, comm, config.n_routed_experts, num_groups=getattr(config, "n_group", None) or 1)
@@ -146,6 +165,7 @@ class DataParallel:
                 engine.next_seq_id = w.first_seq_id  # the seeds one engine would have given
                 engine.add_request({"prompt_token_ids": w.prompt_token_ids}, w.params, request_id=w.request_id)
         engine.next_seq_id, engine.next_request_id = next_ids
+        self._context_parallel_prefills(work)
         done, failure = self._run(len(work), use_tqdm)
         gathered = [None] * self.group.size
         dist.all_gather_object(gathered, (done, failure, engine.num_preemptions), group=control)
@@ -156,6 +176,48 @@ class DataParallel:
         if failures:
             raise GenerationError(f"generation failed: {'; '.join(failures)}; finished results are in .outputs", ordered)
         return ordered
+
+    def _cp_prefix(self, w: Work) -> int:
+        """How many tokens of ``w``'s prompt its CP group prefills: the whole blocks before its
+        last token when they reach DEEPINFER_CP_MIN_TOKENS (and CP is on), else 0."""
+        block = self.engine.kv.block_size
+        length = (len(w.prompt_token_ids) - 1) // block * block
+        if self.cp_size == 1 or w.params.prompt_logprobs is not None or length < max(self.cp_min_tokens, 2 * self.cp_size):
+            return 0
+        return length
+
+    def _context_parallel_prefills(self, work: list[Work]) -> None:
+        """Prefill the long prompts' prefixes across their CP groups, before the lock-step loop:
+        in rounds, each CP group takes its next long prompt (in the caller's order); a rank whose
+        group has none left runs the MoE exchanges empty. The owner puts the prefix's cache rows
+        into its prefix cache, where the request's admission finds them."""
+        if self.cp_size == 1:
+            return
+        queues: dict[int, list[Work]] = {}
+        for w in work:
+            if self._cp_prefix(w):
+                queues.setdefault(w.rank // self.cp_size, []).append(w)
+        mine = queues.get(self.rank // self.cp_size, [])
+        engine = self.engine
+        for i in range(max((len(q) for q in queues.values()), default=0)):
+            if i >= len(mine):
+                if self.ep is not None:
+                    self.ep.idle()
+                continue
+            w = mine[i]
+            length = self._cp_prefix(w)
+            cp = ContextParallel(self.cp_comm, length)
+            positions = cp.positions(engine.device)
+            ids = torch.tensor(w.prompt_token_ids[:length], dtype=torch.int64, device=engine.device)[positions]
+            rows = engine.model.prefill_context_parallel(ids, positions, cp)
+            if w.rank == self.rank:
+                block = engine.kv.block_size
+                stored = engine.kv.cache_prefix(
+                    w.prompt_token_ids[:length], lambda blocks: engine.model.write_context(engine.kv_cache.tensors, rows, blocks, block))
+                self.num_cp_prefills += stored
+                if not stored:
+                    log.warning("request %s: no room in the KV cache for its %d-token prefix from the CP group; it is "
+                                "prefilled again on its own rank", w.request_id, length)
 
     def _run(self, total: int, use_tqdm: bool) -> tuple[dict, str | None]:
         """Step in lock-step until no rank has work or one failed. Returns this rank's outputs by
@@ -226,7 +288,7 @@ class DataParallel:
             dist.destroy_process_group()
 
 
-def worker_main(rank: int, size: int, port: int, engine_args: tuple, expert_parallel: bool, log_level: str) -> None:
+def worker_main(rank: int, size: int, port: int, engine_args: tuple, parallel: ParallelConfig, log_level: str) -> None:
     """A spawned rank (``launch.spawn``'s worker): build the engine, join the group, serve rank 0's
     commands. An error after start-up is written to the rendezvous store for rank 0 to report."""
     from deepinfer_core.api import _configure_logging
@@ -235,7 +297,7 @@ def worker_main(rank: int, size: int, port: int, engine_args: tuple, expert_para
     _configure_logging(log_level)
     group, engine = launch.worker_join(rank, size, port, lambda: Engine(*engine_args, progress=False))
     try:
-        DataParallel(engine, group, expert_parallel).serve()
+        DataParallel(engine, group, parallel).serve()
     except BaseException as e:
         launch.report(group.store, rank, e)
         raise SystemExit(1) from None

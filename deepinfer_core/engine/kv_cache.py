@@ -251,6 +251,33 @@ class KVCacheManager:
                 pool.register(table[i], hashes[i])
         seq.num_registered_blocks = max(seq.num_registered_blocks, min(full, len(seq.block_tables[self.paged[0]])))
 
+    def cache_prefix(self, token_ids: list[int], write) -> bool:
+        """Put the cache entries of a prefix computed elsewhere (a context-parallel prefill) into
+        the prefix cache: blocks for ``token_ids`` (whole blocks) are taken, ``write(blocks per
+        paged group)`` fills them, and they are registered under the prefix's hashes and released
+        (cached and free: a request with this prefix finds them, and they are evicted like any
+        cached block). False, with nothing done, when prefix caching is off or too few blocks are
+        free."""
+        bs = self.block_size
+        if not self.prefix_caching or self.hash_next_token or len(token_ids) % bs or not token_ids:
+            return False
+        count = len(token_ids) // bs
+        if any(pool.num_free < count for pool in self.pools.values()):
+            return False
+        blocks = {name: pool.take(count) for name, pool in self.pools.items()}
+        try:
+            write(blocks)
+            hashes: list[bytes] = []
+            for i in range(count):
+                hashes.append(block_hash(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs]))
+            for name, pool in self.pools.items():
+                for block, h in zip(blocks[name], hashes):
+                    pool.register(block, h)
+        finally:
+            for name, pool in self.pools.items():
+                pool.release(blocks[name])
+        return True
+
     # ---- allocation -------------------------------------------------------------------------------
     def _needed(self, seq: Sequence, num_tokens: int, cached: dict[str, list[int]]) -> dict[str, int]:
         blocks = -(-num_tokens // self.block_size)

@@ -245,9 +245,8 @@ class Attention(nn.Module):
         w = self.kv_b_proj.dequantized_weight(dtype).view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         self.w_uk_t, self.w_uv = w[:, : self.nope_dim].transpose(1, 2), w[:, self.nope_dim :]
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, batch: BatchMeta, kv_cache: torch.Tensor, cos_sin: torch.Tensor
-    ) -> torch.Tensor:
+    def _project(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
+        """(q_nope, q_pe, latent, k_pe) of tokens ``x`` at ``positions`` (rotary applied)."""
         ops = self.ops
         t = x.shape[0]
         if not self.q_lora:
@@ -260,6 +259,14 @@ class Attention(nn.Module):
         ckv = self.kv_a_proj_with_mqa(x)
         latent = ops.rms_norm(ckv[:, : self.kv_lora_rank], self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
         q_pe, k_pe = ops.rotary_embedding(q_pe, ckv[:, self.kv_lora_rank :], positions, cos_sin, self.interleaved)
+        return q_nope, q_pe, latent, k_pe
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, batch: BatchMeta, kv_cache: torch.Tensor, cos_sin: torch.Tensor
+    ) -> torch.Tensor:
+        ops = self.ops
+        t = x.shape[0]
+        q_nope, q_pe, latent, k_pe = self._project(x, positions, cos_sin)
         cache = batch.groups[CACHE_GROUP]
         ops.write_latent_cache(kv_cache, latent, k_pe, cache.slot_mapping)
 
@@ -274,15 +281,31 @@ class Attention(nn.Module):
 
     def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: BatchMeta, kv_cache: torch.Tensor) -> torch.Tensor:
         ctx = self.ops.gather_latent_cache(kv_cache, batch.groups[CACHE_GROUP].context_slots).to(q_nope.dtype)
+        return self._expanded_attention(q_nope, q_pe, ctx, batch.prefill_cu_seqlens_q, batch.prefill_cu_seqlens_k)
+
+    def _expanded_attention(self, q_nope, q_pe, ctx: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor) -> torch.Tensor:
+        """Attention of the queries over context latent rows ``ctx`` ([c | k_pe] per key, packed
+        per sequence as ``cu_k`` says), in the expanded per-head form."""
         s = ctx.shape[0]
         kv = self.kv_b_proj(ctx[:, : self.kv_lora_rank]).view(s, self.num_heads, self.nope_dim + self.v_dim)
         k_pe = ctx[:, None, self.kv_lora_rank :].expand(s, self.num_heads, self.rope_dim)
         k = torch.cat([kv[..., : self.nope_dim], k_pe], dim=-1)
         v = kv[..., self.nope_dim :]
         q = torch.cat([q_nope, q_pe], dim=-1)
-        return self.ops.mla_prefill_attention(
-            q, k, v, batch.prefill_cu_seqlens_q, batch.prefill_cu_seqlens_k, self.scale
-        )
+        return self.ops.mla_prefill_attention(q, k, v, cu_q, cu_k, self.scale)
+
+    def forward_context_parallel(self, x: torch.Tensor, positions: torch.Tensor, cp, cos_sin: torch.Tensor):
+        """This rank's tokens of a context-parallel prefill (``dist.context_parallel.ContextParallel``):
+        every rank's latent rows are gathered, and each of this rank's chunks attends to the prefix
+        up to its end. Returns (the attention output of this rank's tokens, the latent rows of
+        the whole prefix [length, d_c + d_r])."""
+        q_nope, q_pe, latent, k_pe = self._project(x, positions, cos_sin)
+        rows = cp.gather(torch.cat([latent, k_pe], dim=-1))
+        cu_q, cu_k = cp.attention_inputs()
+        ctx = torch.cat([rows[:end] for _, end in cp.mine])
+        as_tensor = lambda cu: torch.tensor(cu, dtype=torch.int32, device=x.device)  # noqa: E731
+        out = self._expanded_attention(q_nope, q_pe, ctx, as_tensor(cu_q), as_tensor(cu_k))
+        return self.o_proj(out.flatten(1)), rows
 
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: BatchMeta, kv_cache: torch.Tensor) -> torch.Tensor:
         """Decode rows (1 + k tokens per sequence, causal within the row) over the paged cache."""
@@ -315,12 +338,16 @@ class DecoderLayer(nn.Module):
         cos_sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (mlp output, residual); the caller adds them (into the next norm)."""
+        return self.block(hidden, residual, lambda h: self.self_attn(h, positions, batch, kv_cache, cos_sin))
+
+    def block(self, hidden: torch.Tensor, residual: torch.Tensor | None, attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer around ``attend`` (normed hidden -> attention output): norms, residual, MLP."""
         norm = self.input_layernorm
         if residual is None:
             residual, hidden = hidden, self.ops.rms_norm(hidden, norm.weight, norm.eps)
         else:
             hidden, residual = self.ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        hidden = self.self_attn(hidden, positions, batch, kv_cache, cos_sin)
+        hidden = attend(hidden)
         norm = self.post_attention_layernorm
         hidden, residual = self.ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
         return self.mlp(hidden), residual
@@ -361,6 +388,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     # Batch-invariant inference: prompt chunks come as rows (no prefill tokens), so every token
     # takes the absorbed path of _decode, whatever the batch around it.
     supports_batch_invariance = True
+    supports_context_parallel = True  # prefill_context_parallel / write_context
 
     def __init__(self, config: ModelConfig, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False):
         super().__init__()
@@ -426,6 +454,34 @@ class DeepseekV3ForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, positions, batch, kv_cache, self.cos_sin)
         norm = self.model.norm
         return self.ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)[0]
+
+    @torch.no_grad()
+    def prefill_context_parallel(self, input_ids: torch.Tensor, positions: torch.Tensor, cp) -> list[torch.Tensor]:
+        """This rank's tokens (``input_ids`` at ``positions``, ``cp.positions()``) of a prompt prefix
+        prefilled across a CP group; every rank of the group calls it. Returns every layer's latent
+        rows of the whole prefix ([length, latent_dim] each): what ``write_context`` stores."""
+        hidden, residual, rows = self.embed(input_ids), None, []
+
+        def attend(layer: DecoderLayer):
+            def run(h):
+                out, full = layer.self_attn.forward_context_parallel(h, positions, cp, self.cos_sin)
+                rows.append(full)
+                return out
+            return run
+
+        for layer in self.model.layers:
+            hidden, residual = layer.block(hidden, residual, attend(layer))
+        return rows
+
+    def write_context(self, kv_caches: dict[str, torch.Tensor], rows: list[torch.Tensor], blocks: dict[str, list[int]],
+                      block_size: int) -> None:
+        """Store ``prefill_context_parallel``'s rows of a prefix into the cache blocks ``blocks``
+        (per group; the prefix fills them exactly)."""
+        table = torch.tensor(blocks[CACHE_GROUP], dtype=torch.int64, device=self.device)
+        slots = (table[:, None] * block_size + torch.arange(block_size, device=self.device)).flatten()
+        r = self.config.kv_lora_rank
+        for i, layer_rows in enumerate(rows):
+            self.ops.write_latent_cache(kv_caches[f"model.layers.{i}.self_attn"], layer_rows[:, :r], layer_rows[:, r:], slots)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

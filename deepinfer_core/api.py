@@ -28,6 +28,7 @@ from deepinfer_core.sampling.spec_decode.stats import AcceptanceStats
 
 log = logging.getLogger("deepinfer")
 
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -364,7 +365,7 @@ class LLM:
             work, seq_id, request_id = [], engine.next_seq_id, engine.next_request_id
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 text, ids = engine.validate(prompt, p, label=f"prompt {i}")
-                work.append(Work(i, str(request_id), text, ids, p, seq_id))
+                work.append(Work(str(request_id), text, ids, p, seq_id))
                 seq_id, request_id = seq_id + p.n, request_id + 1
             return work, (seq_id, request_id)
 

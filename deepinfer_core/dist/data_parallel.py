@@ -65,9 +65,8 @@ class Refused(RuntimeError):
 
 @dataclass
 class Work:
-    """One checked request as rank 0 hands it to the rank that runs it."""
+    """One checked request as rank 0 hands it to the rank that runs it (in the caller's order)."""
 
-    index: int  # its place in the caller's list
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -193,10 +192,11 @@ class DataParallel:
         into its prefix cache, where the request's admission finds them."""
         if self.cp_size == 1:
             return
-        queues: dict[int, list[Work]] = {}
+        queues: dict[int, list[tuple[Work, int]]] = {}
         for w in work:
-            if self._cp_prefix(w):
-                queues.setdefault(w.rank // self.cp_size, []).append(w)
+            length = self._cp_prefix(w)
+            if length:
+                queues.setdefault(w.rank // self.cp_size, []).append((w, length))
         mine = queues.get(self.rank // self.cp_size, [])
         engine = self.engine
         for i in range(max((len(q) for q in queues.values()), default=0)):
@@ -204,8 +204,7 @@ class DataParallel:
                 if self.ep is not None:
                     self.ep.idle()
                 continue
-            w = mine[i]
-            length = self._cp_prefix(w)
+            w, length = mine[i]
             cp = ContextParallel(self.cp_comm, length)
             positions = cp.positions(engine.device)
             ids = torch.tensor(w.prompt_token_ids[:length], dtype=torch.int64, device=engine.device)[positions]

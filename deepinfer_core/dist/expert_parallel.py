@@ -25,9 +25,8 @@ rank, and the expert weights moved to their new slots through the communicator.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -136,13 +135,6 @@ class ExpertParallel:
             moe.ep.exchange(w13.new_empty((0, w13.shape[2]), dtype=self.dtype), w13.new_empty((0, 1), dtype=torch.float32),
                             torch.zeros((0, 1), dtype=torch.int64, device=w13.device))
 
-    def imbalance(self, load: torch.Tensor | None = None) -> float:
-        """Mean over layers of the busiest rank's load / the mean rank load under the current
-        placement (1.0 = even), for ``load`` (default: the group's counted load; a collective)."""
-        if load is None:
-            load = self.group_load()
-        return float(self.placement.imbalance(load.cpu()).mean()) if load.sum() else 1.0
-
     def group_load(self) -> torch.Tensor:
         """[layers, experts]: tokens routed to each expert since the last rebalance, summed over
         the group (a collective: every rank calls it)."""
@@ -161,7 +153,7 @@ class ExpertParallel:
             return {"imbalance_before": 1.0, "imbalance_after": 1.0, "slots_moved": 0}
         new = rebalance(load, self.num_slots, self.comm.size, self.num_groups)
         moved = 0
-        for index, moe in enumerate(self.layers):
+        for moe in self.layers:
             moved += moe.ep.move_to(new)
         self.placement = new
         self.load.zero_()

@@ -225,11 +225,13 @@ class LLM:
 
         size = parallel.data_parallel_size
         if launch.under_torchrun():
-            self.engine = Engine(*engine_args, progress=progress)
+            shard = (launch.torchrun_rank(size), size) if parallel.expert_parallel else None
+            self.engine = Engine(*engine_args, progress=progress, expert_parallel=shard)
             group = launch.join_torchrun(self.engine.device, size)
         else:
+            shard = (0, size) if parallel.expert_parallel else None
             group, self.engine = launch.spawn(size, data_parallel.worker_main, (engine_args, parallel, log_level),
-                                              lambda: Engine(*engine_args, progress=progress))
+                                              lambda: Engine(*engine_args, progress=progress, expert_parallel=shard))
         try:
             self.parallel = data_parallel.DataParallel(self.engine, group, parallel)
         except BaseException:

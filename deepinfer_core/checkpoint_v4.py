@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from deepinfer_core.loader import CheckpointError, LoadPlan, Slot
+from deepinfer_core.loader import CheckpointError, LoadPlan, Slot, first_slots
 
 logger = logging.getLogger("deepinfer.loader")
 
@@ -293,6 +293,7 @@ class V4Checkpoint:
     def plan(self, model, config, key_file: dict[str, Path]) -> LoadPlan:
         params = model.state_dict(keep_vars=True)
         k = getattr(model, "num_mtp_layers", 0)
+        slots = getattr(model, "expert_slots", None)  # expert parallelism: only this rank's experts
         found: dict[tuple, str] = {}  # (target, expert, half, scale) -> checkpoint key
         parsed: dict[str, V4Key] = {}
         ignored: set[str] = set()
@@ -303,6 +304,9 @@ class V4Checkpoint:
                 continue  # reported as unexpected
             if p.mtp is not None and p.mtp >= k:
                 ignored.add(key)  # an MTP block the model does not have (resolve_mtp warned)
+                continue
+            if slots is not None and p.expert is not None and p.expert not in slots:
+                ignored.add(key)  # another rank's expert
                 continue
             ident = (p.target, p.expert, p.half, p.scale)
             if ident in found:
@@ -325,15 +329,17 @@ class V4Checkpoint:
             whole = (target, None, None, scale)
             if target.endswith(FUSED_EXPERTS) and whole not in found:
                 halves = (0, 1) if target.endswith("gate_up_proj") else (None,)
-                parts = [(e, h) for e in range(tensor.shape[0]) for h in halves]
+                first = first_slots(tensor.shape[0], slots)
+                parts = [(e, h) for e in first for h in halves]
                 if naming != "hf" or any((target, e, h, scale) in found for e, h in parts):
                     rows = tensor.shape[1] // len(halves)
                     for e, h in parts:
                         key = found.get((target, e, h, scale)) or self.checkpoint_key(target, naming, e, h, scale)
-                        expected[key] = Slot(name, e, None if h is None else slice(h * rows, (h + 1) * rows))
+                        expected[key] = Slot(name, first[e], None if h is None else slice(h * rows, (h + 1) * rows))
                     continue
             key = found.get(whole) or self.checkpoint_key(target, naming, scale=scale) or name
-            expected[key] = Slot(name)
+            sharded = slots is not None and target.endswith(FUSED_EXPERTS)  # fused in the checkpoint: this rank's rows
+            expected[key] = Slot(name, source=tuple(slots)) if sharded else Slot(name)
 
         companions = {}
         for key, p in parsed.items():

@@ -13,7 +13,11 @@ for ``config.model_type``; V2/V3 below, V4 in ``deepinfer_core/checkpoint_v4.py`
 * keys: HF / DeepSeek names. Routed experts may be per expert
   (``mlp.experts.E.{gate,up,down}_proj.weight``, what DeepSeek ships and ``save_pretrained``
   writes) or already fused (``mlp.experts.gate_up_proj`` / ``down_proj``); they are copied into
-  the model's fused tensors. MTP layer i is read from ``model.layers.{num_hidden_layers + i}``;
+  the model's fused tensors.
+* expert parallelism: a model built with ``expert_slots`` (the logical expert of each slot this
+  rank holds) gets only those experts: each is read into its first slot (a second copy on the
+  same rank is filled by ``dist.expert_parallel.ExpertParallel``), the other ranks' experts are
+  skipped unread, and a fused checkpoint tensor is read row by row for the rank's experts. MTP layer i is read from ``model.layers.{num_hidden_layers + i}``;
   its ``embed_tokens`` and ``shared_head.head`` are ignored (tied to the main model).
 * MTP: when config.json announces ``num_nextn_predict_layers`` but the checkpoint has no key at
   all under those layers (``save_pretrained`` drops them), the loader calls
@@ -67,6 +71,7 @@ MTP_TIED_KEYS = ("embed_tokens.weight", "shared_head.head.weight")
 FINITE_CHUNK = 1 << 26  # elements per step of the non-finite scan (a 64 MiB bool temporary)
 # Fused routed experts: gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I].
 EXPERT_KEY = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_scale_inv)?")
+PER_EXPERT_KEY = re.compile(r".*\.mlp\.experts\.(\d+)\.(?:gate|up|down)_proj\.weight(?:_scale_inv)?")
 
 
 class CheckpointError(ValueError):
@@ -75,11 +80,14 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class Slot:
-    """Where one checkpoint tensor goes: param[expert][rows] (expert / rows None: the whole thing)."""
+    """Where one checkpoint tensor goes: param[expert][rows] (expert / rows None: the whole thing).
+    ``source``: only these rows of the checkpoint tensor, in this order (a fused expert tensor
+    read for one rank's expert slots)."""
 
     param: str
     expert: int | None = None
     rows: slice | None = None
+    source: tuple[int, ...] | None = None
 
     def view(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.expert is not None:
@@ -118,12 +126,16 @@ class V3Checkpoint:
         expected = _expected_keys(model, config, set(key_file))
         mtp_first = config.num_hidden_layers
         ignored, companions = set(), {}
+        slots = getattr(model, "expert_slots", None)
         for key in key_file:
             if key in expected:
                 continue
             m = re.fullmatch(r"model\.layers\.(\d+)\.(.*)", key)
+            e = PER_EXPERT_KEY.fullmatch(key)
             if m and mtp_first <= int(m[1]) < mtp_first + model.num_mtp_layers and m[2] in MTP_TIED_KEYS:
                 ignored.add(key)
+            elif slots is not None and e and int(e[1]) not in slots:
+                ignored.add(key)  # another rank's expert
             elif key.endswith("_scale_inv") and key[: -len("_scale_inv")] in expected:
                 companions[key[: -len("_scale_inv")]] = key  # dequantised together with its weight
         return LoadPlan(expected, companions, ignored)
@@ -226,30 +238,49 @@ def _scale_key(weight_key: str) -> str:
 def _expected_keys(model: torch.nn.Module, config: ModelConfig, present: set[str]) -> dict[str, Slot]:
     """Checkpoint key -> where it goes, for every tensor the model needs."""
     expected: dict[str, Slot] = {}
+    slots = getattr(model, "expert_slots", None)
     for name, tensor in model.state_dict(keep_vars=True).items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         key = _checkpoint_name(name, config.num_hidden_layers)
-        split = None if key in present else split_expert_key(key, tensor.shape, name)
+        if key in present:
+            sharded = slots is not None and EXPERT_KEY.fullmatch(key)
+            expected[key] = Slot(name, source=tuple(slots)) if sharded else Slot(name)
+            continue
+        split = split_expert_key(key, tensor.shape, name, slots)
         expected.update({key: Slot(name)} if split is None else split)
     return expected
 
 
-def split_expert_key(key: str, shape: tuple[int, ...], param: str | None = None) -> dict[str, Slot] | None:
+def first_slots(num_slots: int, slots: tuple[int, ...] | None) -> dict[int, int]:
+    """Logical expert -> the first of a fused expert tensor's ``num_slots`` slots holding it
+    (``slots``: the expert of each slot, a model's ``expert_slots``; None: slot e holds expert e)."""
+    if slots is None:
+        return {e: e for e in range(num_slots)}
+    first: dict[int, int] = {}
+    for slot, expert in enumerate(slots):
+        first.setdefault(expert, slot)
+    return first
+
+
+def split_expert_key(key: str, shape: tuple[int, ...], param: str | None = None,
+                     slots: tuple[int, ...] | None = None) -> dict[str, Slot] | None:
     """A fused routed-expert key (``EXPERT_KEY``) of tensor ``shape`` -> DeepSeek's per-expert
     keys, each with its part of the fused tensor (of ``param``, default ``key``); None for any
-    other key."""
+    other key. ``slots`` (expert parallelism): the logical expert of each of the tensor's slots;
+    only those experts' keys, each into its first slot."""
     m = EXPERT_KEY.fullmatch(key)
     if m is None:
         return None
     experts, proj, suffix, param = m[1], m[2], "weight_scale_inv" if m[3] else "weight", param or key
+    first = first_slots(shape[0], slots)
     if proj == "down_proj":
-        return {f"{experts}.{e}.down_proj.{suffix}": Slot(param, e) for e in range(shape[0])}
+        return {f"{experts}.{e}.down_proj.{suffix}": Slot(param, s) for e, s in first.items()}
     half = shape[1] // 2
     split = {}
-    for e in range(shape[0]):
-        split[f"{experts}.{e}.gate_proj.{suffix}"] = Slot(param, e, slice(0, half))
-        split[f"{experts}.{e}.up_proj.{suffix}"] = Slot(param, e, slice(half, 2 * half))
+    for e, s in first.items():
+        split[f"{experts}.{e}.gate_proj.{suffix}"] = Slot(param, s, slice(0, half))
+        split[f"{experts}.{e}.up_proj.{suffix}"] = Slot(param, s, slice(half, 2 * half))
     return split
 
 
@@ -342,6 +373,8 @@ def load_model(model_dir: str | Path, config: ModelConfig, model: torch.nn.Modul
         shape, dtype = tuple(header.get_shape()), header.get_dtype()
         param = params[slot.param]
         want = tuple(slot.view(param).shape)
+        if slot.source is not None:  # the whole fused tensor is in the checkpoint: every expert
+            want = (config.n_routed_experts, *want[1:])
         if dtype in FP4_HEADER_DTYPES and param.is_floating_point() and param.dtype != torch.float8_e4m3fn:
             _check_mxfp4(key, shape, dtype, want, config, companions, handles, key_file)
             continue
@@ -381,13 +414,13 @@ def load_model(model_dir: str | Path, config: ModelConfig, model: torch.nn.Modul
                 # Each tensor goes straight from the memory-mapped file into its parameter (the copy
                 # converts the dtype); FP8 / MXFP4 weights that the model does not keep are first
                 # moved to the model's device and dequantised there, not on the host.
-                src = _read(handles, key_file, key)
+                src = _read(handles, key_file, key, slot.source)
                 if src.dtype == torch.float8_e4m3fn and dst.dtype != torch.float8_e4m3fn:
-                    scale = _read(handles, key_file, companions[key]).to(dst.device)
+                    scale = _read(handles, key_file, companions[key], slot.source).to(dst.device)
                     finite.append((companions[key], all_finite(scale)))
                     src = dequantize_fp8_block(src.to(dst.device), e8m0_to_float(scale), config.fp8_block, dst.dtype)
                 elif src.dtype in FP4_DTYPES and dst.is_floating_point():
-                    scale = _read(handles, key_file, companions[key]).to(dst.device)
+                    scale = _read(handles, key_file, companions[key], slot.source).to(dst.device)
                     finite.append((companions[key], all_finite(scale)))
                     src = dequantize_mxfp4(src.to(dst.device), scale, dst.dtype)
                 elif src.dtype == torch.float8_e8m0fnu and dst.dtype != torch.float8_e8m0fnu:
@@ -483,9 +516,14 @@ def _check_finite(finite, key_file: dict[str, Path], handles, params, expected: 
     )
 
 
-def _read(handles: dict, key_file: dict[str, Path], key: str) -> torch.Tensor:
+def _read(handles: dict, key_file: dict[str, Path], key: str, rows: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Checkpoint tensor ``key`` (only its ``rows``, in that order, when given: the other rows
+    are not read)."""
     path = key_file[key]
     try:
+        if rows is not None:
+            part = handles[path].get_slice(key)
+            return torch.cat([part[r:r + 1] for r in rows])
         return handles[path].get_tensor(key)
     except Exception as e:
         raise CheckpointError(f"{path}: cannot read {key} ({e}); the file is truncated or corrupt: download it again") from e

@@ -294,7 +294,8 @@ def worker_main(rank: int, size: int, port: int, engine_args: tuple, parallel: P
     from deepinfer_core.engine.engine import Engine
 
     _configure_logging(log_level)
-    group, engine = launch.worker_join(rank, size, port, lambda: Engine(*engine_args, progress=False))
+    shard = (rank, size) if parallel.expert_parallel else None
+    group, engine = launch.worker_join(rank, size, port, lambda: Engine(*engine_args, progress=False, expert_parallel=shard))
     try:
         DataParallel(engine, group, parallel).serve()
     except BaseException as e:

@@ -16,11 +16,12 @@ and back.
 A rank with no tokens still takes part (it sends nothing and computes what it receives). The
 communicator is ``dist.communicator``'s (torch.distributed, or the backend's own).
 
-``ExpertParallel`` does this for a whole model: it cuts every MoE layer's experts down to this
-rank's slots, counts each expert's load (the tokens routed to it), runs the idle pass of a rank
-without work (every MoE layer's exchange with no rows, so the others are not left waiting), and
-rebalances: the loads summed over the group, a new EPLB placement computed identically on every
-rank, and the expert weights moved to their new slots through the communicator.
+``ExpertParallel`` does this for a whole model built with only this rank's slots
+(``initial_slots``: the model allocates and the loader reads just those experts, so no rank ever
+holds them all): it counts each expert's load (the tokens routed to it), runs the idle pass of a
+rank without work (every MoE layer's exchange with no rows, so the others are not left waiting),
+and rebalances: the loads summed over the group, a new EPLB placement computed identically on
+every rank, and the expert weights moved to their new slots through the communicator.
 """
 
 from __future__ import annotations
@@ -102,13 +103,31 @@ def moe_expert_parallel(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     return out
 
 
+def initial_placement(num_experts: int, ep_size: int, num_groups: int = 1, extra: int | None = None,
+                      layers: int = 1) -> Placement:
+    """The placement every MoE layer starts with, before any load is measured: EPLB's for an even
+    load over ``num_physical_experts`` slots (the extra copies go to the lowest expert ids), the
+    same in every layer. Computed identically by every rank, and by each rank's loader."""
+    num_slots = num_physical_experts(num_experts, ep_size, extra)
+    row = rebalance(torch.ones(1, num_experts), num_slots, ep_size, num_groups).phy2log
+    return Placement.from_phy2log(row.expand(layers, -1).contiguous(), num_experts, ep_size)
+
+
+def initial_slots(num_experts: int, rank: int, ep_size: int, num_groups: int = 1, extra: int | None = None) -> tuple[int, ...]:
+    """The logical expert of each slot ``rank`` holds at start-up (``initial_placement``): what
+    its model allocates and its loader reads (``expert_slots`` of the model constructors)."""
+    placement = initial_placement(num_experts, ep_size, num_groups, extra)
+    per = placement.slots_per_gpu
+    return tuple(placement.phy2log[0, rank * per:(rank + 1) * per].tolist())
+
+
 class ExpertParallel:
     """A model's MoE layers sharded over the ranks of ``comm`` (attention stays with each rank's
-    own requests). ``moe_layers(model)`` gives the MoE modules in forward order; each has
-    ``experts`` (gate_up_proj, down_proj and their scales, ``block``) and ``experts_op`` (its
-    local routed-expert op, ``moe_experts``' signature). Every layer's experts are replaced by
-    this rank's slots of a placement with ``num_physical_experts`` slots per layer (the extra
-    copies go to the lowest expert ids until the first rebalance has measured a load)."""
+    own requests). The model was built and loaded with this rank's slots of ``initial_placement``
+    (``model.expert_slots``, from ``initial_slots``). ``moe_layers(model)`` gives the MoE modules
+    in forward order; each has ``experts`` (gate_up_proj, down_proj and their scales, ``block``)
+    and ``experts_op`` (its local routed-expert op, ``moe_experts``' signature). An expert with
+    two slots on this rank was loaded into the first: the others are copied from it here."""
 
     def __init__(self, model, comm, num_experts: int, extra: int | None = None, num_groups: int = 1):
         self.comm = comm
@@ -116,16 +135,30 @@ class ExpertParallel:
         self.layers = moe_layers(model)
         self.num_experts, self.num_groups = num_experts, num_groups
         self.num_slots = num_physical_experts(num_experts, comm.size, extra)
-        self.placement = rebalance(torch.ones(len(self.layers), num_experts), self.num_slots, comm.size, num_groups)
+        self.placement = initial_placement(num_experts, comm.size, num_groups, extra, len(self.layers))
+        mine = initial_slots(num_experts, comm.rank, comm.size, num_groups, extra)
+        built = getattr(model, "expert_slots", None)
+        if built is None or tuple(built) != mine:
+            raise ValueError(
+                f"rank {comm.rank}'s model holds expert slots {built}, not the {mine} of the initial placement over "
+                f"{comm.size} ranks: build it with expert_slots=initial_slots(...) (Engine(expert_parallel=(rank, size)))"
+            )
+        first = {e: mine.index(e) for e in mine}
         device = self.layers[0].experts.gate_up_proj.device if self.layers else torch.device("cpu")
         self.load = torch.zeros((len(self.layers), num_experts), dtype=torch.int64, device=device)
         self.forwards = 0  # real forward passes through the first MoE layer (idle passes not counted)
         for index, moe in enumerate(self.layers):
             ex = moe.experts
-            shard = ExpertShard.from_full(ex.gate_up_proj.data, ex.down_proj.data, self.placement, comm.rank, index,
-                                          _data(ex.gate_up_proj_scale_inv), _data(ex.down_proj_scale_inv), ex.block)
+            shard = ExpertShard(ex.gate_up_proj.data, ex.down_proj.data, self.placement, index, _data(ex.gate_up_proj_scale_inv),
+                                _data(ex.down_proj_scale_inv), ex.block)
+            for slot, expert in enumerate(mine):
+                if first[expert] != slot:  # a second copy on this rank: the loader filled the first
+                    for name in WEIGHTS:
+                        tensor = getattr(shard, name)
+                        if tensor is not None:
+                            tensor[slot] = tensor[first[expert]]
             moe.ep = _Layer(self, index, moe, shard)
-            _release(ex)
+            _release(ex)  # the shard holds the tensors; a rebalance replaces them without the module keeping the old ones
 
     def idle(self) -> None:
         """The MoE exchanges of one forward pass with no tokens: what a rank without work runs
@@ -234,7 +267,7 @@ def _data(param):
 
 
 def _release(experts) -> None:
-    """Free a layer's full expert weights once its shard has been cut from them."""
+    """Drop the module's references to its expert weights once the layer's shard holds them."""
     for name in ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv"):
         param = getattr(experts, name, None)
         if param is not None:

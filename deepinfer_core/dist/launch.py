@@ -143,18 +143,24 @@ def _host_threads(size: int) -> int:
     return before
 
 
-def join_torchrun(device: torch.device, size: int) -> Group:
-    """This process's rank of a group launched by torchrun (``WORLD_SIZE`` must equal ``size``)."""
+def torchrun_rank(size: int) -> int:
+    """This process's rank under torchrun (``RANK``), once ``WORLD_SIZE`` is checked to equal ``size``."""
     world = int(os.environ["WORLD_SIZE"])
     if world != size:
         raise ConfigError(f"data_parallel_size={size} but torchrun started WORLD_SIZE={world} processes; make them equal "
                           "(or leave data_parallel_size unset under torchrun)")
+    return int(os.environ["RANK"])
+
+
+def join_torchrun(device: torch.device, size: int) -> Group:
+    """This process's rank of a group launched by torchrun (``WORLD_SIZE`` must equal ``size``)."""
+    torchrun_rank(size)
     if not dist.is_initialized():
         dist.init_process_group(dist_backend(device), timeout=_timeout(),
                                 **({"device_id": device} if device.type == "cuda" else {}))
     if device.type == "cpu":
         _host_threads(size)
-    return Group(dist.get_rank(), world, dist.new_group(backend="gloo", timeout=_timeout()))
+    return Group(dist.get_rank(), size, dist.new_group(backend="gloo", timeout=_timeout()))
 
 
 def spawn(size: int, worker: Callable, worker_args: tuple, build: Callable[[], Any]) -> tuple[Group, Any]:

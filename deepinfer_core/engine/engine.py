@@ -92,7 +92,11 @@ def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, supported: tupl
 
 
 class Engine:
-    def __init__(self, model_dir: Path, engine_config: EngineConfig, backend_name: str | None, dtype: str | torch.dtype, progress: bool = True):
+    def __init__(self, model_dir: Path, engine_config: EngineConfig, backend_name: str | None, dtype: str | torch.dtype, progress: bool = True,
+                 expert_parallel: tuple[int, int] | None = None):
+        """``expert_parallel``: (this rank, EP size) when the MoE layers are sharded over a group
+        (``dist.expert_parallel``): the model is built with, and loads, only this rank's expert
+        slots, so its memory (and the KV cache sized from what is left) is that of one shard."""
         from deepinfer_core.loader import init_dummy_weights, load_model
         from deepinfer_core.models.registry import get_model_class
         from deepinfer_core.plugins import load_backend
@@ -119,7 +123,13 @@ class Engine:
                 self.model_config.fp8_block[0], self.dtype,
             )
             keep_fp8 = False
-        self.model = model_cls(self.model_config, self.ops, self.dtype, self.device, keep_fp8=keep_fp8)
+        slots = None
+        if expert_parallel is not None:
+            from deepinfer_core.dist.expert_parallel import initial_slots
+
+            c = self.model_config
+            slots = initial_slots(c.n_routed_experts, *expert_parallel, num_groups=getattr(c, "n_group", None) or 1)
+        self.model = model_cls(self.model_config, self.ops, self.dtype, self.device, keep_fp8=keep_fp8, expert_slots=slots)
         if engine_config.load_format == "dummy":
             init_dummy_weights(self.model, seed=engine_config.seed, progress=progress)
         else:

@@ -38,10 +38,14 @@ def _scale_grid(n: int, k: int, block: tuple[int, int]) -> tuple[int, int]:
 class Alloc:
     """Where and in which dtypes a model's parameters are created."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device, fp8_block: tuple[int, int] | None):
+    def __init__(self, dtype: torch.dtype, device: torch.device, fp8_block: tuple[int, int] | None,
+                 expert_slots: tuple[int, ...] | None = None):
         self.dtype = dtype
         self.device = device
         self.fp8_block = fp8_block  # set only when block-FP8 weights are kept quantised
+        # Expert parallelism: the logical expert of each routed-expert slot this process holds
+        # (the same in every MoE layer at load); None: every expert, slot e = expert e.
+        self.expert_slots = expert_slots
 
 
 class Linear(nn.Module):
@@ -139,11 +143,15 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts, fused: gate_up_proj [E, 2I, D] (gate rows, then up rows), down_proj [E, D, I]."""
+    """Routed experts, fused: gate_up_proj [E, 2I, D] (gate rows, then up rows), down_proj [E, D, I];
+    under expert parallelism E is the number of this process's slots (``alloc.expert_slots``)."""
 
     def __init__(self, config: ModelConfig, alloc: Alloc):
         super().__init__()
-        e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        e = config.n_routed_experts if alloc.expert_slots is None else len(alloc.expert_slots)
+        if alloc.expert_slots is not None and not all(0 <= x < config.n_routed_experts for x in alloc.expert_slots):
+            raise ValueError(f"expert_slots {alloc.expert_slots} name experts outside 0..{config.n_routed_experts - 1}")
+        d, i = config.hidden_size, config.moe_intermediate_size
         self.block = alloc.fp8_block
         if self.block is None:
             self.gate_up_proj = _param((e, 2 * i, d), alloc.dtype, alloc.device)
@@ -390,14 +398,16 @@ class DeepseekV3ForCausalLM(nn.Module):
     supports_batch_invariance = True
     supports_context_parallel = True  # prefill_context_parallel / write_context
 
-    def __init__(self, config: ModelConfig, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False):
+    def __init__(self, config: ModelConfig, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False,
+                 expert_slots: tuple[int, ...] | None = None):
         super().__init__()
         self.config = config
         self.ops = ops
         self.dtype = dtype
         self.device = torch.device(device)
         self.keep_fp8 = keep_fp8 and config.fp8_block is not None
-        alloc = Alloc(dtype, self.device, tuple(config.fp8_block) if self.keep_fp8 else None)
+        self.expert_slots = expert_slots  # expert parallelism: see Alloc; the loader reads only these experts
+        alloc = Alloc(dtype, self.device, tuple(config.fp8_block) if self.keep_fp8 else None, expert_slots)
         self.model = DeepseekV3Backbone(config, ops, alloc)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, ops, alloc, fp8=False)
         if config.tie_word_embeddings:

@@ -274,7 +274,8 @@ class MoE(nn.Module):
         else:
             self.gate.e_score_correction_bias = _param((config.n_routed_experts,), torch.float32, alloc.device)
         self.hashed = hashed
-        self.experts = Experts(config, Alloc(alloc.dtype, alloc.device, None))  # MXFP4/FP8 experts dequantised at load
+        # MXFP4/FP8 experts dequantised at load
+        self.experts = Experts(config, Alloc(alloc.dtype, alloc.device, None, alloc.expert_slots))
         inter = config.moe_intermediate_size * config.n_shared_experts
         self.shared_experts = ClampedMLP(config.hidden_size, inter, ops, alloc, config.swiglu_limit) if inter else None
         self.ep = None  # set by dist.expert_parallel.ExpertParallel: the routed experts run across ranks
@@ -364,16 +365,18 @@ class V4FamilyLM(nn.Module):
 
     supports_graphs = False
 
-    def __init__(self, config, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool):
+    def __init__(self, config, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool,
+                 expert_slots: tuple[int, ...] | None = None):
         super().__init__()
         self.config, self.ops, self.dtype = config, ops, dtype
         self.device = torch.device(device)
         self.keep_fp8 = keep_fp8 and config.fp8_block is not None
+        self.expert_slots = expert_slots  # expert parallelism: see deepseek_v3.Alloc
         self._all_groups: dict[str, CacheGroup] | None = None
 
     def _alloc(self) -> Alloc:
         """Where and in which dtypes the layers' parameters go (block FP8 kept when keep_fp8)."""
-        return Alloc(self.dtype, self.device, tuple(self.config.fp8_block) if self.keep_fp8 else None)
+        return Alloc(self.dtype, self.device, tuple(self.config.fp8_block) if self.keep_fp8 else None, self.expert_slots)
 
     def _add_head(self) -> None:
         c = self.config
@@ -409,8 +412,9 @@ class DeepseekV4ForCausalLM(V4FamilyLM):
     """DeepSeek-V4 causal LM over the cache groups of ``cache_groups`` (``forward`` has the same
     batch contract as DeepseekV3ForCausalLM's)."""
 
-    def __init__(self, config: V4ModelConfig, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False):
-        super().__init__(config, ops, dtype, device, keep_fp8)
+    def __init__(self, config: V4ModelConfig, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False,
+                 expert_slots: tuple[int, ...] | None = None):
+        super().__init__(config, ops, dtype, device, keep_fp8, expert_slots)
         alloc = self._alloc()
         self.model = DeepseekV4Backbone(config, ops, alloc)
         self._add_head()

@@ -271,8 +271,9 @@ class DeepseekV41ForCausalLM(V4FamilyLM):
     sequence's new ones for Engram). ``set_tokenizer`` must be called before a forward when the
     model has Engram layers (their hashes read the tokenizer's compressed vocabulary)."""
 
-    def __init__(self, config: V41ModelConfig, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False):
-        super().__init__(config, ops, dtype, device, keep_fp8)
+    def __init__(self, config: V41ModelConfig, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False,
+                 expert_slots: tuple[int, ...] | None = None):
+        super().__init__(config, ops, dtype, device, keep_fp8, expert_slots)
         alloc = self._alloc()
         self.model = DeepseekV41Backbone(config, ops, alloc)
         self._add_head()

@@ -205,8 +205,9 @@ class BackendSpec:
         """Return a communicator for ``group`` (all_reduce, all_gather, reduce_scatter,
         all_to_all / MoE dispatch-combine, broadcast, barrier), or ``None`` to use the core's
         torch.distributed one (``dist.communicator.TorchCommunicator``, whose methods are the
-        interface). Called once per process group when world size > 1, through
-        ``dist.communicator.communicator_for``; the engine runs one process yet.
+        interface; ``all_to_all_start``, the non-blocking exchange the shared expert overlaps
+        with, is optional). Called once per process group of a data-parallel LLM (the expert-
+        and context-parallel groups), through ``dist.communicator.communicator_for``.
         """
 
     @hookspec(firstresult=True)

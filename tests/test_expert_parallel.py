@@ -65,9 +65,10 @@ def _worker(rank: int, world: int, port: int, kind: str, empty_rank: int | None)
             assert int(placement.replicas[0, 0]) > 1, "the hot expert should have copies"
         shard = ExpertShard.from_full(w13, w2, placement, rank)
         x, weights, ids = _tokens(rank, world, empty_rank)
-        got = moe_expert_parallel(x, weights, ids, shard, TorchCommunicator(), moe_experts)
+        got, during = moe_expert_parallel(x, weights, ids, shard, TorchCommunicator(), moe_experts, lambda: x * 2)
         want = moe_experts(x, w13, w2, weights, ids)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert torch.equal(during, x * 2)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -76,6 +77,48 @@ def _worker(rank: int, world: int, port: int, kind: str, empty_rank: int | None)
 @pytest.mark.parametrize("world, kind, empty_rank", [(2, "plain", None), (2, "eplb", 1), (4, "plain", 0), (4, "eplb", 2)])
 def test_expert_parallel_matches_one_process(world, kind, empty_rank):
     mp.spawn(_worker, args=(world, _free_port(), kind, empty_rank), nprocs=world, join=True)
+
+
+class _OneRank:
+    """A one-rank communicator recording when exchanges start and finish."""
+
+    rank, size = 0, 1
+
+    def __init__(self, events: list[str], overlapping: bool):
+        self.events = events
+        if not overlapping:
+            self.all_to_all_start = None  # a backend communicator without the non-blocking exchange
+
+    def all_to_all(self, send, send_counts, recv_counts=None):
+        self.events.append("exchange")
+        return send.clone(), list(send_counts)
+
+    def all_to_all_start(self, send, send_counts, recv_counts):
+        self.events.append("start")
+        events = self.events
+
+        class Pending:
+            def wait(self):
+                events.append("wait")
+                return send.clone()
+
+        return Pending()
+
+
+@pytest.mark.parametrize("overlapping", [True, False])
+def test_the_shared_expert_runs_while_the_dispatch_is_in_flight(overlapping):
+    w13, w2 = _layer()
+    placement = _placement("plain", 1)
+    x, weights, ids = _tokens(0, 1, None)
+    events: list[str] = []
+    got, during = moe_expert_parallel(x, weights, ids, ExpertShard.from_full(w13, w2, placement, 0), _OneRank(events, overlapping),
+                                      moe_experts, lambda: events.append("shared") or "shared out")
+    torch.testing.assert_close(got, moe_experts(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-6)
+    assert during == "shared out"
+    if overlapping:  # counts, then rows and (weight, slot) started, the shared expert, then both waited for, then the combine
+        assert events == ["exchange", "start", "start", "shared", "wait", "wait", "exchange"]
+    else:
+        assert events == ["exchange", "exchange", "exchange", "shared", "exchange"]
 
 
 def test_a_shard_holds_its_slots_weights():

@@ -7,7 +7,9 @@ and back.
 
 1. **Dispatch.** Each (token, expert) pair picks one copy of its expert (by the token's rank
    and position, so copies share the load) and goes, as the token's hidden row, its routing
-   weight and the slot's local index, to the rank holding that copy (``all_to_all``).
+   weight and the slot's local index, to the rank holding that copy (``all_to_all``). After
+   the counts are exchanged, the rows travel while ``meanwhile`` (the layer's shared expert)
+   computes: the exchange is started, not waited for (``communicator.start_all_to_all``).
 2. **Compute.** Each rank runs the backend's ``moe_experts`` op over the rows it received,
    one expert slot per row.
 3. **Combine.** The weighted outputs go back (``all_to_all``), and each token adds its pairs
@@ -27,10 +29,13 @@ every rank, and the expert weights moved to their new slots through the communic
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from deepinfer_core.dist.communicator import start_all_to_all
 from deepinfer_core.dist.eplb import Placement, num_physical_experts, rebalance
 
 log = logging.getLogger("deepinfer")
@@ -67,10 +72,11 @@ class ExpertShard:
 
 
 def moe_expert_parallel(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, shard: ExpertShard, comm,
-                        experts_op) -> torch.Tensor:
-    """[T, D]: the routed experts' weighted sum for this rank's tokens ``x`` [T, D], their experts
-    ``topk_ids`` [T, k] (logical ids) and weights [T, k], computed across ``comm``'s ranks with
-    ``experts_op`` (an OpTable's ``moe_experts``)."""
+                        experts_op, meanwhile: Callable[[], Any] | None = None) -> tuple[torch.Tensor, Any]:
+    """([T, D], what ``meanwhile()`` returned): the routed experts' weighted sum for this rank's
+    tokens ``x`` [T, D], their experts ``topk_ids`` [T, k] (logical ids) and weights [T, k],
+    computed across ``comm``'s ranks with ``experts_op`` (an OpTable's ``moe_experts``);
+    ``meanwhile`` runs while the dispatched rows are in flight."""
     placement, layer = shard.placement, shard.layer
     tokens, k = topk_ids.shape
     per = placement.slots_per_gpu
@@ -82,10 +88,17 @@ def moe_expert_parallel(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     dest, local = slot // per, slot % per
 
     order = torch.argsort(dest, stable=True)  # pairs grouped by destination rank
-    send_counts = torch.bincount(dest, minlength=comm.size).tolist()
-    recv_x, recv_counts = comm.all_to_all(x[token_of[order]], send_counts)
-    recv_w, _ = comm.all_to_all(topk_weights.reshape(-1)[order, None].float(), send_counts, recv_counts)
-    recv_local, _ = comm.all_to_all(local[order, None], send_counts, recv_counts)
+    counts = torch.bincount(dest, minlength=comm.size)
+    ones = [1] * comm.size
+    received, _ = comm.all_to_all(counts[:, None], ones, ones)  # the counts first, on the device (NCCL needs it)
+    send_counts, recv_counts = counts.tolist(), received[:, 0].tolist()
+    # (weight, local slot) as float64 pairs: both exact in it, one exchange beside the rows
+    meta = torch.stack((topk_weights.reshape(-1)[order].double(), local[order].double()), dim=1)
+    rows = start_all_to_all(comm, x[token_of[order]], send_counts, recv_counts)
+    metas = start_all_to_all(comm, meta, send_counts, recv_counts)
+    during = meanwhile() if meanwhile is not None else None
+    recv_x, recv_meta = rows.wait(), metas.wait()
+    recv_w, recv_local = recv_meta[:, :1].float(), recv_meta[:, 1:].long()
     hidden = x.shape[1]
     if recv_x.shape[0]:
         y = experts_op(recv_x, shard.w13, shard.w2, recv_w, recv_local, shard.w13_scale, shard.w2_scale, shard.block)
@@ -100,7 +113,7 @@ def moe_expert_parallel(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     ascending = torch.argsort(topk_ids, dim=1)
     for j in range(k):  # each token's experts added in ascending id, as the reference does
         out += pair_out[torch.arange(tokens, device=x.device), ascending[:, j]]
-    return out
+    return out, during
 
 
 def initial_placement(num_experts: int, ep_size: int, num_groups: int = 1, extra: int | None = None,
@@ -210,15 +223,19 @@ class _Layer:
     def __init__(self, owner: ExpertParallel, index: int, moe, shard: ExpertShard):
         self.owner, self.index, self.moe, self.shard = owner, index, moe, shard
 
-    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 meanwhile: Callable[[], Any] | None = None) -> tuple[torch.Tensor, Any]:
+        """(the routed experts' output, ``meanwhile()``'s result: the shared expert, computed
+        while the dispatched rows travel)."""
         owner = self.owner
         owner.load[self.index] += torch.bincount(topk_ids.reshape(-1), minlength=owner.num_experts)
         if self.index == 0:
             owner.forwards += 1
-        return self.exchange(x, topk_weights, topk_ids)
+        return self.exchange(x, topk_weights, topk_ids, meanwhile)
 
-    def exchange(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return moe_expert_parallel(x, topk_weights, topk_ids, self.shard, self.owner.comm, self.moe.experts_op)
+    def exchange(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 meanwhile: Callable[[], Any] | None = None) -> tuple[torch.Tensor, Any]:
+        return moe_expert_parallel(x, topk_weights, topk_ids, self.shard, self.owner.comm, self.moe.experts_op, meanwhile)
 
     def move_to(self, new: Placement) -> int:
         """Fill this rank's slots of ``new`` (same layer index): weights already here are copied

@@ -200,15 +200,14 @@ class MoE(nn.Module):
             norm_topk_prob=c.norm_topk_prob,
             routed_scaling_factor=c.routed_scaling_factor,
         )
-        ex = self.experts
-        if self.ep is not None:
-            out = self.ep(x, weights, ids)
+        ex, shared = self.experts, self.shared_experts
+        if self.ep is not None:  # the shared expert computes while the routed rows travel to their ranks
+            out, shared_out = self.ep(x, weights, ids, None if shared is None else lambda: shared(x))
         else:
             out = self.experts_op(x, ex.gate_up_proj, ex.down_proj, weights, ids, ex.gate_up_proj_scale_inv,
                                   ex.down_proj_scale_inv, ex.block)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+            shared_out = None if shared is None else shared(x)
+        return out if shared_out is None else out + shared_out
 
 
 def softmax_scale(config: ModelConfig) -> float:

@@ -297,10 +297,13 @@ class MoE(nn.Module):
             routed_scaling_factor=c.routed_scaling_factor,
         )
         ex = self.experts
-        out = self.ep(x, weights, ids) if self.ep is not None else self.experts_op(x, ex.gate_up_proj, ex.down_proj, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        shared = self.shared_experts
+        if self.ep is not None:  # the shared expert computes while the routed rows travel to their ranks
+            out, shared_out = self.ep(x, weights, ids, None if shared is None else lambda: shared(x))
+        else:
+            out = self.experts_op(x, ex.gate_up_proj, ex.down_proj, weights, ids)
+            shared_out = None if shared is None else shared(x)
+        return out if shared_out is None else out + shared_out
 
 
 class DecoderLayer(nn.Module):

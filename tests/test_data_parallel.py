@@ -144,6 +144,40 @@ def test_data_parallel_without_expert_parallel_and_preemption_on_one_rank(checkp
         llm.close()
 
 
+@pytest.mark.parametrize("where", ["attention after an exchange", "experts inside an exchange"])
+def test_an_error_inside_the_forward_pass_is_a_clean_generation_error(checkpoints, reference, where):
+    """Rank 0's forward raises after the first MoE layer has exchanged (the last layer's
+    attention), or inside an exchange (its experts): rank 1 is waiting in a later exchange. The
+    failing rank finishes the pass's exchanges empty, so both ranks report the error at once
+    (not after the timeout) and the group still works."""
+    llm = _llm(checkpoints["v3"], data_parallel_size=2, expert_parallel=True, **SMALL_STEPS)
+    try:
+        model, calls = llm.engine.model, []
+        target = model.model.layers[-1].self_attn if where.startswith("attention") else model.model.layers[1].mlp
+        name = "forward" if where.startswith("attention") else "experts_op"
+        original = getattr(target, name)
+
+        def failing(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 4:
+                raise RuntimeError("injected failure in the forward pass")
+            return original(*args, **kwargs)
+
+        setattr(target, name, failing)
+        started = time.monotonic()
+        with pytest.raises(Exception) as info:
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert time.monotonic() - started < 30  # the test timeout is 60 s: no collective waited for it
+        assert type(info.value).__name__ == "GenerationError" and "injected failure in the forward pass" in str(info.value)
+        assert len(info.value.outputs) == len(PROMPTS)
+        delattr(target, name)  # the instance attribute goes; the class's method is back
+        again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        for g, w in zip(again, reference["v3"]):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+    finally:
+        llm.close()
+
+
 def test_engine_error_on_one_rank_loses_nothing_and_the_group_goes_on(checkpoints, reference, monkeypatch):
     llm = _llm(checkpoints["v3"], data_parallel_size=2, expert_parallel=True, **SMALL_STEPS)
     try:

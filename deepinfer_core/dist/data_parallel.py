@@ -26,9 +26,12 @@ engine (scheduler, KV cache, its share of the requests), stepping together.
 5. **Outputs.** Every rank's finished requests are gathered on every rank and returned in
    prompt order (under torchrun every rank's ``generate`` returns all of them).
 
-An engine error on one rank (outside the forward pass) is reported at the next step's
-all-reduce: every rank aborts what it has, the finished outputs are gathered, and every rank
-raises ``GenerationError`` with them. A rank that dies is reported by ``launch.Group.failure``.
+An engine error on one rank is reported at the next step's all-reduce: every rank aborts what
+it has, the finished outputs are gathered, and every rank raises ``GenerationError`` with them.
+An error inside the forward pass first finishes that pass's MoE exchanges (empty from the
+layer it reached, ``ExpertParallel.finish_pass``; an exchange whose expert computation raised
+still sends its rows back), so no rank is left waiting. A rank that dies is reported by
+``launch.Group.failure``.
 """
 
 from __future__ import annotations
@@ -233,7 +236,7 @@ class DataParallel:
                 bar.update(int(flags[2]) - bar.n)
                 if flags[1] or not flags[0]:
                     break
-                forwards = self.ep.forwards if self.ep is not None else 0
+                exchanges = self.ep.exchanges if self.ep is not None else 0
                 if working:
                     try:
                         for req in engine.step():
@@ -241,8 +244,8 @@ class DataParallel:
                     except Exception as e:  # noqa: BLE001 - reported to every rank at the next all-reduce
                         log.exception("rank %d: engine step failed", self.rank)
                         failure = f"rank {self.rank}: {type(e).__name__}: {e}"
-                if self.ep is not None and self.ep.forwards == forwards:
-                    self.ep.idle()
+                if self.ep is not None:  # no forward pass (or one cut short by an error): the exchanges it missed, empty
+                    self.ep.finish_pass(self.ep.exchanges - exchanges)
                 self.steps += 1
                 if self.ep is not None and self.eplb_interval and self.steps % self.eplb_interval == 0:
                     engine.stats_extra["eplb"] = self.ep.rebalance()

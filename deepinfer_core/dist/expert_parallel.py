@@ -96,15 +96,25 @@ def moe_expert_parallel(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     meta = torch.stack((topk_weights.reshape(-1)[order].double(), local[order].double()), dim=1)
     rows = start_all_to_all(comm, x[token_of[order]], send_counts, recv_counts)
     metas = start_all_to_all(comm, meta, send_counts, recv_counts)
-    during = meanwhile() if meanwhile is not None else None
+    # An error in the shared expert or the experts is raised only after the combine: the other
+    # ranks are waiting for this rank's rows, and must get them (zeros) to stay in step.
+    during, error = None, None
+    try:
+        during = meanwhile() if meanwhile is not None else None
+    except Exception as e:  # noqa: BLE001 - raised below, after the exchange
+        error = e
     recv_x, recv_meta = rows.wait(), metas.wait()
     recv_w, recv_local = recv_meta[:, :1].float(), recv_meta[:, 1:].long()
-    hidden = x.shape[1]
-    if recv_x.shape[0]:
-        y = experts_op(recv_x, shard.w13, shard.w2, recv_w, recv_local, shard.w13_scale, shard.w2_scale, shard.block)
-    else:
-        y = recv_x.new_zeros((0, hidden))
+    y = recv_x.new_zeros((recv_x.shape[0], x.shape[1]))
+    if recv_x.shape[0] and error is None:
+        try:
+            y = experts_op(recv_x, shard.w13, shard.w2, recv_w, recv_local, shard.w13_scale, shard.w2_scale, shard.block)
+        except Exception as e:  # noqa: BLE001 - raised below, after the exchange
+            error = e
     back, _ = comm.all_to_all(y, recv_counts, send_counts)
+    if error is not None:
+        raise error
+    hidden = x.shape[1]
 
     pair_out = torch.empty_like(back)
     pair_out[order] = back  # back in (token, slot) order
@@ -159,7 +169,7 @@ class ExpertParallel:
         first = {e: mine.index(e) for e in mine}
         device = self.layers[0].experts.gate_up_proj.device if self.layers else torch.device("cpu")
         self.load = torch.zeros((len(self.layers), num_experts), dtype=torch.int64, device=device)
-        self.forwards = 0  # real forward passes through the first MoE layer (idle passes not counted)
+        self.exchanges = 0  # MoE layer exchanges run (real or empty): every rank runs len(layers) a step
         for index, moe in enumerate(self.layers):
             ex = moe.experts
             shard = ExpertShard(ex.gate_up_proj.data, ex.down_proj.data, self.placement, index, _data(ex.gate_up_proj_scale_inv),
@@ -173,13 +183,21 @@ class ExpertParallel:
             moe.ep = _Layer(self, index, moe, shard)
             _release(ex)  # the shard holds the tensors; a rebalance replaces them without the module keeping the old ones
 
-    def idle(self) -> None:
+    def idle(self, first: int = 0) -> None:
         """The MoE exchanges of one forward pass with no tokens: what a rank without work runs
-        while the others step."""
-        for moe in self.layers:
+        while the others step (from layer ``first``: the rest of a pass that stopped there)."""
+        for moe in self.layers[first:]:
             w13 = moe.ep.shard.w13
             moe.ep.exchange(w13.new_empty((0, w13.shape[2]), dtype=self.dtype), w13.new_empty((0, 1), dtype=torch.float32),
                             torch.zeros((0, 1), dtype=torch.int64, device=w13.device))
+
+    def finish_pass(self, exchanged: int) -> None:
+        """After a step that ran ``exchanged`` MoE exchanges (a whole pass, none, or part of one
+        when its forward raised): run the missing ones empty, so that this rank has taken part
+        in exactly one pass's exchanges, as every other rank has."""
+        if not self.layers or (exchanged and exchanged % len(self.layers) == 0):
+            return
+        self.idle(exchanged % len(self.layers))
 
     def group_load(self) -> torch.Tensor:
         """[layers, experts]: tokens routed to each expert since the last rebalance, summed over
@@ -229,13 +247,14 @@ class _Layer:
         while the dispatched rows travel)."""
         owner = self.owner
         owner.load[self.index] += torch.bincount(topk_ids.reshape(-1), minlength=owner.num_experts)
-        if self.index == 0:
-            owner.forwards += 1
         return self.exchange(x, topk_weights, topk_ids, meanwhile)
 
     def exchange(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  meanwhile: Callable[[], Any] | None = None) -> tuple[torch.Tensor, Any]:
-        return moe_expert_parallel(x, topk_weights, topk_ids, self.shard, self.owner.comm, self.moe.experts_op, meanwhile)
+        try:
+            return moe_expert_parallel(x, topk_weights, topk_ids, self.shard, self.owner.comm, self.moe.experts_op, meanwhile)
+        finally:  # an exchange that raised after completing counts as run (moe_expert_parallel completes it)
+            self.owner.exchanges += 1
 
     def move_to(self, new: Placement) -> int:
         """Fill this rank's slots of ``new`` (same layer index): weights already here are copied

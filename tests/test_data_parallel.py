@@ -178,6 +178,21 @@ def test_an_error_inside_the_forward_pass_is_a_clean_generation_error(checkpoint
         llm.close()
 
 
+def test_a_spawned_group_outlives_the_collective_timeout_while_idle(checkpoints, reference, monkeypatch):
+    """The spawned ranks wait for rank 0's next command without a timeout: an LLM left unused
+    for longer than DEEPINFER_DIST_TIMEOUT still generates (it used to lose its ranks)."""
+    monkeypatch.setenv("DEEPINFER_DIST_TIMEOUT", "4")
+    llm = _llm(checkpoints["v3"], data_parallel_size=2, expert_parallel=True, **SMALL_STEPS)
+    try:
+        first = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+        time.sleep(6)
+        again = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+        for a, b, w in zip(first, again, reference["v3"]):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids == w.outputs[0].token_ids
+    finally:
+        llm.close()
+
+
 def test_engine_error_on_one_rank_loses_nothing_and_the_group_goes_on(checkpoints, reference, monkeypatch):
     llm = _llm(checkpoints["v3"], data_parallel_size=2, expert_parallel=True, **SMALL_STEPS)
     try:

@@ -259,7 +259,7 @@ class DataParallel:
         """A spawned rank's life after start-up: take rank 0's commands until it says stop."""
         while True:
             box = [None]
-            dist.broadcast_object_list(box, src=0, group=self.group.control)
+            dist.broadcast_object_list(box, src=0, group=self.group.commands)
             if box[0] == STOP:
                 return
             try:
@@ -269,7 +269,7 @@ class DataParallel:
 
     def command(self, what: str) -> None:
         """Rank 0 of a spawned group: tell the other ranks what comes next."""
-        dist.broadcast_object_list([what], src=0, group=self.group.control)
+        dist.broadcast_object_list([what], src=0, group=self.group.commands)
 
     def close(self) -> None:
         """Leave the group: rank 0 of a spawned group stops the other ranks first; under torchrun

@@ -12,8 +12,10 @@ Two ways in, one group at the end (``Group``):
   ``MASTER_PORT``, as DeepSeek's own harness launches.
 
 The process group's backend follows the device: NCCL on CUDA, HCCL on Ascend, gloo on the CPU; a
-second gloo group carries the small control messages (commands, requests, outputs). Collectives
-time out after ``DEEPINFER_DIST_TIMEOUT`` seconds.
+second gloo group carries the small control messages (requests, outputs, the per-step flags).
+Collectives time out after ``DEEPINFER_DIST_TIMEOUT`` seconds, except rank 0's commands to the
+spawned ranks (a third gloo group, ``commands``): those ranks wait for the next command as long
+as the LLM lives unused (a rank 0 that dies closes its sockets, which ends the wait at once).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ log = logging.getLogger("deepinfer")
 DIST_BACKENDS = {"cuda": "nccl", "npu": "hccl"}  # any other device: gloo
 STORE_PREFIX = "deepinfer"
 POLL_SECONDS = 0.5
+IDLE_TIMEOUT = datetime.timedelta(days=365)  # how long a spawned rank waits for rank 0's next command
 
 
 class RankFailure(RuntimeError):
@@ -54,6 +57,7 @@ class Group:
     store: Any = None
     broken: str | None = None  # why the group can no longer be used
     threads_before: int | None = None  # torch's CPU threads in this process before the group took its share
+    commands: Any = None  # spawned groups: the gloo group rank 0's commands travel in (no idle timeout)
 
     @property
     def spawned(self) -> bool:
@@ -189,6 +193,7 @@ def spawn(size: int, worker: Callable, worker_args: tuple, build: Callable[[], A
         if device.type == "cpu":
             group.threads_before = _host_threads(size)
         group.control = dist.new_group(backend="gloo", timeout=_timeout())
+        group.commands = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     except BaseException:
         group.stop(wait=0)
         raise
@@ -234,4 +239,5 @@ def worker_join(rank: int, size: int, port: int, build: Callable[[], Any]) -> tu
                             timeout=_timeout())
     if device.type == "cpu":
         _host_threads(size)
-    return Group(rank, size, dist.new_group(backend="gloo", timeout=_timeout()), store=store), built
+    control = dist.new_group(backend="gloo", timeout=_timeout())
+    return Group(rank, size, control, store=store, commands=dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)), built

@@ -189,7 +189,8 @@ def _serve(args: argparse.Namespace) -> int:
     from deepinfer_core.serving.server import build_app
 
     api_key = args.api_key or os.environ.get("DEEPINFER_API_KEY") or None
-    llm = LLM(model=args.model, accelerator=args.accelerator, max_num_seqs=args.max_num_seqs)
+    llm = LLM(model=args.model, accelerator=args.accelerator, max_num_seqs=args.max_num_seqs,
+              data_parallel_size=args.data_parallel_size, expert_parallel=args.expert_parallel)
     name = args.served_model_name or (args.model or "deepinfer-default")
     limits = Limits(max_tokens=args.max_tokens, max_n=args.max_n, max_body_bytes=args.max_body_bytes)
     engine = AsyncLLM(llm)
@@ -197,6 +198,7 @@ def _serve(args: argparse.Namespace) -> int:
         uvicorn.run(build_app(engine, name, api_key, limits), host=args.host, port=args.port, log_level="info")
     finally:
         engine.shutdown()
+        llm.close()
     return 0
 
 
@@ -237,6 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-tokens", type=int, default=4096, help="the most tokens one request may ask for")
     v.add_argument("--max-n", type=int, default=16, help="the most samples one request may ask for")
     v.add_argument("--max-body-bytes", type=int, default=4 << 20, help="the largest request body accepted")
+    v.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
+                   help="N ranks (processes started here), each with its own engine; each request runs on the least loaded")
+    v.add_argument("--expert-parallel", action="store_true",
+                   help="shard the MoE layers' routed experts over the data-parallel ranks (with EPLB)")
     v.set_defaults(func=_serve)
     from deepinfer_core.conformance.ops_suite import DEFAULT_EXAMPLES, DEFAULT_EXPLORE_MAX_ELEMENTS
 

@@ -55,7 +55,7 @@ from deepinfer_core.dist.launch import Group
 from deepinfer_core.sampling.params import SamplingParams
 
 log = logging.getLogger("deepinfer")
-GENERATE, STOP = "generate", "stop"  # what rank 0 tells spawned ranks
+GENERATE, STOP, STEP = "generate", "stop", "step"  # what rank 0 tells spawned ranks (STEP: one serving step)
 
 
 class Refused(RuntimeError):
@@ -123,6 +123,7 @@ class DataParallel:
         self.eplb_interval = settings().eplb_interval
         self.steps = 0  # lock-step steps since start-up (the same on every rank)
         self.rank_preemptions: list[int] = []  # every rank's engine.num_preemptions after the last generate
+        self.served_counts: dict[str, list[int]] = {}  # serving: output tokens per sample already reported, by request
 
     @property
     def rank(self) -> int:
@@ -254,6 +255,59 @@ class DataParallel:
                 done.setdefault(req.request_id, to_output(req, engine.proposer is not None))
         return done, failure
 
+    # ---- serving -----------------------------------------------------------------------------------
+    def serve_step(self, work: list[Work], aborts: list[str], run: bool = True):
+        """One step of a served data-parallel LLM (``serving.drivers.ParallelDriver`` on rank 0);
+        every rank calls it. Each rank queues its share of ``work`` (ranks set by rank 0), aborts
+        those of ``aborts`` it owns, and, when ``run``, steps like one turn of ``generate``'s
+        lock-step loop. Then every rank's news (``Progress``), load (queued tokens, free KV blocks)
+        and gauges are gathered. A failed step on any rank makes every rank abort what it has
+        (all of it in the news, ``failure`` set). Returns (the news of every rank, their loads,
+        the summed gauges)."""
+        from deepinfer_core.serving.drivers import Progress, step_progress
+
+        engine, spec = self.engine, self.engine.proposer is not None
+        sent = self.served_counts
+        for w in work:
+            if w.rank == self.rank:
+                engine.next_seq_id = w.first_seq_id
+                engine.add_request({"prompt_token_ids": w.prompt_token_ids}, w.params, request_id=w.request_id)
+        ended = [to_output(engine.abort(rid), spec) for rid in aborts if rid in engine.requests]
+        for out in ended:
+            sent.pop(out.request_id, None)
+        failure, finished = None, []
+        if run:
+            exchanges = self.ep.exchanges if self.ep is not None else 0
+            if engine.has_unfinished():
+                try:
+                    finished = engine.step()
+                except Exception as e:  # noqa: BLE001 - reported to every rank by the gather below
+                    log.exception("rank %d: engine step failed", self.rank)
+                    failure = f"rank {self.rank}: {type(e).__name__}: {e}"
+            if self.ep is not None:
+                self.ep.finish_pass(self.ep.exchanges - exchanges)
+            self.steps += 1
+            if self.ep is not None and self.eplb_interval and self.steps % self.eplb_interval == 0:
+                engine.stats_extra["eplb"] = self.ep.rebalance()
+        progress = step_progress(engine, finished, sent) if failure is None else Progress()
+        progress.ended[:0] = ended
+        control = self.group.control
+        gathered = [None] * self.group.size
+        load = (self.queued_tokens(), engine.kv.num_free)
+        dist.all_gather_object(gathered, (progress, failure, load, engine.gauges()), group=control)
+        failures = [f for _, f, _, _ in gathered if f]
+        if failures:  # every rank ends what it has, as one engine does after a failed step
+            aborted = [to_output(req, spec) for req in engine.abort_all()]
+            sent.clear()
+            more = [None] * self.group.size
+            dist.all_gather_object(more, aborted, group=control)
+            for part, outs in zip(gathered, more):
+                part[0].ended += outs
+        merged = Progress([o for part in gathered for o in part[0].ended], [o for part in gathered for o in part[0].partial],
+                          "; ".join(failures) or None)
+        gauges = {k: sum(part[3][k] for part in gathered) for k in gathered[0][3]}
+        return merged, [part[2] for part in gathered], gauges
+
     # ---- spawned ranks -------------------------------------------------------------------------
     def serve(self) -> None:
         """A spawned rank's life after start-up: take rank 0's commands until it says stop."""
@@ -262,6 +316,9 @@ class DataParallel:
             dist.broadcast_object_list(box, src=0, group=self.group.commands)
             if box[0] == STOP:
                 return
+            if isinstance(box[0], tuple) and box[0][0] == STEP:
+                self.serve_step(*box[0][1:])
+                continue
             try:
                 self.generate()
             except (Refused, GenerationError) as e:  # rank 0 raises it for the caller; the group goes on

@@ -484,6 +484,15 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.in_flight is not None
 
+    def gauges(self) -> dict[str, float]:
+        """What a server's metrics report, as counts that add up over data-parallel ranks:
+        sequences waiting and running, KV blocks used and in all (tightest cache group), prompt
+        tokens found in / looked up in the prefix cache, draft tokens verified / accepted."""
+        return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+                "kv_used_blocks": self.kv.num_blocks - self.kv.num_free, "kv_blocks": self.kv.num_blocks,
+                "prefix_hit_tokens": self.kv.num_hit_tokens, "prefix_queried_tokens": self.kv.num_queried_tokens,
+                "draft_tokens": self.spec_stats.num_draft_tokens, "accepted_tokens": self.spec_stats.num_accepted_tokens}
+
     def abort(self, request_id: str) -> Request:
         """Stop a request (unfinished samples get finish_reason "abort" and the text of the tokens
         they produced), free its blocks, return it."""

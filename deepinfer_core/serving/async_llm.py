@@ -3,11 +3,14 @@
 The engine is not thread-safe, so everything that touches it runs on one engine thread: it
 takes requests and aborts from an inbox, steps while any request is unfinished, and after
 every step hands each request's new state to the asyncio task waiting for it (through the
-task's event loop, thread-safely). A request that is refused (bad input) raises in the caller's
+task's event loop, thread-safely). What it steps is a driver (``drivers``): the LLM's one
+engine, or, for a data-parallel LLM, the whole group from rank 0 (each request runs on the rank
+with the least queued work; every rank steps together). A request that is refused (bad input) raises in the caller's
 ``generate``; the engine keeps serving. Cancelling the task that iterates ``generate`` (a client
 that went away) aborts the request at once: its blocks are freed by the next engine-thread turn.
 If a step fails, every request in flight ends with finish_reason "abort" and its stream raises
-``GenerationError`` with what it had produced; requests that arrive afterwards run normally.
+``GenerationError`` with what it had produced; requests that arrive afterwards run normally
+(unless a data-parallel rank died: then the group is gone and new requests are refused).
 """
 
 from __future__ import annotations
@@ -18,11 +21,11 @@ import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from deepinfer_core.api import LLM, GenerationError, RequestOutput, to_output
-from deepinfer_core.config import ConfigError
+from deepinfer_core.api import LLM, GenerationError, RequestOutput
 from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.serving.drivers import LocalDriver, ParallelDriver
 
 log = logging.getLogger("deepinfer")
 
@@ -31,7 +34,6 @@ log = logging.getLogger("deepinfer")
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    sent: list[int] = field(default_factory=list)  # output tokens per sample already handed over
 
 
 class AsyncLLM:
@@ -39,11 +41,10 @@ class AsyncLLM:
     this front end runs: both would drive the same engine)."""
 
     def __init__(self, llm: LLM):
-        if getattr(llm, "parallel", None) is not None:
-            raise ConfigError("serving a data-parallel LLM is not supported yet (the server drives one engine; the ranks "
-                              "step together only inside LLM.generate); serve with data_parallel_size=1")
         self.llm = llm
-        self.engine = llm.engine
+        self.engine = llm.engine  # rank 0's of a data-parallel LLM: tokenizer, limits, model config
+        parallel = getattr(llm, "parallel", None)
+        self.driver = ParallelDriver(parallel) if parallel is not None else LocalDriver(llm.engine)
         self._inbox: deque = deque()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -99,34 +100,29 @@ class AsyncLLM:
 
     # ---- engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
-        engine = self.engine
+        driver = self.driver
         while True:
             if not self._take_inbox():
                 return
-            if not engine.has_unfinished():
+            if not driver.has_unfinished():
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
                 continue
-            try:
-                finished = engine.step()
-            except Exception as e:  # the step failed: every request in flight ends, the engine goes on
-                log.exception("engine step failed; aborting the %d requests in flight", len(engine.requests))
-                for req in engine.abort_all():
-                    out = self._ended(req)
-                    self._deliver(req.request_id, GenerationError(f"generation failed: {type(e).__name__}: {e}", [out]))
-                continue
-            for req in finished:
-                self._deliver(req.request_id, self._ended(req))
-            for rid, req in engine.requests.items():
-                stream = self._streams.get(rid)
-                counts = [len(s.output_token_ids) for s in req.seqs]
-                if stream is not None and counts != stream.sent:
-                    stream.sent = counts
-                    self._send(stream, self._partial(req))
+            progress = driver.step()
+            for out in progress.ended:
+                self._ended(out)
+                item = GenerationError(f"generation failed: {progress.failure}", [out]) if progress.failure else out
+                self._deliver(out.request_id, item)
+            if progress.failure:  # requests the failure took without an output (a data-parallel rank died)
+                for rid in list(self._streams):
+                    self._deliver(rid, GenerationError(f"generation failed: {progress.failure}", []))
+            for out in progress.partial:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    self._send(stream, out)
 
-    def _ended(self, req) -> RequestOutput:
-        """A finished or aborted request's output, shown to the listeners."""
-        out = to_output(req, self.engine.proposer is not None)
+    def _ended(self, out: RequestOutput) -> RequestOutput:
+        """Show a finished or aborted request's output to the listeners."""
         for listener in self.listeners:
             try:
                 listener(out)
@@ -134,27 +130,15 @@ class AsyncLLM:
                 log.exception("request listener failed")
         return out
 
-    def _partial(self, req) -> RequestOutput:
-        """An unfinished request's output, its samples' text decoded so far. Text that may still
-        change is held back: an incomplete UTF-8 character at the end, and the last characters
-        a stop string could start with (the finished text is cut before the stop string)."""
-        out = to_output(req, self.engine.proposer is not None)
-        for c, seq in zip(out.outputs, req.seqs):
-            if not seq.is_finished:
-                text = self.engine.output.text_so_far(seq)
-                hold = max(map(len, seq.params.stop)) - 1 if seq.params.stop and not seq.params.include_stop_str_in_output else 0
-                c.text = text[: max(0, len(text) - hold)]
-        return out
-
     def _take_inbox(self) -> bool:
         """Apply the queued adds and aborts; False when asked to stop."""
-        engine = self.engine
+        driver = self.driver
         while self._inbox:
             item = self._inbox.popleft()
             if item[0] == "add":
                 _, prompt, params, request_id, stream, added = item
                 try:
-                    rid = engine.add_request(prompt, params, request_id=request_id)
+                    rid = driver.add(prompt, params, request_id)
                 except Exception as e:  # refused: the caller's error, the engine untouched
                     added.set_exception(e)
                     continue
@@ -162,12 +146,12 @@ class AsyncLLM:
                 added.set_result(rid)
             elif item[0] == "abort":
                 rid = item[1]
-                if rid in engine.requests:
-                    self._ended(engine.abort(rid))
+                for out in driver.abort(rid):
+                    self._ended(out)
                 self._streams.pop(rid, None)
             else:  # stop
-                for req in engine.abort_all():
-                    self._deliver(req.request_id, self._ended(req))
+                for out in driver.abort_all():
+                    self._deliver(out.request_id, self._ended(out))
                 return False
         return True
 

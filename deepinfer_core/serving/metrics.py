@@ -1,7 +1,7 @@
 """The server's Prometheus metrics (``GET /metrics``), through prometheus_client.
 
 Gauges are read from the engine when scraped (queue, running sequences, KV usage, prefix-cache
-hit rate, speculative acceptance since start-up); per-request figures (time to first token,
+hit rate, speculative acceptance since start-up; summed over the ranks of a data-parallel LLM); per-request figures (time to first token,
 time per output token, end-to-end latency, tokens) are observed as each request finishes.
 """
 
@@ -16,22 +16,23 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5
 
 
 class ServerMetrics:
-    def __init__(self, engine):
-        """``engine``: the deepinfer Engine the AsyncLLM drives (read, never changed)."""
+    def __init__(self, gauges):
+        """``gauges()``: the engine's figures now (``Engine.gauges``, summed over the ranks of a
+        data-parallel LLM), read when scraped."""
         self.registry = registry = CollectorRegistry()
         p = "deepinfer_"
-        Gauge(p + "num_requests_waiting", "sequences queued for admission", registry=registry).set_function(
-            lambda: len(engine.scheduler.waiting))
-        Gauge(p + "num_requests_running", "sequences in the running batch", registry=registry).set_function(
-            lambda: len(engine.scheduler.running))
-        Gauge(p + "kv_cache_usage_ratio", "share of the KV cache's blocks in use (tightest cache group)", registry=registry).set_function(
-            lambda: 1.0 - engine.kv.num_free / max(1, engine.kv.num_blocks))
-        Gauge(p + "prefix_cache_hit_ratio", "prompt tokens found in the prefix cache / prompt tokens looked up",
-              registry=registry).set_function(lambda: engine.kv.num_hit_tokens / max(1, engine.kv.num_queried_tokens))
-        Gauge(p + "spec_decode_draft_tokens", "draft tokens verified since start-up", registry=registry).set_function(
-            lambda: engine.spec_stats.num_draft_tokens)
-        Gauge(p + "spec_decode_accepted_tokens", "draft tokens accepted since start-up", registry=registry).set_function(
-            lambda: engine.spec_stats.num_accepted_tokens)
+
+        def gauge(name: str, doc: str, value) -> None:
+            Gauge(p + name, doc, registry=registry).set_function(lambda: value(gauges()))
+
+        gauge("num_requests_waiting", "sequences queued for admission", lambda g: g["waiting"])
+        gauge("num_requests_running", "sequences in the running batch", lambda g: g["running"])
+        gauge("kv_cache_usage_ratio", "share of the KV cache's blocks in use (tightest cache group)",
+              lambda g: g["kv_used_blocks"] / max(1, g["kv_blocks"]))
+        gauge("prefix_cache_hit_ratio", "prompt tokens found in the prefix cache / prompt tokens looked up",
+              lambda g: g["prefix_hit_tokens"] / max(1, g["prefix_queried_tokens"]))
+        gauge("spec_decode_draft_tokens", "draft tokens verified since start-up", lambda g: g["draft_tokens"])
+        gauge("spec_decode_accepted_tokens", "draft tokens accepted since start-up", lambda g: g["accepted_tokens"])
         self.ttft = Histogram(p + "time_to_first_token_seconds", "request arrival to its first output token", buckets=LATENCY_BUCKETS,
                               registry=registry)
         self.tpot = Histogram(p + "time_per_output_token_seconds", "(finish - first token) / (output tokens - 1)", buckets=TOKEN_BUCKETS,

@@ -203,7 +203,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
 
         register(app, engine, model_name, limits)  # /v1/messages
 
-    metrics = ServerMetrics(engine.engine)
+    metrics = ServerMetrics(engine.driver.gauges)
     engine.listeners.append(metrics.observe)
 
     @app.get("/metrics")

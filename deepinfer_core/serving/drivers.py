@@ -1,0 +1,174 @@
+"""What ``AsyncLLM``'s engine thread drives: one engine (``LocalDriver``) or a data-parallel
+group from its rank 0 (``ParallelDriver``). Both take requests and aborts, step, and report each
+step's ``Progress``: the requests that ended (finished, or aborted) and the unfinished ones whose
+output changed, as ``RequestOutput`` (the partial ones with text that may still change held
+back, ``partial_output``).
+
+A driver never raises for a failed step: the failure is in ``Progress.failure``, the requests it
+ended are in ``Progress.ended``, and every other request it had is lost (the group is gone).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+from deepinfer_core.api import RequestOutput, to_output
+from deepinfer_core.engine.engine import RequestError
+from deepinfer_core.sampling.params import SamplingParams
+
+log = logging.getLogger("deepinfer")
+
+
+@dataclass
+class Progress:
+    """One step's news: ``ended`` requests (final outputs), ``partial`` outputs of unfinished
+    requests that changed, and the failure that ended the step's requests, if any."""
+
+    ended: list[RequestOutput] = field(default_factory=list)
+    partial: list[RequestOutput] = field(default_factory=list)
+    failure: str | None = None
+
+
+def partial_output(engine, req) -> RequestOutput:
+    """An unfinished request's output, its samples' text decoded so far. Text that may still
+    change is held back: an incomplete UTF-8 character at the end, and the last characters a
+    stop string could start with (the finished text is cut before the stop string)."""
+    out = to_output(req, engine.proposer is not None)
+    for c, seq in zip(out.outputs, req.seqs):
+        if not seq.is_finished:
+            text = engine.output.text_so_far(seq)
+            hold = max(map(len, seq.params.stop)) - 1 if seq.params.stop and not seq.params.include_stop_str_in_output else 0
+            c.text = text[: max(0, len(text) - hold)]
+    return out
+
+
+def step_progress(engine, finished: list, sent: dict[str, list[int]]) -> Progress:
+    """The news after ``engine.step()`` returned ``finished``: their final outputs, and a partial
+    output for every unfinished request whose token counts differ from ``sent`` (updated)."""
+    spec = engine.proposer is not None
+    progress = Progress(ended=[to_output(req, spec) for req in finished])
+    for req in finished:
+        sent.pop(req.request_id, None)
+    for rid, req in engine.requests.items():
+        counts = [len(s.output_token_ids) for s in req.seqs]
+        if counts != sent.get(rid, []):
+            sent[rid] = counts
+            progress.partial.append(partial_output(engine, req))
+    return progress
+
+
+class LocalDriver:
+    """One engine, stepped on the caller's (the engine) thread."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._sent: dict[str, list[int]] = {}  # output tokens per sample already reported
+
+    def add(self, prompt, params: SamplingParams, request_id: str | None) -> str:
+        return self.engine.add_request(prompt, params, request_id=request_id)
+
+    def abort(self, rid: str) -> list[RequestOutput]:
+        """The request's final output (now), or nothing when it had already ended."""
+        self._sent.pop(rid, None)
+        if rid not in self.engine.requests:
+            return []
+        return [to_output(self.engine.abort(rid), self.engine.proposer is not None)]
+
+    def abort_all(self) -> list[RequestOutput]:
+        self._sent.clear()
+        return [to_output(req, self.engine.proposer is not None) for req in self.engine.abort_all()]
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def step(self) -> Progress:
+        try:
+            finished = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - every request in flight ends; the engine goes on
+            log.exception("engine step failed; aborting the %d requests in flight", len(self.engine.requests))
+            return Progress(ended=self.abort_all(), failure=f"{type(e).__name__}: {e}")
+        return step_progress(self.engine, finished, self._sent)
+
+    def gauges(self) -> dict[str, float]:
+        return self.engine.gauges()
+
+
+class ParallelDriver:
+    """Rank 0 of a spawned data-parallel group (``dist.data_parallel.DataParallel``): it checks
+    each request, gives it its ids, and at the next step hands it to the rank with the least
+    queued work (``assign``); every step is one ``serve_step`` of the whole group, which returns
+    every rank's news. The gauges are summed over the ranks, as of the last step."""
+
+    def __init__(self, dp):
+        if not dp.group.spawned and dp.group.size > 1:
+            from deepinfer_core.config import ConfigError
+
+            raise ConfigError("serving a data-parallel LLM launched by torchrun is not supported (its other ranks run your "
+                              "script, not the server's steps): let the LLM start its ranks itself (no torchrun)")
+        self.dp, self.engine = dp, dp.engine
+        self._work: list = []  # checked, not yet handed to a rank
+        self._aborts: list[str] = []
+        self._live: dict[str, str | None] = {}  # request id -> its prompt text, until it ends
+        self._gauges: dict[str, float] = self.engine.gauges()
+        self._loads = [(0, self.engine.kv.num_free)] * dp.group.size  # (queued tokens, free KV blocks) per rank
+
+    def add(self, prompt, params: SamplingParams, request_id: str | None) -> str:
+        from deepinfer_core.dist.data_parallel import Work
+
+        engine = self.engine
+        if self.dp.group.broken:
+            raise RuntimeError(f"the data-parallel group is gone ({self.dp.group.broken}); restart the server")
+        text, ids = engine.validate(prompt, params)
+        rid = request_id if request_id is not None else str(engine.next_request_id)
+        if rid in self._live:
+            raise RequestError(f"request id {rid!r} is already in use")
+        if request_id is None:
+            engine.next_request_id += 1
+        self._work.append(Work(rid, text, ids, params, engine.next_seq_id))
+        engine.next_seq_id += params.n
+        self._live[rid] = text
+        return rid
+
+    def abort(self, rid: str) -> list[RequestOutput]:
+        """Nothing now: the owner rank aborts it at the next step, which reports its output."""
+        if rid in self._live and rid not in self._aborts:
+            self._aborts.append(rid)
+        return []
+
+    def abort_all(self) -> list[RequestOutput]:
+        for rid in self._live:
+            self.abort(rid)
+        return self._step(run=False).ended if self._live and not self.dp.group.broken else []
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    def step(self) -> Progress:
+        return self._step(run=True)
+
+    def _step(self, run: bool) -> Progress:
+        from deepinfer_core.dist.data_parallel import STEP, assign
+
+        dp, work, aborts = self.dp, self._work, self._aborts
+        self._work, self._aborts = [], []
+        for w, rank in zip(work, assign([w.cost for w in work], [q for q, _ in self._loads], [f for _, f in self._loads])):
+            w.rank = rank
+        try:
+            dp.command((STEP, work, aborts, run))
+            progress, loads, gauges = dp.serve_step(work, aborts, run)
+        except Exception as e:  # noqa: BLE001 - a collective failed: a rank died; every request is lost
+            failure = dp.group.failure(e)
+            log.error("%s", failure)
+            self._live.clear()
+            return Progress(failure=str(failure))
+        self._loads, self._gauges = loads, gauges
+        ended = [dataclasses.replace(out, prompt=self._live.pop(out.request_id, None)) for out in progress.ended]
+        partial = [dataclasses.replace(out, prompt=self._live.get(out.request_id)) for out in progress.partial]
+        if progress.failure:
+            self._live.clear()  # every rank aborted what it had: all of it is in ``ended``
+        return Progress(ended, partial, progress.failure)
+
+    def gauges(self) -> dict[str, float]:
+        return self._gauges

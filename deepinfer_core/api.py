@@ -413,22 +413,28 @@ def _parallel_engine_config(config: EngineConfig, parallel: ParallelConfig, mode
     """The engine settings every rank runs with: under expert parallelism a step is one eager
     forward pass (the experts' exchange has per-step sizes no graph can hold; the lock-step
     counts forward passes). Context parallelism hands its prefixes over through the prefix
-    cache, on the models that have a context-parallel prefill."""
+    cache, on the models that have a context-parallel prefill. Speculative decoding counts as
+    asked for when DeepSeek's switches (DEEPINFER_USE_NEXTN_DECODE, ...) turn it on."""
+    from deepinfer_core.sampling.spec_decode.proposers import resolve
+
+    model_config = ModelConfig.from_dir(model_dir)
+    speculative = resolve(config.speculative_config, model_config) is not None
     if parallel.context_parallel_size > 1:
         from deepinfer_core.models.registry import get_model_class
 
-        model_type = ModelConfig.from_dir(model_dir).model_type
+        model_type = model_config.model_type
         if not getattr(get_model_class(model_type), "supports_context_parallel", False):
             raise ConfigError(f"context_parallel_size > 1 is supported for the MLA models (DeepSeek-V2/V3/R1), not for "
                               f"model_type {model_type!r} yet; leave context_parallel_size at 1")
-        if not config.enable_prefix_caching or config.speculative_config is not None:
+        if not config.enable_prefix_caching or speculative:
             raise ConfigError("context_parallel_size > 1 needs prefix caching on and no speculative decoding (the owner "
                               "rank finds the prefix the CP group computed in its prefix cache)")
     if not parallel.expert_parallel:
         return config
-    if config.speculative_config is not None:
+    if speculative:
         raise ConfigError("speculative decoding with expert_parallel=True is not supported yet (its draft and "
-                          "verification passes would have to run in lock-step on every rank); drop speculative_config")
+                          "verification passes would have to run in lock-step on every rank); drop speculative_config "
+                          "(and unset DEEPINFER_USE_NEXTN_DECODE / DEEPINFER_ENABLE_MTP_VARLEN)")
     if not config.enforce_eager:
         log.info("expert parallelism: decode graphs are off (every step runs eagerly)")
     return config.model_copy(update={"enforce_eager": True})

@@ -237,7 +237,7 @@ def test_a_killed_rank_is_a_clear_error_not_a_hang(checkpoints):
         llm.close()
 
 
-def test_parallel_settings_that_cannot_run_are_refused(checkpoints):
+def test_parallel_settings_that_cannot_run_are_refused(checkpoints, monkeypatch):
     path = checkpoints["v3"]
     with pytest.raises(ConfigError, match="must divide data_parallel_size"):
         _llm(path, data_parallel_size=2, context_parallel_size=4)
@@ -252,6 +252,9 @@ def test_parallel_settings_that_cannot_run_are_refused(checkpoints):
              speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
     with pytest.raises(ConfigError, match="data_parallel_size"):
         _llm(path, data_parallel_size=0)
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "2")  # DeepSeek's switch asks for speculative decoding too
+    with pytest.raises(ConfigError, match="unset DEEPINFER_USE_NEXTN_DECODE"):
+        _llm(path, data_parallel_size=2, expert_parallel=True)
 
 
 def test_torchrun_launch_gives_every_rank_the_same_outputs(checkpoints, reference, tmp_path):

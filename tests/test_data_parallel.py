@@ -2,7 +2,7 @@
 (gloo, 2 and 4 processes on this 2-core machine, tiny V3 and V4 checkpoints, float32): greedy
 tokens and logprobs equal the single-process run, with prompt chunks mixed with decode rows,
 with preemption, with EPLB re-placing the experts mid-run, and with long prompts prefilled by
-context parallelism (V3; V4 is refused); an engine error on one rank
+context parallelism (V3 and V4; V4.1 is refused); an engine error on one rank
 loses no finished output and leaves the group usable; a killed rank is a clear error, not a
 hang; the launch under torchrun gives every rank the same outputs."""
 
@@ -107,22 +107,28 @@ def test_data_and_expert_parallel_match_one_process(checkpoints, reference, monk
 LONG_PROMPTS = [[(5 * i + 3 * j) % 150 + 1 for j in range(20 + 37 * i)] for i in range(5)]  # 20..168 tokens
 
 
-@pytest.mark.parametrize("world, cp, ep", [(2, 2, False), (4, 2, True)])
-def test_context_parallel_prefill_matches_one_process(checkpoints, monkeypatch, world, cp, ep):
+@pytest.mark.parametrize("model, world, cp, ep", [("v3", 2, 2, False), ("v3", 4, 2, True), ("v4", 2, 2, False),
+                                                 ("v4", 4, 2, True)])
+def test_context_parallel_prefill_matches_one_process(checkpoints, monkeypatch, model, world, cp, ep):
     """Prompts whose whole-block prefix reaches 32 tokens are prefilled across their CP group
-    (zig-zag chunks, latent rows gathered per layer); the owner finds the prefix in its prefix
-    cache and decodes. With 4 ranks there are two CP groups, and under EP a group with no long
-    prompt left runs the MoE exchanges empty while the other prefills."""
+    (zig-zag chunks; V3: latent rows gathered per layer; V4: KV and compressor rows gathered, the
+    compressed and indexer entries pooled on every rank); the owner finds the prefix in its
+    prefix cache and decodes (V4 first replays the tokens its window and compressor rings need).
+    With 4 ranks there are two CP groups, and under EP a group with no long prompt left runs the
+    MoE exchanges empty while the other prefills."""
     monkeypatch.setenv("DEEPINFER_CP_MIN_TOKENS", "32")
     steps = {"max_num_batched_tokens": 32}
-    want = _llm(checkpoints["v3"], **steps).generate(LONG_PROMPTS, GREEDY, use_tqdm=False)
-    llm = _llm(checkpoints["v3"], data_parallel_size=world, context_parallel_size=cp, expert_parallel=ep, **steps)
+    want = _llm(checkpoints[model], **steps).generate(LONG_PROMPTS, GREEDY, use_tqdm=False)
+    llm = _llm(checkpoints[model], data_parallel_size=world, context_parallel_size=cp, expert_parallel=ep, **steps)
     try:
         got = llm.generate(LONG_PROMPTS, GREEDY, use_tqdm=False)
         _assert_same(got, want)
-        for g in got:  # the CP group's prefix, found by the owner: whole blocks before the last token
-            prefix = (len(g.prompt_token_ids) - 1) // 16 * 16
-            assert g.num_cached_tokens == (prefix if prefix >= 32 else 0), (len(g.prompt_token_ids), g.num_cached_tokens)
+        kv = llm.engine.kv
+        for g in got:  # the CP group's prefix, found by the owner: whole blocks before the last token (V4: less its replay)
+            prefix = (len(g.prompt_token_ids) - 1) // kv.block_size * kv.block_size
+            want_cached = kv.replay_start(prefix) if prefix >= 32 else 0
+            assert g.num_cached_tokens == want_cached, (len(g.prompt_token_ids), g.num_cached_tokens)
+        assert any(g.num_cached_tokens for g in got)  # some prompt's prefix came from its CP group
         assert llm.parallel.num_cp_prefills > 0
     finally:
         llm.close()
@@ -237,12 +243,14 @@ def test_a_killed_rank_is_a_clear_error_not_a_hang(checkpoints):
         llm.close()
 
 
-def test_parallel_settings_that_cannot_run_are_refused(checkpoints, monkeypatch):
+def test_parallel_settings_that_cannot_run_are_refused(checkpoints, monkeypatch, tmp_path):
+    from tests.v41_checkpoints import write_checkpoint_v41
+
     path = checkpoints["v3"]
     with pytest.raises(ConfigError, match="must divide data_parallel_size"):
         _llm(path, data_parallel_size=2, context_parallel_size=4)
-    with pytest.raises(ConfigError, match="not for model_type 'deepseek_v4'"):
-        _llm(checkpoints["v4"], data_parallel_size=2, context_parallel_size=2)
+    with pytest.raises(ConfigError, match="not for model_type 'deepseek_v41'"):
+        _llm(write_checkpoint_v41("v41-tiny", tmp_path / "v41"), data_parallel_size=2, context_parallel_size=2)
     with pytest.raises(ConfigError, match="needs prefix caching on"):
         _llm(path, data_parallel_size=2, context_parallel_size=2, enable_prefix_caching=False)
     with pytest.raises(ConfigError, match="needs data_parallel_size > 1"):

@@ -16,8 +16,11 @@ partial attention results of several ranks merge into the exact one.
   values of a partial output plus its log-sum-exp), so every rank gathers the latent rows of the
   whole prefix, layer by layer, and attends its own zig-zag chunks over them: the attention work
   is balanced by the chunks, no partial output crosses ranks, and every rank ends up with the
-  prefix's cache rows, which the request's owner writes into its KV cache. ``partial_attention``
-  / ``merge_partials`` stay the pieces for attention whose keys are too big to gather.
+  prefix's cache rows, which the request's owner writes into its KV cache. V4's attention is
+  sparse over one shared KV row per token (its window) plus compressed entries, so the same
+  holds there: every rank gathers the KV and compressor rows, pools the prefix's entries, and
+  the owner stores the entries. ``partial_attention`` / ``merge_partials`` stay the pieces for
+  attention whose keys are too big to gather.
 """
 
 from __future__ import annotations

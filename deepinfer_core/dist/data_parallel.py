@@ -15,10 +15,12 @@ engine (scheduler, KV cache, its share of the requests), stepping together.
    forward pass (no speculative decoding, no graphs), which keeps the count the same everywhere.
 3. **Context parallelism** (``context_parallel_size`` C > 1: CP groups of C consecutive ranks).
    Before the loop, every prompt whose whole-block prefix (before its last token) reaches
-   ``DEEPINFER_CP_MIN_TOKENS`` is prefilled by its owner's CP group: zig-zag chunks, the latent
-   rows gathered per layer (``ContextParallel``). The owner puts the prefix's cache rows into its
-   prefix cache, and the request's admission finds them there: it computes only its last few
-   tokens and decodes on the owner. (Those tokens count as cached tokens in its output.)
+   ``DEEPINFER_CP_MIN_TOKENS`` is prefilled by its owner's CP group: zig-zag chunks, the rows a
+   layer's attention needs gathered per layer (``ContextParallel``; the model's
+   ``prefill_context_parallel``). The owner puts the prefix's cache rows into its prefix cache,
+   and the request's admission finds them there: it computes only its last few tokens (on V4
+   also the bounded replay its rings need) and decodes on the owner. (Those tokens count as
+   cached tokens in its output.)
 4. **EPLB.** Every ``DEEPINFER_EPLB_INTERVAL`` steps (counted the same on every rank) the
    experts are re-placed for the load counted since the last time, between two steps: requests
    in flight go on with the moved weights. The imbalance before and after goes into the next

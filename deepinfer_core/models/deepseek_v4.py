@@ -198,17 +198,29 @@ class Attention(nn.Module):
         elif layer_type == HCA:
             self.compressor = Compressor(config, ops, alloc, config.hca_ratio, d, overlap=False)
 
-    def forward(self, x: torch.Tensor, plan: V4Batch, caches: dict[str, torch.Tensor], name: str, tables) -> torch.Tensor:
+    def _project(self, x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor):
+        """(q_a's normed rows qr, the rotated queries [T, H, d], the rotated KV rows [T, d])."""
         ops, c = self.ops, self.config
-        t, positions = x.shape[0], plan.positions
-        table, inverse = tables
+        t = x.shape[0]
         qr = ops.rms_norm_f32(self.q_a_proj(x), self.q_a_norm.weight, self.q_a_norm.eps)
         q = ops.rms_normalize(self.q_b_proj(qr).view(t, self.num_heads, self.head_dim), c.rms_norm_eps)
         kv = ops.rms_norm_f32(self.kv_proj(x), self.kv_norm.weight, self.kv_norm.eps)
         r = table.shape[-1]
         q_pe, k_pe = ops.rotary_embedding(q[..., -r:], kv[:, -r:], positions, table, True)
-        q = torch.cat([q[..., :-r], q_pe], dim=-1)
-        kv = torch.cat([kv[:, :-r], k_pe], dim=-1)
+        return qr, torch.cat([q[..., :-r], q_pe], dim=-1), torch.cat([kv[:, :-r], k_pe], dim=-1)
+
+    def _output(self, q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, positions: torch.Tensor, inverse) -> torch.Tensor:
+        """Sparse attention of ``q`` over the ``index`` rows of ``pool``, then the output projections."""
+        ops = self.ops
+        out = ops.sparse_attention(q, pool, index, self.sinks, self.head_dim**-0.5)
+        out = _rope(ops, out, positions, inverse)  # undo the values' rotation at the query position
+        return self.o_b_proj(grouped_o_a(ops, self.o_a_proj, out.view(q.shape[0], self.config.o_groups, -1)))
+
+    def forward(self, x: torch.Tensor, plan: V4Batch, caches: dict[str, torch.Tensor], name: str, tables) -> torch.Tensor:
+        ops, c = self.ops, self.config
+        positions = plan.positions
+        table, inverse = tables
+        qr, q, kv = self._project(x, positions, table)
 
         window = caches[f"{name}.window"]
         pool = torch.cat([kv, window.view(-1, self.head_dim).to(kv.dtype)])  # read before this step's writes
@@ -218,9 +230,39 @@ class Attention(nn.Module):
             entries, chosen = self._compressed(x, qr, plan, caches, name, table)
             index = torch.cat([index, torch.where(chosen >= 0, chosen + pool.shape[0], chosen)], dim=1)
             pool = torch.cat([pool, entries])
-        out = ops.sparse_attention(q, pool, index, self.sinks, self.head_dim**-0.5)
-        out = _rope(ops, out, positions, inverse)  # undo the values' rotation at the query position
-        return self.o_b_proj(grouped_o_a(ops, self.o_a_proj, out.view(t, c.o_groups, -1)))
+        return self._output(q, pool, index, positions, inverse)
+
+    def forward_context_parallel(self, x: torch.Tensor, positions: torch.Tensor, cp, tables):
+        """This rank's tokens of a context-parallel prefill (``dist.context_parallel.ContextParallel``):
+        the KV rows and compressor rows of the whole prefix are gathered, every compressed entry
+        of the prefix is pooled (on every rank), and this rank's queries attend as the engine's
+        forward would. Returns (the attention output of this rank's tokens, the prefix's entries
+        by cache name: ``compressed`` and, on CSA layers, ``indexer``; none on SWA layers)."""
+        c = self.config
+        table, inverse = tables
+        qr, q, kv = self._project(x, positions, table)
+        full = cp.gather(kv)  # position p is row p
+        keys = positions[:, None] - torch.arange(c.sliding_window, device=x.device)[None, :]  # newest first, as plan.window
+        index = torch.where(keys >= 0, keys, torch.full_like(keys, -1))
+        saved: dict[str, torch.Tensor] = {}
+        if self.compressor is None:
+            return self._output(q, full, index, positions, inverse), saved
+        comp = self.compressor
+        csa = self.layer_type == CSA
+        parts = [comp] + ([comp.indexer] if csa else [])
+        rows = cp.gather(torch.cat([part.rows(x, positions) for part in parts], dim=-1))
+        m, span = comp.ratio, 2 * comp.ratio if comp.overlap else comp.ratio
+        ends = torch.arange(cp.length // m, device=x.device) * m + m - 1  # the tokens that close a window
+        rows_pos = ends[:, None] - span + 1 + torch.arange(span, device=x.device)[None, :]
+        window_rows, valid, offset = rows[rows_pos.clamp(min=0)], rows_pos >= 0, 0
+        for part, cache_name in zip(parts, ("compressed", "indexer")):
+            saved[cache_name] = part.pool(window_rows[..., offset:offset + part.row_dim], valid, ends - (m - 1), table, x.dtype)
+            offset += part.row_dim
+        w = torch.arange(ends.shape[0], device=x.device)[None, :]
+        visible = torch.where(w < ((positions + 1) // m)[:, None], w, torch.full_like(w, -1))
+        chosen = comp.indexer.select(x, qr, _Prefix(positions, visible), table, saved["indexer"]) if csa else visible
+        index = torch.cat([index, torch.where(chosen >= 0, chosen + full.shape[0], chosen)], dim=1)
+        return self._output(q, torch.cat([full, saved["compressed"]]), index, positions, inverse), saved
 
     def _compressed(self, x, qr, plan: V4Batch, caches, name: str, table) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's compressed entries; return (every sequence's entries [N, d], the
@@ -250,6 +292,17 @@ class Attention(nn.Module):
             return entries, plan.visible(kv_group)
         keys = self.ops.gather_latent_cache(caches[f"{name}.indexer"], slots).to(x.dtype)
         return entries, comp.indexer.select(x, qr, plan, table, keys)
+
+
+class _Prefix:
+    """What ``Indexer.select`` reads of a plan, for a context-parallel prefix: the queries'
+    positions and the compressed entries each sees (``visible``, [T, C] into the prefix's entries)."""
+
+    def __init__(self, positions: torch.Tensor, visible: torch.Tensor):
+        self.positions, self._visible = positions, visible
+
+    def visible(self, group: str, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        return self._visible[lo:hi]
 
 
 class ClampedMLP(MLP):
@@ -321,12 +374,15 @@ class DecoderLayer(nn.Module):
         c = self.config
         return self.ops.mhc_pre(x, hc.fn, hc.base, hc.scale, hc_eps=c.hc_eps, rms_eps=c.rms_norm_eps, sinkhorn_iters=c.hc_sinkhorn_iters)
 
-    def forward(self, x, input_ids, plan: V4Batch, caches, name: str, tables) -> torch.Tensor:
-        """x: [T, hc, D] streams -> the streams after attention and MoE."""
+    def forward(self, x, input_ids, plan: V4Batch, caches, name: str, tables, attend=None) -> torch.Tensor:
+        """x: [T, hc, D] streams -> the streams after attention and MoE. ``attend``: what runs
+        the attention instead of ``self_attn(y, plan, caches, name, tables)`` (a context-parallel
+        prefill)."""
         ops = self.ops
         post, comb, y = self._pre(self.attn_hc, x)
         y = ops.rms_norm_f32(y, self.input_layernorm.weight, self.input_layernorm.eps)
-        x = ops.mhc_post(self.self_attn(y, plan, caches, name, tables), x, post, comb)
+        a = self.self_attn(y, plan, caches, name, tables) if attend is None else attend(y)
+        x = ops.mhc_post(a, x, post, comb)
         post, comb, y = self._pre(self.ffn_hc, x)
         y = ops.rms_norm_f32(y, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
         return ops.mhc_post(self.mlp(y, input_ids), x, post, comb)
@@ -415,6 +471,8 @@ class DeepseekV4ForCausalLM(V4FamilyLM):
     """DeepSeek-V4 causal LM over the cache groups of ``cache_groups`` (``forward`` has the same
     batch contract as DeepseekV3ForCausalLM's)."""
 
+    supports_context_parallel = True  # prefill_context_parallel / write_context
+
     def __init__(self, config: V4ModelConfig, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False,
                  expert_slots: tuple[int, ...] | None = None):
         super().__init__(config, ops, dtype, device, keep_fp8, expert_slots)
@@ -487,6 +545,38 @@ class DeepseekV4ForCausalLM(V4FamilyLM):
         for i, layer in enumerate(self.model.layers):
             x = layer(x, input_ids, plan, kv_caches, f"model.layers.{i}.self_attn", self._layer_tables(self.config.layer_types[i]))
         return x
+
+    @torch.no_grad()
+    def prefill_context_parallel(self, input_ids: torch.Tensor, positions: torch.Tensor, cp) -> dict[str, torch.Tensor]:
+        """This rank's tokens (``input_ids`` at ``positions``, ``cp.positions()``) of a prompt prefix
+        prefilled across a CP group; every rank of the group calls it. Returns the compressed
+        and indexer entries of the whole prefix, by cache tensor name: what ``write_context``
+        stores (the window and compressor rings are rebuilt by the owner's bounded replay)."""
+        e = self.embed(input_ids)
+        x = e[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
+        entries: dict[str, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            name, tables = f"model.layers.{i}.self_attn", self._layer_tables(self.config.layer_types[i])
+
+            def attend(y, layer=layer, name=name, tables=tables):
+                out, saved = layer.self_attn.forward_context_parallel(y, positions, cp, tables)
+                entries.update({f"{name}.{k}": v for k, v in saved.items()})
+                return out
+
+            x = layer(x, input_ids, None, None, name, tables, attend)
+        return entries
+
+    def write_context(self, kv_caches: dict[str, torch.Tensor], entries: dict[str, torch.Tensor], blocks: dict[str, list[int]],
+                      block_size: int) -> None:
+        """Store ``prefill_context_parallel``'s entries of a prefix into the paged cache blocks
+        ``blocks`` (per group; the prefix fills them exactly)."""
+        groups = {layer: g for g in self.cache_groups() if g.kind == "paged" for layer in g.layers}
+        for name, rows in entries.items():
+            g = groups[name]
+            per = block_size // g.tokens_per_entry
+            table = torch.tensor(blocks[g.name], dtype=torch.int64, device=self.device)
+            slots = (table[:, None] * per + torch.arange(per, device=self.device)).flatten()
+            self.ops.write_cache(kv_caches[name], rows, slots[: rows.shape[0]])
 
     def head_hidden(self, streams: torch.Tensor) -> torch.Tensor:
         """Final collapse and norm: [T, hc, D] -> [T, D]."""

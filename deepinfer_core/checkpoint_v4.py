@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from deepinfer_core.loader import CheckpointError, LoadPlan, Slot, first_slots
+from deepinfer_core.loader import CheckpointError, LoadPlan, Slot, expert_slots, first_slots
 
 logger = logging.getLogger("deepinfer.loader")
 
@@ -293,7 +293,7 @@ class V4Checkpoint:
     def plan(self, model, config, key_file: dict[str, Path]) -> LoadPlan:
         params = model.state_dict(keep_vars=True)
         k = getattr(model, "num_mtp_layers", 0)
-        slots = getattr(model, "expert_slots", None)  # expert parallelism: only this rank's experts
+        slots = getattr(model, "expert_slots", None)  # expert parallelism: only this rank's experts (not the MTP block's)
         found: dict[tuple, str] = {}  # (target, expert, half, scale) -> checkpoint key
         parsed: dict[str, V4Key] = {}
         ignored: set[str] = set()
@@ -305,7 +305,7 @@ class V4Checkpoint:
             if p.mtp is not None and p.mtp >= k:
                 ignored.add(key)  # an MTP block the model does not have (resolve_mtp warned)
                 continue
-            if slots is not None and p.expert is not None and p.expert not in slots:
+            if slots is not None and p.mtp is None and p.expert is not None and p.expert not in slots:
                 ignored.add(key)  # another rank's expert
                 continue
             ident = (p.target, p.expert, p.half, p.scale)
@@ -329,7 +329,7 @@ class V4Checkpoint:
             whole = (target, None, None, scale)
             if target.endswith(FUSED_EXPERTS) and whole not in found:
                 halves = (0, 1) if target.endswith("gate_up_proj") else (None,)
-                first = first_slots(tensor.shape[0], slots)
+                first = first_slots(tensor.shape[0], expert_slots(model, name))
                 parts = [(e, h) for e in first for h in halves]
                 if naming != "hf" or any((target, e, h, scale) in found for e, h in parts):
                     rows = tensor.shape[1] // len(halves)
@@ -338,7 +338,7 @@ class V4Checkpoint:
                         expected[key] = Slot(name, first[e], None if h is None else slice(h * rows, (h + 1) * rows))
                     continue
             key = found.get(whole) or self.checkpoint_key(target, naming, scale=scale) or name
-            sharded = slots is not None and target.endswith(FUSED_EXPERTS)  # fused in the checkpoint: this rank's rows
+            sharded = expert_slots(model, name) is not None and target.endswith(FUSED_EXPERTS)  # fused: this rank's rows
             expected[key] = Slot(name, source=tuple(slots)) if sharded else Slot(name)
 
         companions = {}

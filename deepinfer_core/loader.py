@@ -134,8 +134,8 @@ class V3Checkpoint:
             e = PER_EXPERT_KEY.fullmatch(key)
             if m and mtp_first <= int(m[1]) < mtp_first + model.num_mtp_layers and m[2] in MTP_TIED_KEYS:
                 ignored.add(key)
-            elif slots is not None and e and int(e[1]) not in slots:
-                ignored.add(key)  # another rank's expert
+            elif slots is not None and e and int(e[1]) not in slots and m and int(m[1]) < mtp_first:
+                ignored.add(key)  # another rank's expert (the MTP layers keep every expert)
             elif key.endswith("_scale_inv") and key[: -len("_scale_inv")] in expected:
                 companions[key[: -len("_scale_inv")]] = key  # dequantised together with its weight
         return LoadPlan(expected, companions, ignored)
@@ -238,11 +238,11 @@ def _scale_key(weight_key: str) -> str:
 def _expected_keys(model: torch.nn.Module, config: ModelConfig, present: set[str]) -> dict[str, Slot]:
     """Checkpoint key -> where it goes, for every tensor the model needs."""
     expected: dict[str, Slot] = {}
-    slots = getattr(model, "expert_slots", None)
     for name, tensor in model.state_dict(keep_vars=True).items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         key = _checkpoint_name(name, config.num_hidden_layers)
+        slots = expert_slots(model, name)
         if key in present:
             sharded = slots is not None and EXPERT_KEY.fullmatch(key)
             expected[key] = Slot(name, source=tuple(slots)) if sharded else Slot(name)
@@ -250,6 +250,13 @@ def _expected_keys(model: torch.nn.Module, config: ModelConfig, present: set[str
         split = split_expert_key(key, tensor.shape, name, slots)
         expected.update({key: Slot(name)} if split is None else split)
     return expected
+
+
+def expert_slots(model, param: str) -> tuple[int, ...] | None:
+    """The expert-parallel slots of parameter ``param`` (a model's ``expert_slots``): those of the
+    decoder stack's routed experts; None for everything else (the MTP layers keep every expert)."""
+    slots = getattr(model, "expert_slots", None)
+    return slots if slots is not None and param.startswith("model.") else None
 
 
 def first_slots(num_slots: int, slots: tuple[int, ...] | None) -> dict[int, int]:

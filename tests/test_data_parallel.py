@@ -134,6 +134,38 @@ def test_context_parallel_prefill_matches_one_process(checkpoints, monkeypatch, 
         llm.close()
 
 
+@pytest.fixture(scope="module")
+def v3_with_mtp(tmp_path_factory):
+    from tests.hf_checkpoints import add_mtp_weights
+
+    path = tmp_path_factory.mktemp("v3_mtp")
+    add_mtp_weights(path, write_checkpoint("v3_grouped", path))
+    return path
+
+
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_speculative_decoding_under_expert_parallelism(v3_with_mtp, method):
+    """A step is still one pass of the decoder stack on every rank: n-gram drafts need no pass,
+    and the MTP layer keeps every expert and drafts on each rank alone. Greedy tokens and the
+    drafts' acceptance equal one process's."""
+    spec = ({"method": "mtp", "num_speculative_tokens": 2} if method == "mtp"
+            else {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 1})
+    repetitive = [[7, 8, 9] * (2 + i) + [5 * i + 1] for i in range(4)] + PROMPTS[:2]
+    want = _llm(v3_with_mtp, speculative_config=spec, **SMALL_STEPS).generate(repetitive, GREEDY, use_tqdm=False)
+    llm = _llm(v3_with_mtp, data_parallel_size=2, expert_parallel=True, speculative_config=spec, **SMALL_STEPS)
+    try:
+        if method == "mtp":
+            mtp_experts = llm.engine.model.mtp.layers[0].mlp.experts.gate_up_proj
+            assert mtp_experts.shape[0] == llm.engine.model_config.n_routed_experts  # every expert, loaded
+        got = llm.generate(repetitive, GREEDY, use_tqdm=False)
+        _assert_same(got, want)
+        drafted = [(g.metrics.speculative.proposed, g.metrics.speculative.accepted) for g in got]
+        assert drafted == [(w.metrics.speculative.proposed, w.metrics.speculative.accepted) for w in want]
+        assert sum(sum(proposed) for proposed, _ in drafted) > 0  # drafts were verified (random weights accept few)
+    finally:
+        llm.close()
+
+
 def test_data_parallel_without_expert_parallel_and_preemption_on_one_rank(checkpoints, reference):
     """Full experts on every rank; a KV cache of 6 blocks: rank 0 gets the long n=2 request (two
     63-token samples need 8 blocks) and preempts, rank 1 the two short ones and does not."""
@@ -255,14 +287,11 @@ def test_parallel_settings_that_cannot_run_are_refused(checkpoints, monkeypatch,
         _llm(path, data_parallel_size=2, context_parallel_size=2, enable_prefix_caching=False)
     with pytest.raises(ConfigError, match="needs data_parallel_size > 1"):
         _llm(path, expert_parallel=True)
-    with pytest.raises(ConfigError, match="speculative decoding with expert_parallel"):
-        _llm(path, data_parallel_size=2, expert_parallel=True,
-             speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
     with pytest.raises(ConfigError, match="data_parallel_size"):
         _llm(path, data_parallel_size=0)
-    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "2")  # DeepSeek's switch asks for speculative decoding too
-    with pytest.raises(ConfigError, match="unset DEEPINFER_USE_NEXTN_DECODE"):
-        _llm(path, data_parallel_size=2, expert_parallel=True)
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "2")  # DeepSeek's switch asks for speculative decoding too: DSpark on V4.1
+    with pytest.raises(ConfigError, match="method 'dspark' and expert_parallel"):
+        _llm(tmp_path / "v41", data_parallel_size=2, expert_parallel=True)
 
 
 def test_torchrun_launch_gives_every_rank_the_same_outputs(checkpoints, reference, tmp_path):

@@ -116,6 +116,22 @@ def test_a_fused_checkpoint_is_read_row_by_row(checkpoints, tmp_path, monkeypatc
     assert_shard_matches(full, shard, SLOTS)
 
 
+def test_the_mtp_layer_keeps_every_expert(tmp_path, monkeypatch):
+    """The MTP layer drafts on each rank alone: a shard loads all of its experts."""
+    from tests.hf_checkpoints import add_mtp_weights
+
+    path = tmp_path / "mtp"
+    add_mtp_weights(path, write_checkpoint("v3_yarn", path))
+    config, full = build(path)
+    load_model(path, config, full, progress=False)
+    shard, read = load_recording(monkeypatch, path, SLOTS)
+    assert_shard_matches(full.model, shard.model, SLOTS)
+    whole, part = experts_of(full.mtp)[0], experts_of(shard.mtp)[0]
+    assert part.gate_up_proj.shape[0] == config.n_routed_experts
+    torch.testing.assert_close(part.gate_up_proj, whole.gate_up_proj, rtol=0, atol=0)
+    torch.testing.assert_close(part.down_proj, whole.down_proj, rtol=0, atol=0)
+
+
 def test_a_missing_expert_of_this_rank_is_an_error_and_another_ranks_is_not(checkpoints, tmp_path):
     src = checkpoints["v3_yarn"]
     with safe_open(str(src / "model.safetensors"), framework="pt") as f:

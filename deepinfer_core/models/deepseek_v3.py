@@ -47,6 +47,10 @@ class Alloc:
         # (the same in every MoE layer at load); None: every expert, slot e = expert e.
         self.expert_slots = expert_slots
 
+    def every_expert(self) -> Alloc:
+        """The same allocation with every routed expert (no expert-parallel slots)."""
+        return Alloc(self.dtype, self.device, self.fp8_block)
+
 
 class Linear(nn.Module):
     """y = x W^T (+ b) through ops.linear, or ops.fp8_block_linear when W is block-FP8."""
@@ -412,7 +416,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp = nn.Module()
-        self.mtp.layers = nn.ModuleList(MTPLayer(config, ops, alloc) for _ in range(config.num_nextn_predict_layers))
+        whole = alloc.every_expert()  # the MTP layers keep every expert: they draft on each rank alone
+        self.mtp.layers = nn.ModuleList(MTPLayer(config, ops, whole) for _ in range(config.num_nextn_predict_layers))
         # [max_position_embeddings, rope_dim] float32, shared by all layers; not a parameter.
         self.cos_sin = rope_cos_sin_table(
             config.qk_rope_head_dim, config.rope_theta, config.rope_parameters, config.max_position_embeddings

@@ -480,7 +480,8 @@ class DeepseekV4ForCausalLM(V4FamilyLM):
         self.model = DeepseekV4Backbone(config, ops, alloc)
         self._add_head()
         self.mtp = nn.Module()
-        self.mtp.layers = nn.ModuleList(MTPBlock(config, ops, alloc) for _ in range(min(1, config.num_nextn_predict_layers)))
+        whole = alloc.every_expert()  # the MTP block keeps every expert: it drafts on each rank alone
+        self.mtp.layers = nn.ModuleList(MTPBlock(config, ops, whole) for _ in range(min(1, config.num_nextn_predict_layers)))
         # transformers rounds cos/sin to the model dtype before rotating
         self.tables = rope_tables(config.qk_rope_head_dim, config.rope_theta, config.compress_rope_theta,
                                   config.compress_rope_parameters, config.max_position_embeddings, self.device, dtype)

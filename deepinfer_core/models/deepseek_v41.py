@@ -283,8 +283,9 @@ class DeepseekV41ForCausalLM(V4FamilyLM):
             stage_moe = config.model_copy(update={
                 "n_routed_experts": config.dspark_n_routed_experts or config.n_routed_experts,
                 "num_experts_per_tok": config.dspark_num_experts_per_tok or config.num_experts_per_tok})
+            whole = alloc.every_expert()  # the draft stages keep every expert (their own count): they run on each rank alone
             for i in range(config.num_nextn_predict_layers):
-                stage = DecoderLayer(config, ops, alloc, None, stage_moe)
+                stage = DecoderLayer(config, ops, whole, None, stage_moe)
                 dspark.add_stage_extras(stage, i, config, ops, alloc)
                 self.mtp.layers.append(stage)
         self.tables = rope_tables(config.qk_rope_head_dim, config.rope_theta, config.compress_rope_theta,

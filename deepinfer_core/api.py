@@ -161,7 +161,7 @@ class LLM:
     layers' routed experts sharded over those ranks, with EPLB (``dist/``). Under torchrun every
     rank calls ``generate``: rank 0's prompts run, and every rank gets all the outputs.
     context_parallel_size: C (dividing data_parallel_size) ranks prefill a long prompt together
-    (DEEPINFER_CP_MIN_TOKENS tokens or more; V2/V3 and V4), and its own rank decodes it.
+    (DEEPINFER_CP_MIN_TOKENS tokens or more), and its own rank decodes it.
     """
 
     def __init__(
@@ -426,7 +426,7 @@ def _parallel_engine_config(config: EngineConfig, parallel: ParallelConfig, mode
 
         model_type = model_config.model_type
         if not getattr(get_model_class(model_type), "supports_context_parallel", False):
-            raise ConfigError(f"context_parallel_size > 1 is supported for DeepSeek-V2/V3/R1 and V4, not for "
+            raise ConfigError(f"context_parallel_size > 1 is supported for DeepSeek-V2/V3/R1, V4 and V4.1, not for "
                               f"model_type {model_type!r} yet; leave context_parallel_size at 1")
         if not config.enable_prefix_caching or speculative:
             raise ConfigError("context_parallel_size > 1 needs prefix caching on and no speculative decoding (the owner "

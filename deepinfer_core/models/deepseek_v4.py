@@ -168,6 +168,16 @@ class Indexer(Compressor):
         return torch.cat(chosen) if chosen else q.new_zeros((0, 0), dtype=torch.int64)
 
 
+def sparse_output(attn: nn.Module, q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, positions: torch.Tensor,
+                  inverse: torch.Tensor) -> torch.Tensor:
+    """V4 / V4.1 attention's end: ``q`` [T, H, d] over the ``index`` rows of ``pool`` (with the
+    sinks), the values' rotation undone at the query positions, the grouped output projections."""
+    ops = attn.ops
+    out = ops.sparse_attention(q, pool, index, attn.sinks, attn.head_dim**-0.5)
+    out = _rope(ops, out, positions, inverse)  # undo the values' rotation at the query position
+    return attn.o_b_proj(grouped_o_a(ops, attn.o_a_proj, out.view(q.shape[0], attn.config.o_groups, -1)))
+
+
 def add_attention_projections(attn: nn.Module, config, ops: OpTable, alloc: Alloc) -> None:
     """The query/KV projections and norms, the grouped output projection and the sinks that V4's
     and V4.1's attention share (named as the checkpoint's keys), plus num_heads / head_dim."""
@@ -209,13 +219,6 @@ class Attention(nn.Module):
         q_pe, k_pe = ops.rotary_embedding(q[..., -r:], kv[:, -r:], positions, table, True)
         return qr, torch.cat([q[..., :-r], q_pe], dim=-1), torch.cat([kv[:, :-r], k_pe], dim=-1)
 
-    def _output(self, q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, positions: torch.Tensor, inverse) -> torch.Tensor:
-        """Sparse attention of ``q`` over the ``index`` rows of ``pool``, then the output projections."""
-        ops = self.ops
-        out = ops.sparse_attention(q, pool, index, self.sinks, self.head_dim**-0.5)
-        out = _rope(ops, out, positions, inverse)  # undo the values' rotation at the query position
-        return self.o_b_proj(grouped_o_a(ops, self.o_a_proj, out.view(q.shape[0], self.config.o_groups, -1)))
-
     def forward(self, x: torch.Tensor, plan: V4Batch, caches: dict[str, torch.Tensor], name: str, tables) -> torch.Tensor:
         ops, c = self.ops, self.config
         positions = plan.positions
@@ -230,7 +233,7 @@ class Attention(nn.Module):
             entries, chosen = self._compressed(x, qr, plan, caches, name, table)
             index = torch.cat([index, torch.where(chosen >= 0, chosen + pool.shape[0], chosen)], dim=1)
             pool = torch.cat([pool, entries])
-        return self._output(q, pool, index, positions, inverse)
+        return sparse_output(self, q, pool, index, positions, inverse)
 
     def forward_context_parallel(self, x: torch.Tensor, positions: torch.Tensor, cp, tables):
         """This rank's tokens of a context-parallel prefill (``dist.context_parallel.ContextParallel``):
@@ -246,7 +249,7 @@ class Attention(nn.Module):
         index = torch.where(keys >= 0, keys, torch.full_like(keys, -1))
         saved: dict[str, torch.Tensor] = {}
         if self.compressor is None:
-            return self._output(q, full, index, positions, inverse), saved
+            return sparse_output(self, q, full, index, positions, inverse), saved
         comp = self.compressor
         csa = self.layer_type == CSA
         parts = [comp] + ([comp.indexer] if csa else [])
@@ -258,11 +261,10 @@ class Attention(nn.Module):
         for part, cache_name in zip(parts, ("compressed", "indexer")):
             saved[cache_name] = part.pool(window_rows[..., offset:offset + part.row_dim], valid, ends - (m - 1), table, x.dtype)
             offset += part.row_dim
-        w = torch.arange(ends.shape[0], device=x.device)[None, :]
-        visible = torch.where(w < ((positions + 1) // m)[:, None], w, torch.full_like(w, -1))
-        chosen = comp.indexer.select(x, qr, _Prefix(positions, visible), table, saved["indexer"]) if csa else visible
+        plan = PrefixPlan(positions, {CSA_KV: m, HCA_KV: m}, cp.length)
+        chosen = comp.indexer.select(x, qr, plan, table, saved["indexer"]) if csa else plan.visible(HCA_KV)
         index = torch.cat([index, torch.where(chosen >= 0, chosen + full.shape[0], chosen)], dim=1)
-        return self._output(q, torch.cat([full, saved["compressed"]]), index, positions, inverse), saved
+        return sparse_output(self, q, torch.cat([full, saved["compressed"]]), index, positions, inverse), saved
 
     def _compressed(self, x, qr, plan: V4Batch, caches, name: str, table) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's compressed entries; return (every sequence's entries [N, d], the
@@ -294,15 +296,19 @@ class Attention(nn.Module):
         return entries, comp.indexer.select(x, qr, plan, table, keys)
 
 
-class _Prefix:
-    """What ``Indexer.select`` reads of a plan, for a context-parallel prefix: the queries'
-    positions and the compressed entries each sees (``visible``, [T, C] into the prefix's entries)."""
+class PrefixPlan:
+    """What the indexers read of a plan (``positions``, ``visible``), for this rank's queries of
+    a context-parallel prefix of ``length`` tokens: query p sees the entries w < (p + 1) // m of
+    a paged group with ``ratios[group]`` = m tokens an entry, all of the prefix's entries."""
 
-    def __init__(self, positions: torch.Tensor, visible: torch.Tensor):
-        self.positions, self._visible = positions, visible
+    def __init__(self, positions: torch.Tensor, ratios: dict[str, int], length: int):
+        self.positions, self.ratios, self.length = positions, ratios, length
 
-    def visible(self, group: str, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-        return self._visible[lo:hi]
+    def visible(self, group: str, lo: int = 0, hi: int | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        m = self.ratios[group]
+        pos = self.positions[lo:hi] if rows is None else self.positions[rows]
+        w = torch.arange(self.length // m, device=pos.device)[None, :]
+        return torch.where(w < ((pos + 1) // m)[:, None], w, torch.full_like(w, -1))
 
 
 class ClampedMLP(MLP):
@@ -466,6 +472,18 @@ class V4FamilyLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    def write_context(self, kv_caches: dict[str, torch.Tensor], entries: dict[str, torch.Tensor], blocks: dict[str, list[int]],
+                      block_size: int) -> None:
+        """Store ``prefill_context_parallel``'s entries of a prefix into the paged cache blocks
+        ``blocks`` (per group; the prefix fills them exactly)."""
+        groups = {layer: g for g in self.cache_groups() if g.kind == "paged" for layer in g.layers}
+        for name, rows in entries.items():
+            g = groups[name]
+            per = block_size // g.tokens_per_entry
+            table = torch.tensor(blocks[g.name], dtype=torch.int64, device=self.device)
+            slots = (table[:, None] * per + torch.arange(per, device=self.device)).flatten()
+            self.ops.write_cache(kv_caches[name], rows, slots[: rows.shape[0]])
+
 
 class DeepseekV4ForCausalLM(V4FamilyLM):
     """DeepSeek-V4 causal LM over the cache groups of ``cache_groups`` (``forward`` has the same
@@ -566,18 +584,6 @@ class DeepseekV4ForCausalLM(V4FamilyLM):
 
             x = layer(x, input_ids, None, None, name, tables, attend)
         return entries
-
-    def write_context(self, kv_caches: dict[str, torch.Tensor], entries: dict[str, torch.Tensor], blocks: dict[str, list[int]],
-                      block_size: int) -> None:
-        """Store ``prefill_context_parallel``'s entries of a prefix into the paged cache blocks
-        ``blocks`` (per group; the prefix fills them exactly)."""
-        groups = {layer: g for g in self.cache_groups() if g.kind == "paged" for layer in g.layers}
-        for name, rows in entries.items():
-            g = groups[name]
-            per = block_size // g.tokens_per_entry
-            table = torch.tensor(blocks[g.name], dtype=torch.int64, device=self.device)
-            slots = (table[:, None] * per + torch.arange(per, device=self.device)).flatten()
-            self.ops.write_cache(kv_caches[name], rows, slots[: rows.shape[0]])
 
     def head_hidden(self, streams: torch.Tensor) -> torch.Tensor:
         """Final collapse and norm: [T, hc, D] -> [T, D]."""

@@ -31,9 +31,8 @@ from deepinfer_core.config_v41 import FULL, REINDEX, REUSE, WINDOW, V41ModelConf
 from deepinfer_core.models import dspark
 from deepinfer_core.models.batch import BatchMeta, CacheGroup
 from deepinfer_core.models.deepseek_v3 import Alloc, Linear, _param
-from deepinfer_core.models.deepseek_v4 import (CANDIDATE_BYTES, RING_BLOCK, HyperConnection, MoE, Norm, V4FamilyLM, _rope,
-                                               add_attention_projections,
-                                               grouped_o_a, rope_tables)
+from deepinfer_core.models.deepseek_v4 import (CANDIDATE_BYTES, RING_BLOCK, HyperConnection, MoE, Norm, PrefixPlan, V4FamilyLM,
+                                               _rope, add_attention_projections, rope_tables, sparse_output)
 from deepinfer_core.models.deepseek_v4_batch import V4Batch
 from deepinfer_core.models.engram import Engram, ngram_ids
 from deepinfer_core.ops import OpTable
@@ -152,9 +151,48 @@ class Attention(nn.Module):
             entries, chosen = self._select(xq, qr, positions, plan, caches, table, state, q_rows)
             index = torch.cat([index, torch.where(chosen >= 0, chosen + pool.shape[0], chosen)], dim=1)
             pool = torch.cat([pool, entries])
-        out = ops.sparse_attention(q, pool, index, self.sinks, self.head_dim**-0.5)
-        out = _rope(ops, out, positions, inverse)  # undo the values' rotation at the query position
-        return self.o_b_proj(grouped_o_a(ops, self.o_a_proj, out.view(xq.shape[0], c.o_groups, -1)))
+        return sparse_output(self, q, pool, index, positions, inverse)
+
+    def forward_context_parallel(self, x: torch.Tensor, positions: torch.Tensor, cp, tables, state: ForwardState):
+        """This rank's tokens of a context-parallel prefill (``dist.context_parallel.ContextParallel``):
+        the prefix's window keys (and, in a KV source, its compressor rows) are gathered; a KV
+        source pools every entry and index key of the prefix (on every rank) and leaves them in
+        ``state`` for the layers that read them; the queries then select and attend as the
+        engine's forward would. Returns (the attention output of this rank's tokens, a KV
+        source's entries by cache name: ``compressed``, ``indexer``)."""
+        ops, c = self.ops, self.config
+        table, inverse = tables
+        kv = ops.rms_norm_f32(self.kv_proj(x), self.kv_norm.weight, self.kv_norm.eps)
+        full = cp.gather(_rope(ops, kv[:, None], positions, table)[:, 0])  # position p is row p
+        qr = ops.rms_norm_f32(self.q_a_proj(x), self.q_a_norm.weight, self.q_a_norm.eps)
+        q = _rope(ops, self.q_b_proj(qr).view(x.shape[0], self.num_heads, self.head_dim), positions, table)
+        keys = positions[:, None] - torch.arange(c.sliding_window, device=x.device)[None, :]  # newest first, as plan.window
+        index, pool, saved = torch.where(keys >= 0, keys, torch.full_like(keys, -1)), full, {}
+        if self.mode != WINDOW:
+            if self.mode == FULL:
+                saved = self._compress_prefix(x, positions, cp, table)
+                state.owned[self.layer] = (saved["compressed"], saved["indexer"])
+            ratios = {kv_group(r): r for r in set(c.compress_ratios) if r}
+            entries, chosen = self._select(x, qr, positions, PrefixPlan(positions, ratios, cp.length), None, table, state, None)
+            index = torch.cat([index, torch.where(chosen >= 0, chosen + pool.shape[0], chosen)], dim=1)
+            pool = torch.cat([pool, entries])
+        return sparse_output(self, q, pool, index, positions, inverse), saved
+
+    def _compress_prefix(self, x, positions, cp, table) -> dict[str, torch.Tensor]:
+        """Every entry (rotated latent) and index key of a context-parallel prefix, from the
+        gathered compressor rows: entry j pools tokens [j r, (j + 1) r)."""
+        comp, r, hd = self.compressor, self.ratio, self.head_dim
+        n = cp.length // r
+        if r > 1:
+            window = cp.gather(comp.rows(x))[: n * r].view(n, r, 2 * hd)  # oldest first, as the emitters read them
+            kv, score = window[..., :hd], window[..., hd:]
+        else:
+            kv = cp.gather(comp.kv_proj(x).float())[:, None]
+            score = torch.zeros_like(kv)
+        entry_pos = torch.arange(n, device=x.device) * r
+        latents = comp.latents(kv, score, x.dtype)
+        return {"compressed": _rope(self.ops, latents[:, None], entry_pos, table)[:, 0],
+                "indexer": self.indexer.keys(latents, entry_pos, table)}
 
     def _compress(self, x, plan: V4Batch, caches, name: str, table) -> None:
         """Write the entries (attention latents rotated, index keys) this step completes."""
@@ -239,15 +277,16 @@ class DecoderLayer(nn.Module):
                                         sinkhorn_iters=c.hc_sinkhorn_iters)
 
     def forward(self, x, pre_in, ngram, plan: V4Batch, caches, name: str, tables, state: ForwardState, q_rows=None,
-                window_index=None):
+                window_index=None, attend=None):
         """x: [T, hc, D] streams, pre_in: [T, hc] the previous sublayer's pre -> (streams, this
-        layer's FFN pre) of the query rows ``q_rows`` (None: all)."""
+        layer's FFN pre) of the query rows ``q_rows`` (None: all). ``attend``: what runs the
+        attention instead of ``self_attn`` (a context-parallel prefill)."""
         ops = self.ops
         if self.engram is not None:
             x = self.engram(x, ngram)
         pre, post, comb, y = self._mix(self.attn_hc, x, pre_in)
         y = ops.rms_norm_f32(y, self.input_layernorm.weight, self.input_layernorm.eps)
-        a = self.self_attn(y, plan, caches, name, tables, state, q_rows, window_index)
+        a = self.self_attn(y, plan, caches, name, tables, state, q_rows, window_index) if attend is None else attend(y)
         if q_rows is not None:
             x, pre, post, comb = x[q_rows], pre[q_rows], post[q_rows], comb[q_rows]
         x = ops.mhc_post(a, x, post, comb)
@@ -270,6 +309,8 @@ class DeepseekV41ForCausalLM(V4FamilyLM):
     DeepseekV3ForCausalLM.forward; ``BatchMeta.lookback_ids`` carries the tokens before each
     sequence's new ones for Engram). ``set_tokenizer`` must be called before a forward when the
     model has Engram layers (their hashes read the tokenizer's compressed vocabulary)."""
+
+    supports_context_parallel = True  # prefill_context_parallel / write_context (V4FamilyLM's)
 
     def __init__(self, config: V41ModelConfig, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False,
                  expert_slots: tuple[int, ...] | None = None):
@@ -357,6 +398,36 @@ class DeepseekV41ForCausalLM(V4FamilyLM):
         return groups
 
     # ---- forward --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill_context_parallel(self, input_ids: torch.Tensor, positions: torch.Tensor, cp) -> dict[str, torch.Tensor]:
+        """This rank's tokens (``input_ids`` at ``positions``, ``cp.positions()``) of a prompt prefix
+        prefilled across a CP group; every rank of the group calls it. Every layer runs on this
+        rank's tokens (no bounded-replay tail: the KV sources need every token). Returns the KV
+        sources' entries and index keys of the whole prefix, by cache tensor name: what
+        ``write_context`` stores (the rings are rebuilt by the owner's replay)."""
+        c = self.config
+        ngram = None
+        if c.engram_layer_ids:
+            if self.compressed_ids is None:
+                raise RuntimeError("DeepSeek-V4.1 Engram layers need set_tokenizer() before a forward")
+            ids = cp.gather(input_ids[:, None])[:, 0]  # the whole prefix's tokens: each n-gram reaches back
+            pos = positions[:, None] - torch.arange(c.engram_max_ngram_size, device=positions.device)[None, :]
+            ngram = torch.where(pos >= 0, self.compressed_ids[ids[pos.clamp(min=0)]], torch.full_like(pos, -1))
+        x = self.model.embed_tokens.weight[input_ids][:, None, :].expand(-1, c.hc_mult, -1).contiguous()
+        pre = torch.zeros((input_ids.shape[0], c.hc_mult), dtype=torch.float32, device=x.device)
+        pre[:, 0] = 1.0  # layer 0 collapses to the embedding copy
+        state, entries = ForwardState(), {}
+        for i, layer in enumerate(self.model.layers):
+            name, tables = layer_name(i), self._layer_tables(i)
+
+            def attend(y, layer=layer, name=name, tables=tables):
+                out, saved = layer.self_attn.forward_context_parallel(y, positions, cp, tables, state)
+                entries.update({f"{name}.{k}": v for k, v in saved.items()})
+                return out
+
+            x, pre = layer(x, pre, ngram, None, None, name, tables, state, attend=attend)
+        return entries
+
     def _tail_plan(self, plan: V4Batch, batch: BatchMeta) -> V4Batch | None:
         """The rows bounded replay keeps after the last KV source, or None when it keeps all."""
         if not self.bounded_replay or self.config.last_kv_source < 0 or not batch.num_prefills:

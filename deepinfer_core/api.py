@@ -413,7 +413,8 @@ def _parallel_engine_config(config: EngineConfig, parallel: ParallelConfig, mode
     """The engine settings every rank runs with: under expert parallelism a step is one eager
     forward pass of the decoder stack (the experts' exchange has per-step sizes no graph can
     hold; the lock-step counts the passes). Speculative decoding keeps that: n-gram drafts need
-    no pass, and the MTP layers keep every expert and draft on each rank alone. Context parallelism hands its prefixes over through the prefix
+    no pass, and the MTP layers (V4.1: the DSpark stages) keep every expert and draft on each
+    rank alone. Context parallelism hands its prefixes over through the prefix
     cache, on the models that have a context-parallel prefill. Speculative decoding counts as
     asked for when DeepSeek's switches (DEEPINFER_USE_NEXTN_DECODE, ...) turn it on."""
     from deepinfer_core.sampling.spec_decode.proposers import resolve
@@ -433,10 +434,10 @@ def _parallel_engine_config(config: EngineConfig, parallel: ParallelConfig, mode
                               "rank finds the prefix the CP group computed in its prefix cache)")
     if not parallel.expert_parallel:
         return config
-    if speculative and spec.method not in ("ngram", "mtp"):
-        raise ConfigError(f"speculative decoding with method {spec.method!r} and expert_parallel=True is not supported yet "
-                          "(its drafter's passes are not run in lock-step with the other ranks); use 'mtp' or 'ngram', "
-                          "or drop speculative_config (and unset DEEPINFER_USE_NEXTN_DECODE / DEEPINFER_ENABLE_MTP_VARLEN)")
+    if speculative and spec.adaptive:
+        raise ConfigError("adaptive verification (DSpark's adaptive=True, DEEPINFER_ENABLE_MTP_VARLEN=1) with "
+                          "expert_parallel=True is not supported yet: it times the target model alone at start-up, before "
+                          "the experts are spread over the ranks; set adaptive=False (or unset DEEPINFER_ENABLE_MTP_VARLEN)")
     if not config.enforce_eager:
         log.info("expert parallelism: decode graphs are off (every step runs eagerly)")
     return config.model_copy(update={"enforce_eager": True})

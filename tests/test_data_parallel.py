@@ -8,6 +8,7 @@ hang; the launch under torchrun gives every rank the same outputs."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -187,6 +188,31 @@ def test_speculative_decoding_under_expert_parallelism(v3_with_mtp, v41_dspark, 
             assert drafted == [(w.metrics.speculative.proposed, w.metrics.speculative.accepted) for w in want]
         assert sum(sum(proposed) for proposed, _ in drafted) > 0  # drafts were verified (random weights accept few)
     finally:
+        llm.close()
+
+
+def test_serving_with_context_parallel_prefills(checkpoints, monkeypatch):
+    """Long prompts that arrive at a served CP=2 group (``AsyncLLM``) have their prefixes
+    prefilled by it, and give the single-process tokens."""
+    from deepinfer_core.serving.async_llm import AsyncLLM
+
+    monkeypatch.setenv("DEEPINFER_CP_MIN_TOKENS", "32")
+    long = [[(5 * i + 3 * j) % 150 + 1 for j in range(40 + 37 * i)] for i in range(3)]
+    want = _llm(checkpoints["v3"], **SMALL_STEPS).generate(long, GREEDY, use_tqdm=False)
+    llm = _llm(checkpoints["v3"], data_parallel_size=2, context_parallel_size=2, **SMALL_STEPS)
+    engine = AsyncLLM(llm)
+    try:
+        async def main():
+            async def collect(prompt):
+                return [out async for out in engine.generate({"prompt_token_ids": prompt}, GREEDY)]
+
+            return await asyncio.gather(*(collect(p) for p in long))
+
+        got = asyncio.run(main())
+        assert [g[-1].outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+        assert llm.parallel.num_cp_prefills > 0 and all(g[-1].num_cached_tokens for g in got)
+    finally:
+        engine.shutdown()
         llm.close()
 
 

@@ -260,9 +260,9 @@ class DataParallel:
     # ---- serving -----------------------------------------------------------------------------------
     def serve_step(self, work: list[Work], aborts: list[str], run: bool = True):
         """One step of a served data-parallel LLM (``serving.drivers.ParallelDriver`` on rank 0);
-        every rank calls it. Each rank queues its share of ``work`` (ranks set by rank 0), aborts
-        those of ``aborts`` it owns, and, when ``run``, steps like one turn of ``generate``'s
-        lock-step loop. Then every rank's news (``Progress``), load (queued tokens, free KV blocks)
+        every rank calls it. Each rank queues its share of ``work`` (ranks set by rank 0), its CP
+        group prefills the long prompts' prefixes as ``generate`` does, each rank aborts those of
+        ``aborts`` it owns, and, when ``run``, steps like one turn of ``generate``'s lock-step loop. Then every rank's news (``Progress``), load (queued tokens, free KV blocks)
         and gauges are gathered. A failed step on any rank makes every rank abort what it has
         (all of it in the news, ``failure`` set). Returns (the news of every rank, their loads,
         the summed gauges)."""
@@ -274,6 +274,7 @@ class DataParallel:
             if w.rank == self.rank:
                 engine.next_seq_id = w.first_seq_id
                 engine.add_request({"prompt_token_ids": w.prompt_token_ids}, w.params, request_id=w.request_id)
+        self._context_parallel_prefills(work)  # the new long prompts' prefixes, across their CP groups
         ended = [to_output(engine.abort(rid), spec) for rid in aborts if rid in engine.requests]
         for out in ended:
             sent.pop(out.request_id, None)

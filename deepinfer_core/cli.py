@@ -94,7 +94,8 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         llm = LLM(model=args.model, accelerator=args.accelerator, enable_prefix_caching=not args.no_prefix_caching,
                   speculative_config=spec, batch_invariant=args.batch_invariant or None,
-                  data_parallel_size=args.data_parallel_size, expert_parallel=args.expert_parallel)
+                  data_parallel_size=args.data_parallel_size, expert_parallel=args.expert_parallel,
+                  context_parallel_size=args.context_parallel_size)
         outputs = llm.generate(args.prompt, params)
         llm.close()
     except (BackendError, GenerationError, RankFailure, ValueError) as e:  # ValueError: bad config, checkpoint, request or parameter
@@ -190,7 +191,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     api_key = args.api_key or os.environ.get("DEEPINFER_API_KEY") or None
     llm = LLM(model=args.model, accelerator=args.accelerator, max_num_seqs=args.max_num_seqs,
-              data_parallel_size=args.data_parallel_size, expert_parallel=args.expert_parallel)
+              data_parallel_size=args.data_parallel_size, expert_parallel=args.expert_parallel,
+              context_parallel_size=args.context_parallel_size)
     name = args.served_model_name or (args.model or "deepinfer-default")
     limits = Limits(max_tokens=args.max_tokens, max_n=args.max_n, max_body_bytes=args.max_body_bytes)
     engine = AsyncLLM(llm)
@@ -226,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="N ranks, one process each with its own engine and share of the prompts (under torchrun: WORLD_SIZE)")
     g.add_argument("--expert-parallel", action="store_true",
                    help="shard the MoE layers' routed experts over the data-parallel ranks (with EPLB)")
+    g.add_argument("--context-parallel-size", type=int, default=1, metavar="C",
+                   help="C ranks (dividing the data-parallel size) prefill a long prompt together (DEEPINFER_CP_MIN_TOKENS)")
     g.set_defaults(func=_generate)
     v = sub.add_parser("serve", help="serve a model over an OpenAI- and Anthropic-compatible HTTP API")
     v.add_argument("model", nargs="?", default=None,
@@ -243,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="N ranks (processes started here), each with its own engine; each request runs on the least loaded")
     v.add_argument("--expert-parallel", action="store_true",
                    help="shard the MoE layers' routed experts over the data-parallel ranks (with EPLB)")
+    v.add_argument("--context-parallel-size", type=int, default=1, metavar="C",
+                   help="C ranks (dividing the data-parallel size) prefill a long prompt together (DEEPINFER_CP_MIN_TOKENS)")
     v.set_defaults(func=_serve)
     from deepinfer_core.conformance.ops_suite import DEFAULT_EXAMPLES, DEFAULT_EXPLORE_MAX_ELEMENTS
 

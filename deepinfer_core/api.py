@@ -414,9 +414,9 @@ def _parallel_engine_config(config: EngineConfig, parallel: ParallelConfig, mode
     forward pass of the decoder stack (the experts' exchange has per-step sizes no graph can
     hold; the lock-step counts the passes). Speculative decoding keeps that: n-gram drafts need
     no pass, and the MTP layers (V4.1: the DSpark stages) keep every expert and draft on each
-    rank alone. Context parallelism hands its prefixes over through the prefix
-    cache, on the models that have a context-parallel prefill. Speculative decoding counts as
-    asked for when DeepSeek's switches (DEEPINFER_USE_NEXTN_DECODE, ...) turn it on."""
+    rank alone. Context parallelism hands its prefixes over through the prefix cache, on the
+    models that have a context-parallel prefill. Speculative decoding counts as asked for when
+    DeepSeek's switches (DEEPINFER_USE_NEXTN_DECODE, ...) turn it on."""
     from deepinfer_core.sampling.spec_decode.proposers import resolve
 
     model_config = ModelConfig.from_dir(model_dir)

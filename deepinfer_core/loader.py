@@ -13,12 +13,13 @@ for ``config.model_type``; V2/V3 below, V4 in ``deepinfer_core/checkpoint_v4.py`
 * keys: HF / DeepSeek names. Routed experts may be per expert
   (``mlp.experts.E.{gate,up,down}_proj.weight``, what DeepSeek ships and ``save_pretrained``
   writes) or already fused (``mlp.experts.gate_up_proj`` / ``down_proj``); they are copied into
-  the model's fused tensors.
-* expert parallelism: a model built with ``expert_slots`` (the logical expert of each slot this
-  rank holds) gets only those experts: each is read into its first slot (a second copy on the
-  same rank is filled by ``dist.expert_parallel.ExpertParallel``), the other ranks' experts are
-  skipped unread, and a fused checkpoint tensor is read row by row for the rank's experts. MTP layer i is read from ``model.layers.{num_hidden_layers + i}``;
+  the model's fused tensors. MTP layer i is read from ``model.layers.{num_hidden_layers + i}``;
   its ``embed_tokens`` and ``shared_head.head`` are ignored (tied to the main model).
+* expert parallelism: a model built with ``expert_slots`` (the logical expert of each slot this
+  rank holds) gets only those experts of its decoder stack: each is read into its first slot (a
+  second copy on the same rank is filled by ``dist.expert_parallel.ExpertParallel``), the other
+  ranks' experts are skipped unread, and a fused checkpoint tensor is read row by row for the
+  rank's experts. The MTP layers keep every expert (``expert_slots``).
 * MTP: when config.json announces ``num_nextn_predict_layers`` but the checkpoint has no key at
   all under those layers (``save_pretrained`` drops them), the loader calls
   ``model.drop_mtp_layers()`` and logs a warning, so ``model.num_mtp_layers`` and

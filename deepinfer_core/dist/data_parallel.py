@@ -12,7 +12,8 @@ engine (scheduler, KV cache, its share of the requests), stepping together.
    its engine's step; a rank whose step ran no forward pass (nothing to do, or nothing that
    could run) runs the MoE layers' exchanges empty (``ExpertParallel.idle``), so the ranks
    that compute are never left waiting. Under expert parallelism an engine step runs at most one
-   forward pass (no speculative decoding, no graphs), which keeps the count the same everywhere.
+   forward pass of the decoder stack (drafters keep every expert and run alone; no graphs), which
+   keeps the count the same everywhere.
 3. **Context parallelism** (``context_parallel_size`` C > 1: CP groups of C consecutive ranks).
    Before the loop, every prompt whose whole-block prefix (before its last token) reaches
    ``DEEPINFER_CP_MIN_TOKENS`` is prefilled by its owner's CP group: zig-zag chunks, the rows a
@@ -262,8 +263,9 @@ class DataParallel:
         """One step of a served data-parallel LLM (``serving.drivers.ParallelDriver`` on rank 0);
         every rank calls it. Each rank queues its share of ``work`` (ranks set by rank 0), its CP
         group prefills the long prompts' prefixes as ``generate`` does, each rank aborts those of
-        ``aborts`` it owns, and, when ``run``, steps like one turn of ``generate``'s lock-step loop. Then every rank's news (``Progress``), load (queued tokens, free KV blocks)
-        and gauges are gathered. A failed step on any rank makes every rank abort what it has
+        ``aborts`` it owns, and, when ``run``, steps like one turn of ``generate``'s lock-step
+        loop. Then every rank's news (``Progress``), load (queued tokens, free KV blocks) and
+        gauges are gathered. A failed step on any rank makes every rank abort what it has
         (all of it in the news, ``failure`` set). Returns (the news of every rank, their loads,
         the summed gauges)."""
         from deepinfer_core.serving.drivers import Progress, step_progress

@@ -1,8 +1,9 @@
 """The server's Prometheus metrics (``GET /metrics``), through prometheus_client.
 
 Gauges are read from the engine when scraped (queue, running sequences, KV usage, prefix-cache
-hit rate, speculative acceptance since start-up; summed over the ranks of a data-parallel LLM); per-request figures (time to first token,
-time per output token, end-to-end latency, tokens) are observed as each request finishes.
+hit rate, speculative acceptance since start-up; summed over the ranks of a data-parallel LLM);
+per-request figures (time to first token, time per output token, end-to-end latency, tokens)
+are observed as each request finishes.
 """
 
 from __future__ import annotations

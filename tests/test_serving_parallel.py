@@ -81,6 +81,25 @@ def test_streamed_requests_give_the_single_process_tokens_on_both_ranks(served, 
     assert llm.engine.num_preemptions >= 0 and len(llm.engine.requests) == 0
 
 
+def test_unseeded_samples_get_the_seeds_one_engine_would_give(served, checkpoint):
+    """Samples are seeded from their sequence ids: a request added after others went to rank 1
+    must not reuse one of their ids (it used to, and then drew the same tokens)."""
+    llm, engine = served
+    hot = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    one_engine = LLM(str(checkpoint), accelerator="cpu", dtype="float32", progress=False, **STEPS)
+    one_engine.engine.next_seq_id = llm.engine.next_seq_id  # the ids the served group hands out next
+    want = [o.outputs[0].token_ids for o in one_engine.generate([PROMPTS[0]] * 2, hot, use_tqdm=False)]
+    want += [o.outputs[0].token_ids for o in one_engine.generate([PROMPTS[0]], hot, use_tqdm=False)]
+
+    async def main():
+        first = await asyncio.gather(*(_collect(engine, PROMPTS[0], hot) for _ in range(2)))  # one on each rank
+        return first + [await _collect(engine, PROMPTS[0], hot)]
+
+    got = [outs[-1].outputs[0].token_ids for outs in asyncio.run(main())]
+    assert got == want
+    assert got[2] != got[1]
+
+
 def test_abort_mid_stream_and_a_refused_request(served, reference):
     llm, engine = served
     long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

@@ -272,10 +272,12 @@ class DataParallel:
 
         engine, spec = self.engine, self.engine.proposer is not None
         sent = self.served_counts
+        next_seq_id = engine.next_seq_id  # rank 0's: where its driver numbers the next request's samples from
         for w in work:
             if w.rank == self.rank:
-                engine.next_seq_id = w.first_seq_id
+                engine.next_seq_id = w.first_seq_id  # the ids (and so the seeds) one engine would have given
                 engine.add_request({"prompt_token_ids": w.prompt_token_ids}, w.params, request_id=w.request_id)
+        engine.next_seq_id = next_seq_id
         self._context_parallel_prefills(work)  # the new long prompts' prefixes, across their CP groups
         ended = [to_output(engine.abort(rid), spec) for rid in aborts if rid in engine.requests]
         for out in ended:

@@ -216,6 +216,34 @@ def test_serving_with_context_parallel_prefills(checkpoints, monkeypatch):
         llm.close()
 
 
+def test_a_served_group_that_lost_a_rank_answers_503(checkpoints):
+    """A served data-parallel LLM whose rank 1 dies: the request in flight and every later one
+    get a 503 naming the dead rank, and /health says so; the server itself goes on."""
+    import httpx
+
+    from deepinfer_core.serving.async_llm import AsyncLLM
+    from deepinfer_core.serving.protocol import Limits
+    from deepinfer_core.serving.server import build_app, serve_in_thread
+
+    llm = _llm(checkpoints["v3"], data_parallel_size=2, expert_parallel=True, **SMALL_STEPS)
+    engine = AsyncLLM(llm)
+    try:
+        app = build_app(engine, "dp", None, Limits(max_tokens=64, max_n=2, max_body_bytes=1 << 16))
+        with serve_in_thread(app) as url:
+            body = {"model": "dp", "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0}
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+            assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+            os.kill(llm.parallel.group.processes[1].pid, signal.SIGKILL)
+            for _ in range(2):  # the request that finds rank 1 gone, then one after
+                r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+                assert r.status_code == 503 and "rank 1 died" in r.json()["error"]["message"], r.text
+            health = httpx.get(f"{url}/health", timeout=10)
+            assert health.status_code == 503 and "rank 1 died" in health.json()["reason"]
+    finally:
+        engine.shutdown()
+        llm.close()
+
+
 def test_data_parallel_without_expert_parallel_and_preemption_on_one_rank(checkpoints, reference):
     """Full experts on every rank; a KV cache of 6 blocks: rank 0 gets the long n=2 request (two
     63-token samples need 8 blocks) and preempts, rank 1 the two short ones and does not."""

@@ -10,7 +10,8 @@ with the least queued work; every rank steps together). A request that is refuse
 that went away) aborts the request at once: its blocks are freed by the next engine-thread turn.
 If a step fails, every request in flight ends with finish_reason "abort" and its stream raises
 ``GenerationError`` with what it had produced; requests that arrive afterwards run normally
-(unless a data-parallel rank died: then the group is gone and new requests are refused).
+(unless a data-parallel rank died: then the group is gone, and every request in flight and
+every new one raises ``drivers.Unavailable``, a 503 from the server).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 from deepinfer_core.api import LLM, GenerationError, RequestOutput
 from deepinfer_core.sampling.params import SamplingParams
-from deepinfer_core.serving.drivers import LocalDriver, ParallelDriver
+from deepinfer_core.serving.drivers import LocalDriver, ParallelDriver, Unavailable
 
 log = logging.getLogger("deepinfer")
 
@@ -114,8 +115,9 @@ class AsyncLLM:
                 item = GenerationError(f"generation failed: {progress.failure}", [out]) if progress.failure else out
                 self._deliver(out.request_id, item)
             if progress.failure:  # requests the failure took without an output (a data-parallel rank died)
+                why = driver.unavailable() or f"generation failed: {progress.failure}"
                 for rid in list(self._streams):
-                    self._deliver(rid, GenerationError(f"generation failed: {progress.failure}", []))
+                    self._deliver(rid, Unavailable(why) if driver.unavailable() else GenerationError(why, []))
             for out in progress.partial:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:

@@ -21,6 +21,10 @@ from deepinfer_core.sampling.params import SamplingParams
 log = logging.getLogger("deepinfer")
 
 
+class Unavailable(RuntimeError):
+    """The driver can take no more requests: its data-parallel group is gone (a rank died)."""
+
+
 @dataclass
 class Progress:
     """One step's news: ``ended`` requests (final outputs), ``partial`` outputs of unfinished
@@ -94,6 +98,10 @@ class LocalDriver:
     def gauges(self) -> dict[str, float]:
         return self.engine.gauges()
 
+    def unavailable(self) -> str | None:
+        """Why no request can run any more (None: it can)."""
+        return None
+
 
 class ParallelDriver:
     """Rank 0 of a spawned data-parallel group (``dist.data_parallel.DataParallel``): it checks
@@ -118,8 +126,9 @@ class ParallelDriver:
         from deepinfer_core.dist.data_parallel import Work
 
         engine = self.engine
-        if self.dp.group.broken:
-            raise RuntimeError(f"the data-parallel group is gone ({self.dp.group.broken}); restart the server")
+        why = self.unavailable()
+        if why:
+            raise Unavailable(why)
         text, ids = engine.validate(prompt, params)
         rid = request_id if request_id is not None else str(engine.next_request_id)
         if rid in self._live:
@@ -172,3 +181,7 @@ class ParallelDriver:
 
     def gauges(self) -> dict[str, float]:
         return self._gauges
+
+    def unavailable(self) -> str | None:
+        broken = self.dp.group.broken
+        return f"the data-parallel group is gone ({broken}); restart the server" if broken else None

@@ -35,6 +35,7 @@ from deepinfer_core.chat import chat_prompt
 from deepinfer_core.recipe import recipe_for
 from deepinfer_core.sampling.sampler import most_likely
 from deepinfer_core.serving.async_llm import AsyncLLM
+from deepinfer_core.serving.drivers import Unavailable
 from deepinfer_core.serving.metrics import ServerMetrics
 from deepinfer_core.serving.protocol import ChatRequest, CompletionRequest, Limits
 
@@ -163,6 +164,10 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
     async def http_error(request, e: HTTPException):
         return _error(request, e.status_code, str(e.detail))
 
+    @app.exception_handler(Unavailable)
+    async def unavailable(request, e: Unavailable):  # a data-parallel rank died: nothing can run any more
+        return _error(request, 503, str(e), "server_error")
+
     @app.exception_handler(Exception)
     async def unexpected(request, e: Exception):  # a bug of ours: logged, reported as such, the server goes on
         log.exception("request failed")
@@ -170,6 +175,9 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
 
     @app.get("/health")
     async def health():
+        why = engine.driver.unavailable()
+        if why:
+            return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")

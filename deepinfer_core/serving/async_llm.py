@@ -5,8 +5,8 @@ takes requests and aborts from an inbox, steps while any request is unfinished, 
 every step hands each request's new state to the asyncio task waiting for it (through the
 task's event loop, thread-safely). What it steps is a driver (``drivers``): the LLM's one
 engine, or, for a data-parallel LLM, the whole group from rank 0 (each request runs on the rank
-with the least queued work; every rank steps together). A request that is refused (bad input) raises in the caller's
-``generate``; the engine keeps serving. Cancelling the task that iterates ``generate`` (a client
+with the least queued work; every rank steps together). A request that is refused (bad input)
+raises in the caller's ``generate``; the engine keeps serving. Cancelling the task that iterates ``generate`` (a client
 that went away) aborts the request at once: its blocks are freed by the next engine-thread turn.
 If a step fails, every request in flight ends with finish_reason "abort" and its stream raises
 ``GenerationError`` with what it had produced; requests that arrive afterwards run normally

@@ -204,6 +204,16 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parallel_arguments(p: argparse.ArgumentParser, ranks_help: str) -> None:
+    """The scale-out options ``generate`` and ``serve`` share (LLM's data_parallel_size,
+    expert_parallel, context_parallel_size)."""
+    p.add_argument("--data-parallel-size", type=int, default=None, metavar="N", help=ranks_help)
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="shard the MoE layers' routed experts over the data-parallel ranks (with EPLB)")
+    p.add_argument("--context-parallel-size", type=int, default=1, metavar="C",
+                   help="C ranks (dividing the data-parallel size) prefill a long prompt together (DEEPINFER_CP_MIN_TOKENS)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer", description="DeepInfer: inference for DeepSeek MoE models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -224,12 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mtp", type=int, default=0, metavar="K", help="speculative decoding: K draft tokens per step from the model's MTP module")
     g.add_argument("--batch-invariant", action="store_true",
                    help="bitwise the same output for a prompt whatever batch it runs in (DEEPINFER_BATCH_INVARIANT=1)")
-    g.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
-                   help="N ranks, one process each with its own engine and share of the prompts (under torchrun: WORLD_SIZE)")
-    g.add_argument("--expert-parallel", action="store_true",
-                   help="shard the MoE layers' routed experts over the data-parallel ranks (with EPLB)")
-    g.add_argument("--context-parallel-size", type=int, default=1, metavar="C",
-                   help="C ranks (dividing the data-parallel size) prefill a long prompt together (DEEPINFER_CP_MIN_TOKENS)")
+    _parallel_arguments(g, "N ranks, one process each with its own engine and share of the prompts (under torchrun: WORLD_SIZE)")
     g.set_defaults(func=_generate)
     v = sub.add_parser("serve", help="serve a model over an OpenAI- and Anthropic-compatible HTTP API")
     v.add_argument("model", nargs="?", default=None,
@@ -243,12 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-tokens", type=int, default=4096, help="the most tokens one request may ask for")
     v.add_argument("--max-n", type=int, default=16, help="the most samples one request may ask for")
     v.add_argument("--max-body-bytes", type=int, default=4 << 20, help="the largest request body accepted")
-    v.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
-                   help="N ranks (processes started here), each with its own engine; each request runs on the least loaded")
-    v.add_argument("--expert-parallel", action="store_true",
-                   help="shard the MoE layers' routed experts over the data-parallel ranks (with EPLB)")
-    v.add_argument("--context-parallel-size", type=int, default=1, metavar="C",
-                   help="C ranks (dividing the data-parallel size) prefill a long prompt together (DEEPINFER_CP_MIN_TOKENS)")
+    _parallel_arguments(v, "N ranks (processes started here), each with its own engine; each request runs on the least loaded")
     v.set_defaults(func=_serve)
     from deepinfer_core.conformance.ops_suite import DEFAULT_EXAMPLES, DEFAULT_EXPLORE_MAX_ELEMENTS
 

@@ -166,10 +166,7 @@ class DataParallel:
             raise Refused(box[0]) if self.rank else box[0]
         work, next_ids = box[0]
         engine = self.engine
-        for w in work:
-            if w.rank == self.rank:
-                engine.next_seq_id = w.first_seq_id  # the seeds one engine would have given
-                engine.add_request({"prompt_token_ids": w.prompt_token_ids}, w.params, request_id=w.request_id)
+        self._queue(work)
         engine.next_seq_id, engine.next_request_id = next_ids
         self._context_parallel_prefills(work)
         done, failure = self._run(len(work), use_tqdm)
@@ -240,23 +237,43 @@ class DataParallel:
                 bar.update(int(flags[2]) - bar.n)
                 if flags[1] or not flags[0]:
                     break
-                exchanges = self.ep.exchanges if self.ep is not None else 0
-                if working:
-                    try:
-                        for req in engine.step():
-                            done[req.request_id] = to_output(req, engine.proposer is not None)
-                    except Exception as e:  # noqa: BLE001 - reported to every rank at the next all-reduce
-                        log.exception("rank %d: engine step failed", self.rank)
-                        failure = f"rank {self.rank}: {type(e).__name__}: {e}"
-                if self.ep is not None:  # no forward pass (or one cut short by an error): the exchanges it missed, empty
-                    self.ep.finish_pass(self.ep.exchanges - exchanges)
-                self.steps += 1
-                if self.ep is not None and self.eplb_interval and self.steps % self.eplb_interval == 0:
-                    engine.stats_extra["eplb"] = self.ep.rebalance()
+                finished, failure = self._turn(working)  # failure: reported to every rank at the next all-reduce
+                for req in finished:
+                    done[req.request_id] = to_output(req, engine.proposer is not None)
         if failure is not None or flags[1]:
             for req in engine.abort_all():
                 done.setdefault(req.request_id, to_output(req, engine.proposer is not None))
         return done, failure
+
+    def _queue(self, work: list[Work]) -> None:
+        """Add this rank's share of ``work`` to its engine, each request with the sequence ids
+        (and so the seeds) one engine would have given; the engine's own counter is left as it was."""
+        engine = self.engine
+        next_seq_id = engine.next_seq_id
+        for w in work:
+            if w.rank == self.rank:
+                engine.next_seq_id = w.first_seq_id
+                engine.add_request({"prompt_token_ids": w.prompt_token_ids}, w.params, request_id=w.request_id)
+        engine.next_seq_id = next_seq_id
+
+    def _turn(self, working: bool) -> tuple[list, str | None]:
+        """One lock-step turn of this rank: its engine's step when ``working``, then the MoE
+        exchanges it missed, run empty (no forward pass, or one cut short by an error), and
+        EPLB when its interval is up. Returns (the requests that finished, this rank's failure)."""
+        engine, finished, failure = self.engine, [], None
+        exchanges = self.ep.exchanges if self.ep is not None else 0
+        if working:
+            try:
+                finished = engine.step()
+            except Exception as e:  # noqa: BLE001 - the caller reports it to every rank
+                log.exception("rank %d: engine step failed", self.rank)
+                failure = f"rank {self.rank}: {type(e).__name__}: {e}"
+        if self.ep is not None:
+            self.ep.finish_pass(self.ep.exchanges - exchanges)
+        self.steps += 1
+        if self.ep is not None and self.eplb_interval and self.steps % self.eplb_interval == 0:
+            engine.stats_extra["eplb"] = self.ep.rebalance()
+        return finished, failure
 
     # ---- serving -----------------------------------------------------------------------------------
     def serve_step(self, work: list[Work], aborts: list[str], run: bool = True):
@@ -272,30 +289,14 @@ class DataParallel:
 
         engine, spec = self.engine, self.engine.proposer is not None
         sent = self.served_counts
-        next_seq_id = engine.next_seq_id  # rank 0's: where its driver numbers the next request's samples from
-        for w in work:
-            if w.rank == self.rank:
-                engine.next_seq_id = w.first_seq_id  # the ids (and so the seeds) one engine would have given
-                engine.add_request({"prompt_token_ids": w.prompt_token_ids}, w.params, request_id=w.request_id)
-        engine.next_seq_id = next_seq_id
+        self._queue(work)  # rank 0's counter stays where its driver numbers the next request's samples from
         self._context_parallel_prefills(work)  # the new long prompts' prefixes, across their CP groups
         ended = [to_output(engine.abort(rid), spec) for rid in aborts if rid in engine.requests]
         for out in ended:
             sent.pop(out.request_id, None)
         failure, finished = None, []
-        if run:
-            exchanges = self.ep.exchanges if self.ep is not None else 0
-            if engine.has_unfinished():
-                try:
-                    finished = engine.step()
-                except Exception as e:  # noqa: BLE001 - reported to every rank by the gather below
-                    log.exception("rank %d: engine step failed", self.rank)
-                    failure = f"rank {self.rank}: {type(e).__name__}: {e}"
-            if self.ep is not None:
-                self.ep.finish_pass(self.ep.exchanges - exchanges)
-            self.steps += 1
-            if self.ep is not None and self.eplb_interval and self.steps % self.eplb_interval == 0:
-                engine.stats_extra["eplb"] = self.ep.rebalance()
+        if run:  # a failure is reported to every rank by the gather below
+            finished, failure = self._turn(engine.has_unfinished())
         progress = step_progress(engine, finished, sent) if failure is None else Progress()
         progress.ended[:0] = ended
         control = self.group.control

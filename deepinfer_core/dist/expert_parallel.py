@@ -91,7 +91,8 @@ def moe_expert_parallel(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     counts = torch.bincount(dest, minlength=comm.size)
     ones = [1] * comm.size
     received, _ = comm.all_to_all(counts[:, None], ones, ones)  # the counts first, on the device (NCCL needs it)
-    send_counts, recv_counts = counts.tolist(), received[:, 0].tolist()
+    both = torch.cat([counts, received[:, 0]]).tolist()  # one host sync for the two
+    send_counts, recv_counts = both[:comm.size], both[comm.size:]
     # (weight, local slot) as float64 pairs: both exact in it, one exchange beside the rows
     meta = torch.stack((topk_weights.reshape(-1)[order].double(), local[order].double()), dim=1)
     rows = start_all_to_all(comm, x[token_of[order]], send_counts, recv_counts)

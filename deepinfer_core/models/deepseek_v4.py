@@ -245,8 +245,7 @@ class Attention(nn.Module):
         table, inverse = tables
         qr, q, kv = self._project(x, positions, table)
         full = cp.gather(kv)  # position p is row p
-        keys = positions[:, None] - torch.arange(c.sliding_window, device=x.device)[None, :]  # newest first, as plan.window
-        index = torch.where(keys >= 0, keys, torch.full_like(keys, -1))
+        index = PrefixPlan.window(positions, c.sliding_window)
         saved: dict[str, torch.Tensor] = {}
         if self.compressor is None:
             return sparse_output(self, q, full, index, positions, inverse), saved
@@ -303,6 +302,13 @@ class PrefixPlan:
 
     def __init__(self, positions: torch.Tensor, ratios: dict[str, int], length: int):
         self.positions, self.ratios, self.length = positions, ratios, length
+
+    @staticmethod
+    def window(positions: torch.Tensor, window: int) -> torch.Tensor:
+        """[T, window] rows of a gathered prefix (row p: position p) each query's sliding window
+        reads, newest first as ``V4Batch.window`` orders them (-1 before position 0)."""
+        keys = positions[:, None] - torch.arange(window, device=positions.device)[None, :]
+        return torch.where(keys >= 0, keys, torch.full_like(keys, -1))
 
     def visible(self, group: str, lo: int = 0, hi: int | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
         m = self.ratios[group]

@@ -166,8 +166,7 @@ class Attention(nn.Module):
         full = cp.gather(_rope(ops, kv[:, None], positions, table)[:, 0])  # position p is row p
         qr = ops.rms_norm_f32(self.q_a_proj(x), self.q_a_norm.weight, self.q_a_norm.eps)
         q = _rope(ops, self.q_b_proj(qr).view(x.shape[0], self.num_heads, self.head_dim), positions, table)
-        keys = positions[:, None] - torch.arange(c.sliding_window, device=x.device)[None, :]  # newest first, as plan.window
-        index, pool, saved = torch.where(keys >= 0, keys, torch.full_like(keys, -1)), full, {}
+        index, pool, saved = PrefixPlan.window(positions, c.sliding_window), full, {}
         if self.mode != WINDOW:
             if self.mode == FULL:
                 saved = self._compress_prefix(x, positions, cp, table)

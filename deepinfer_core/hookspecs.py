@@ -114,11 +114,14 @@ class SchedulerLimits:
     max_num_seqs: the most sequences one step may carry.
     graph_batch_sizes: decode batch sizes the runner captures as graphs (sorted ascending);
         decode batches are padded up to the next size, larger ones run eagerly.
+    block_size: the KV cache block size (tokens) the backend's attention kernels want, taken when
+        the user chose none and it is a multiple of the model's own default (else the default).
     """
 
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     graph_batch_sizes: tuple[int, ...] | None = None
+    block_size: int | None = None
 
 
 @dataclass

@@ -152,7 +152,7 @@ class Engine:
         drafter = proposers.check(sc, self.model, self.model_config, model_dir)  # the drafter's own caches are needed
         lookahead = sc.num_speculative_tokens if sc else 0
         groups = self.model.cache_groups(with_mtp=True) if drafter else self.model.cache_groups()
-        block_size = engine_config.block_size or self.model.default_block_size
+        block_size = engine_config.block_size or self._default_block_size(limits)
         self.cache_groups = groups
         num_blocks = engine_config.num_kv_blocks or self._auto_num_blocks(groups, block_size, lookahead)
         capacity = num_blocks * block_size
@@ -263,6 +263,13 @@ class Engine:
         self.scheduler.reset()
         self._reset_counters()
         log.info("warmed up %d batch sizes in %.1f s", len(sizes), time.perf_counter() - t0)
+
+    def _default_block_size(self, limits) -> int:
+        """The backend's block size where it suits the model's layout (a multiple of the model's
+        default), else the model's default."""
+        default = self.model.default_block_size
+        wanted = limits and limits.block_size
+        return wanted if wanted and wanted % default == 0 else default
 
     def _auto_num_blocks(self, groups, block_size: int, lookahead: int) -> int:
         """Enough blocks for max_num_seqs sequences of the longest allowed length, capped by memory:

@@ -10,7 +10,9 @@ the first that fails, so that its reason is the most basic thing missing:
    its compute capability is sm_90 or sm_100-family.
 
 Ops: Triton kernels (``kernels/``), one module per family; each module's ``OPS`` maps op names
-to callables whose ``impl`` attribute says what runs (shown by ``deepinfer backends``). Every
+to callables whose ``impl`` attribute says what runs (shown by ``deepinfer backends``). Where
+DeepSeek's FlashMLA is installed it provides the decode attention whose shapes it takes, the
+Triton kernel the rest (``flashmla.py``; the KV blocks are then FlashMLA's 64 tokens). Every
 decode-path op is free of host synchronisation, so decode steps are captured as CUDA graphs
 over the batch sizes in ``GRAPH_BATCH_SIZES``. Block-FP8 checkpoints keep their FP8 weights:
 the GEMMs widen FP8 weight tiles in registers (W8A16) up to 1023 rows and quantise activations
@@ -23,6 +25,7 @@ import importlib.util
 import logging
 import os
 
+from deepinfer_core.config import MLA_MODEL_TYPES
 from deepinfer_core.dist import local_rank
 from deepinfer_core.hookspecs import BackendInfo, ProbeResult, hookimpl
 
@@ -183,11 +186,31 @@ def deepinfer_ops(platform, model_config, batch_invariant):
         ops.update(module.OPS)
         if batch_invariant:
             ops.update(getattr(module, "INVARIANT_OPS", {}))
+    if _peers_wanted(batch_invariant):
+        from deepinfer_nvidia_sm100 import flashmla
+
+        ops = flashmla.provide(ops)  # FlashMLA decodes where installed and the shapes fit
     return ops
+
+
+def _peers_wanted(batch_invariant: bool) -> bool:
+    """Whether DeepSeek's kernel libraries may provide ops: not in the batch-invariant table (they
+    have no such mode), not when DEEPINFER_EXTERNAL_KERNELS=0."""
+    from deepinfer_core.config import settings
+
+    return not batch_invariant and settings().external_kernels
 
 
 @hookimpl
 def deepinfer_scheduler_limits(platform, model_config):
     from deepinfer_core.hookspecs import SchedulerLimits
 
-    return SchedulerLimits(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, graph_batch_sizes=GRAPH_BATCH_SIZES)
+    block = None
+    if _peers_wanted(batch_invariant=False) and getattr(model_config, "model_type", None) in MLA_MODEL_TYPES:
+        from deepinfer_nvidia_sm100 import flashmla
+
+        if flashmla.version() is not None and (model_config.kv_lora_rank, model_config.qk_rope_head_dim) == (
+                flashmla.LATENT_DIM, flashmla.ROPE_DIM):
+            block = flashmla.BLOCK_SIZE  # FlashMLA's page size (the Triton kernel takes any)
+    return SchedulerLimits(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, graph_batch_sizes=GRAPH_BATCH_SIZES,
+                           block_size=block)

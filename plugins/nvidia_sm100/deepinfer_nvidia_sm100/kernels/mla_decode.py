@@ -371,10 +371,54 @@ mla_decode_attention.impl = ("triton: paged flash-decoding, head blocks x KV spl
                              "causal), log-sum-exp combine")
 
 
+@triton.jit(do_not_specialize=["num_seqs", "width", "s_btb", "s_tb"])
+def _row_plan_kernel(bt_ptr, lens_ptr, qsl_ptr, tables_ptr, row_lens_ptr, empty_ptr, num_seqs, width,
+                     s_btb, s_btw, s_tb, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr):
+    row = tl.program_id(0)
+    b = _sequence_of_row(qsl_ptr, num_seqs, row, BLOCK_B)
+    start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - start
+    n = tl.load(lens_ptr + b) - q_len + 1 + (row - start)
+    tl.store(row_lens_ptr + row, tl.maximum(n, 1))
+    tl.store(empty_ptr + row, (n <= 0).to(tl.uint8))
+    for w0 in range(0, width, BLOCK_W):
+        w = w0 + tl.arange(0, BLOCK_W)
+        keep = w < width
+        tl.store(tables_ptr + row * s_tb + w, tl.load(bt_ptr + b * s_btb + w * s_btw, mask=keep), mask=keep)
+
+
+def row_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, rows: int):
+    """Every query row as a sequence of its own, in one launch (no host synchronisation): ([T, W]
+    int32 block table rows, each its sequence's; [T] int32 entries each row attends to, at least
+    1; [T] bool, True for rows with none). Row i of sequence b attends to
+    seq_lens[b] - q_len_b + 1 + i entries, as ``mla_decode_attention``'s contract says."""
+    width = block_tables.shape[1]
+    device = seq_lens.device
+    tables = torch.empty((rows, width), dtype=torch.int32, device=device)
+    lens = torch.empty(rows, dtype=torch.int32, device=device)
+    empty = torch.empty(rows, dtype=torch.uint8, device=device)
+    if rows:
+        num_seqs = seq_lens.shape[0]
+        _row_plan_kernel[(rows,)](
+            block_tables, seq_lens, query_start_loc, tables, lens, empty, num_seqs, width,
+            block_tables.stride(0), block_tables.stride(1), tables.stride(0),
+            BLOCK_B=min(MAX_BLOCK_B, triton.next_power_of_2(num_seqs)), BLOCK_W=128,
+        )
+    return tables, lens, empty.view(torch.bool)
+
+
 def bench(device: str = "cuda") -> list[dict]:
     """Time mla_decode_attention at DeepSeek-V3 (H=128) and V2-Lite (H=16) decode shapes: one
     query row per sequence (plain decode) and, at a few shapes, 4 (speculative decoding
     verifying 3 drafted tokens).
+
+    Where FlashMLA is installed, each shape is also timed through it, side by side in the same
+    run: ``flashmla`` is DeepSeek's kernel called directly (queries already [latent | rope], its
+    scheduler metadata made once, q_len rows per sequence as its s_q, causal), the peer;
+    ``flashmla provider`` is what the op table runs (``deepinfer_nvidia_sm100.flashmla``: the
+    concatenation, one FlashMLA sequence per query row, the mask, and here its per-step plan in
+    every call, since the timing rotates among copies of the inputs). Each record of ours
+    carries ``vs_flashmla`` = FlashMLA's time / ours (1.0: as fast).
 
     bytes = cache rows actually referenced (sum of seq_lens x 576 x element size) + q + out;
     flops = 2 x H x (d_c + d_r + d_c) per (query row, token) pair.
@@ -385,12 +429,14 @@ def bench(device: str = "cuda") -> list[dict]:
             for seq in (1024, 4096, 16384):
                 for q_len in (1, 4) if seq == 4096 and batch in (8, 32) else (1,):
                     if batch * seq * 576 * 2 <= 8 * 2**30:
-                        results.append(_bench_one(model, heads, scale, batch, seq, q_len, device))
+                        results.extend(_bench_one(model, heads, scale, batch, seq, q_len, device))
     return results
 
 
-def _bench_one(model: str, heads: int, scale: float, batch: int, seq: int, q_len: int, device: str) -> dict:
+def _bench_one(model: str, heads: int, scale: float, batch: int, seq: int, q_len: int, device: str) -> list[dict]:
     from triton.testing import do_bench
+
+    from deepinfer_nvidia_sm100 import flashmla
 
     dtype = torch.bfloat16
     d_c, d_r, block_size = 512, 64, 64
@@ -404,16 +450,36 @@ def _bench_one(model: str, heads: int, scale: float, batch: int, seq: int, q_len
     query_start_loc = torch.arange(0, rows + 1, q_len, dtype=torch.int32, device=device)
     q_latent = torch.randn(rows, heads, d_c, device=device, dtype=dtype)
     q_pe = torch.randn(rows, heads, d_r, device=device, dtype=dtype)
-    ms = do_bench(lambda: mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, scale),
-                  return_mode="median")
     io = (q_latent.numel() + q_pe.numel() + q_latent.numel()) * elem + (block_tables.numel() + 2 * batch + 1) * 4
-    return {
-        "name": f"mla_decode_attention {model}" + (f" q_len {q_len}" if q_len > 1 else ""),
+    record = {
         "shape": {"batch": batch, "seq": seq, "q_len": q_len, "heads": heads, "d_c": d_c, "d_r": d_r, "block_size": block_size},
-        "ms": ms,
         "bytes": batch * seq * (d_c + d_r) * elem + io,
         "flops": 2 * rows * seq * heads * (2 * d_c + d_r),
     }
+    name = f"mla_decode_attention {model}" + (f" q_len {q_len}" if q_len > 1 else "")
+    ours = do_bench(lambda: mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, scale),
+                    return_mode="median")
+    out = [{"name": name, "ms": ours, **record}]
+    if flashmla.version() is None:
+        return out
+    import flash_mla
+
+    q = torch.cat([q_latent, q_pe], dim=-1).view(batch, q_len, heads, d_c + d_r)
+    k_cache = kv_cache.unsqueeze(2)
+    meta, _ = flash_mla.get_mla_metadata()
+
+    def peer():
+        return flash_mla.flash_mla_with_kvcache(q, k_cache, block_tables, seq_lens, d_c, meta, softmax_scale=scale,
+                                                causal=q_len > 1, use_legacy=True)
+
+    provider = flashmla.FlashMLADecode(None)
+    peer_ms = do_bench(peer, return_mode="median")
+    provider_ms = do_bench(lambda: provider(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, scale),
+                           return_mode="median")
+    out[0]["vs_flashmla"] = peer_ms / ours
+    out.append({"name": f"{name} [flashmla]", "ms": peer_ms, "peer": flashmla.version(), **record})
+    out.append({"name": f"{name} [flashmla provider]", "ms": provider_ms, "vs_flashmla": peer_ms / provider_ms, **record})
+    return out
 
 
 invariant_mla_decode_attention.impl = ("triton, batch-invariant: paged flash-decoding, KV splits where each row's length says, "

@@ -1,0 +1,160 @@
+"""Decode through ``LLM.generate`` with DeepSeek's FlashMLA providing decode attention against
+the backend's own Triton kernel, side by side in one run, and both against the HBM floor
+measured in the same run.
+
+    python -m benchmarks.decode_peers --out DIR [--models v2-lite,v3-slice] [--batches 1,8,32,64]
+        [--contexts 1024,4096] [--max-tokens 33] [--repeats 2]
+
+For each model, two LLMs are built one after the other (random weights, bf16 or the model's FP8,
+prefix caching off, the same 64-token KV blocks so that only the attention kernel differs):
+``flashmla`` (DEEPINFER_EXTERNAL_KERNELS=1: FlashMLA decodes where installed) and ``triton``
+(DEEPINFER_EXTERNAL_KERNELS=0). At each batch B and context L, on each LLM: B prompts of L
+random tokens, greedy, ignore_eos; the first M-token call, then max_tokens=1 (the prefill) and
+the M-token call again, each repeated and the minimum kept. Decode step = (generate time -
+prefill time) / (M - 1), as ``benchmarks.generate`` measures it: the first token comes from the
+prefill. ``decode_step_first_s`` uses the first call instead. The floor is the bytes a step
+must read (``benchmarks.e2e.step_weight_bytes``: weights, expected distinct experts; plus the
+cached latents at the steps' mean context L + M / 2) over the copy bandwidth of
+``benchmarks.ceilings``. Writes DIR/decode_peers.json after every point and DIR/decode_peers.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.e2e import kv_bytes, step_weight_bytes
+from benchmarks.generate import metadata, params, prompts, timed, write_model
+
+PROVIDERS = {"flashmla": "1", "triton": "0"}  # DEEPINFER_EXTERNAL_KERNELS of each LLM
+BLOCK_SIZE = 64  # FlashMLA's page size, used by both so that only the kernel differs
+
+
+def build(model_dir: Path, provider: str, max_batch: int, max_len: int):
+    from deepinfer_core import LLM
+
+    os.environ["DEEPINFER_EXTERNAL_KERNELS"] = PROVIDERS[provider]
+    try:
+        return LLM(model=str(model_dir), accelerator="nvidia", load_format="dummy", block_size=BLOCK_SIZE,
+                   max_num_seqs=max_batch, max_model_len=max_len, enable_prefix_caching=False, progress=False)
+    finally:
+        del os.environ["DEEPINFER_EXTERNAL_KERNELS"]
+
+
+def point(llm, batch: int, context: int, max_tokens: int, repeats: int, bandwidth: float) -> dict:
+    vocab = llm.engine.model_config.vocab_size
+    group = prompts(random.Random(batch * 100003 + context), vocab, batch, context)
+    first, outputs = timed(llm, group, params(max_tokens))
+    prefill = min(timed(llm, group, params(1))[0] for _ in range(repeats))
+    repeat = min(timed(llm, group, params(max_tokens))[0] for _ in range(repeats))
+    emitted = sum(len(o.outputs[0].token_ids) for o in outputs)
+    step, step_first = ((t - prefill) / (max_tokens - 1) for t in (repeat, first))
+    floor_bytes = step_weight_bytes(llm.engine.model, batch) + kv_bytes(llm.engine, batch, context + max_tokens / 2)
+    floor = floor_bytes / bandwidth
+    return {"batch": batch, "context": context, "max_tokens": max_tokens, "output_tokens": emitted,
+            "first_s": first, "prefill_s": prefill, "repeat_s": repeat,
+            "decode_step_s": step, "decode_step_first_s": step_first, "decode_tokens_per_s": batch / step,
+            "floor_bytes": floor_bytes, "floor_s": floor, "step_over_floor": step / floor,
+            "decode_attention": llm.engine.ops.implementations.get("mla_decode_attention")}
+
+
+def run(args) -> dict:
+    from benchmarks.ceilings import measure
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    ceilings = measure()
+    report = {"meta": metadata(argparse.Namespace(accelerator="nvidia")), "ceilings": ceilings,
+              "args": {k: str(v) for k, v in vars(args).items()}, "points": []}
+    path = args.out / "decode_peers.json"
+    max_len = -(-(max(args.contexts) + args.max_tokens + 16) // BLOCK_SIZE) * BLOCK_SIZE
+    for name in args.models:
+        model_dir = write_model(name, None, Path(tempfile.mkdtemp(prefix="deepinfer-peers-")))
+        for provider in PROVIDERS:
+            llm = build(model_dir, provider, max(args.batches), max_len)
+            for context in args.contexts:
+                for batch in args.batches:
+                    try:
+                        p = {"model": name, "provider": provider,
+                             **point(llm, batch, context, args.max_tokens, args.repeats, ceilings["copy_bytes_per_s"])}
+                    except Exception as e:  # noqa: BLE001 - one point's failure must not hide the others
+                        p = {"model": name, "provider": provider, "batch": batch, "context": context,
+                             "error": f"{type(e).__name__}: {e}"}
+                    report["points"].append(p)
+                    print(f"[peers] {name} {provider:8s} B={batch:<4d} L={context:<6d} " + (p.get("error") or (
+                        f"step {p['decode_step_s'] * 1e3:7.2f} ms (first call {p['decode_step_first_s'] * 1e3:7.2f}) "
+                        f"floor {p['floor_s'] * 1e3:6.2f} ms -> {p['step_over_floor']:.2f}x, "
+                        f"{p['decode_tokens_per_s']:8.0f} tok/s")), flush=True)
+                    path.write_text(json.dumps(report, indent=1))
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+    report["side_by_side"] = side_by_side(report["points"])
+    for row in report["side_by_side"]:
+        print(f"[peers] {row['model']} B={row['batch']} L={row['context']}: triton step / flashmla step = "
+              f"{row['triton_over_flashmla']:.3f}", flush=True)
+    path.write_text(json.dumps(report, indent=1))
+    plot(report, args.out)
+    return report
+
+
+def side_by_side(points: list[dict]) -> list[dict]:
+    """Per (model, B, L) measured with both providers: the Triton step over the FlashMLA step."""
+    done = {(p["model"], p["provider"], p["batch"], p["context"]): p for p in points if "error" not in p}
+    rows = []
+    for (model, provider, batch, context), p in done.items():
+        other = done.get((model, "triton", batch, context))
+        if provider == "flashmla" and other:
+            rows.append({"model": model, "batch": batch, "context": context,
+                         "triton_over_flashmla": other["decode_step_s"] / p["decode_step_s"],
+                         "flashmla_over_floor": p["step_over_floor"], "triton_over_floor": other["step_over_floor"]})
+    return rows
+
+
+def plot(report: dict, out: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({p["model"] for p in report["points"]})
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for provider, style in (("flashmla", "o-"), ("triton", "s--")):
+            for context in sorted({p["context"] for p in report["points"]}):
+                pts = [p for p in report["points"] if p["model"] == model and p["provider"] == provider
+                       and p["context"] == context and "error" not in p]
+                ax.plot([p["batch"] for p in pts], [p["step_over_floor"] for p in pts], style, label=f"{provider} L={context}")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set(xscale="log", xlabel="batch", ylabel="decode step / HBM floor", title=f"{model}: through LLM.generate")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "decode_peers.png", dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("bench_results"))
+    p.add_argument("--models", default="v2-lite,v3-slice")
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--contexts", default="1024,4096")
+    p.add_argument("--max-tokens", type=int, default=33)
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args(argv)
+    args.models = args.models.split(",")
+    args.batches, args.contexts = ([int(v) for v in s.split(",")] for s in (args.batches, args.contexts))
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""FlashMLA (DeepSeek's MLA decode kernels) as the provider of ``mla_decode_attention``.
+
+Chosen when ``flash_mla`` imports (``pip install "deepinfer-nvidia-sm100[flashmla]"``: the
+``sgl-flash-mla`` wheel) and a call's shapes fit its dense decode kernel (``use_legacy=True``):
+a bf16 cache of 64-token blocks whose rows are 512 latent + 64 RoPE channels, the V2/V3 layout.
+Any other call goes to the Triton kernel (``kernels/mla_decode.py``), as does every call when
+``DEEPINFER_EXTERNAL_KERNELS=0`` or the batch-invariant table is asked for (the dense kernel has
+no batch-invariant mode). The shape test looks at shapes and dtypes only, so a captured graph
+takes the same path as the eager call.
+
+The contract lets every sequence have its own number of query rows (0, 1, or 1 + k when
+speculative decoding verifies k drafts), which FlashMLA's [batch, s_q, heads, 576] queries cannot
+say. So, as in the Triton kernel, every query row is its own FlashMLA sequence of one query:
+row r of sequence b reads b's block table and attends to its first
+n_r = seq_lens[b] - q_len_b + 1 + i entries (i: r's index within b). That per-row plan (row ->
+sequence, n_r, the [T, W] block table rows: one kernel, ``mla_decode.row_plan``) and FlashMLA's
+tile-scheduler metadata are made on the device once per step and shared by every layer's call: the plan is kept for the step's
+``seq_lens`` / ``query_start_loc`` / ``block_tables`` tensors (the same objects for all layers
+of a step, and in a captured graph the first layer's kernels recompute it at every replay).
+Rows with n_r <= 0 (graph padding) get zeros, as the contract says: FlashMLA reads one entry
+for them and the output is masked.
+
+Cost against the Triton kernel, per layer: one concatenation of q_latent and q_pe (FlashMLA
+takes [latent | rope] rows) and the mask; per step: the plan and FlashMLA's metadata (two
+launches; made of ~20 torch ops the plan cost ~40 us a step on an H200).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("deepinfer")
+
+BLOCK_SIZE = 64  # FlashMLA's dense kernel reads pages of 64 tokens
+LATENT_DIM, ROPE_DIM = 512, 64  # its head_dim_v and head_dim - head_dim_v
+DTYPES = (torch.bfloat16,)
+DEVICE_TYPES = ("cuda",)
+
+
+@functools.cache
+def version() -> str | None:
+    """The installed FlashMLA's distribution and version when ``flash_mla`` imports and has the
+    dense (legacy) kernels, else None."""
+    try:
+        import flash_mla
+    except Exception as e:  # noqa: BLE001 - a wheel built for another torch fails in many ways
+        log.debug("flash_mla does not import: %s", e)
+        return None
+    if hasattr(flash_mla, "has_legacy") and not flash_mla.has_legacy():
+        log.warning("flash_mla imports but has no dense (legacy) decode kernel; the Triton kernel decodes")
+        return None
+    for dist in ("sgl-flash-mla", "flash-mla", "flash_mla"):
+        try:
+            return f"{dist} {importlib.metadata.version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return f"flash_mla {getattr(flash_mla, '__version__', '?')}"
+
+
+def fits(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether FlashMLA's dense decode takes this call (shapes, dtypes and device only)."""
+    return (
+        kv_cache.device.type in DEVICE_TYPES
+        and kv_cache.dtype in DTYPES
+        and q_latent.dtype == kv_cache.dtype
+        and q_pe.dtype == kv_cache.dtype
+        and kv_cache.dim() == 3
+        and kv_cache.shape[1] == BLOCK_SIZE
+        and kv_cache.shape[2] == LATENT_DIM + ROPE_DIM
+        and q_latent.shape[-1] == LATENT_DIM
+        and q_pe.shape[-1] == ROPE_DIM
+        and kv_cache.stride(2) == 1
+        and kv_cache.stride(1) == kv_cache.shape[2]
+    )
+
+
+@dataclass
+class _Plan:
+    """One step's per-row inputs, made once and used by every layer."""
+
+    key: tuple  # the step's tensors (held, so their ids cannot be reused) and their versions
+    tables: torch.Tensor  # [T, W] int32: each row's sequence's block table
+    lens: torch.Tensor  # [T] int32: entries each row attends to, at least 1
+    empty: torch.Tensor  # [T, 1, 1] bool: rows with no entries (their output is zeros)
+    meta: object  # FlashMLASchedMeta, filled by the first call and reused by the others
+
+
+class FlashMLADecode:
+    """``mla_decode_attention`` through FlashMLA where ``fits``, else through ``fallback``."""
+
+    def __init__(self, fallback):
+        self.fallback = fallback
+        self.impl = (f"flashmla ({version()}, dense kernel) for bf16 caches of {BLOCK_SIZE}-token blocks and "
+                     f"{LATENT_DIM} + {ROPE_DIM} rows, one FlashMLA sequence per query row; else "
+                     f"{getattr(fallback, 'impl', 'the Triton kernel')}")
+        self._plan: _Plan | None = None
+
+    def __call__(self, q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, scale):
+        if not fits(q_latent, q_pe, kv_cache):
+            return self.fallback(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, scale)
+        import flash_mla
+
+        rows, heads, d_c = q_latent.shape
+        if rows == 0 or heads == 0:
+            return q_latent.new_empty(q_latent.shape)
+        plan = self._plan_for(rows, heads, block_tables, seq_lens, query_start_loc)
+        q = torch.cat([q_latent, q_pe], dim=-1).unsqueeze(1)  # [T, 1, H, 576]
+        out, _ = flash_mla.flash_mla_with_kvcache(
+            q, kv_cache.unsqueeze(2), plan.tables, plan.lens, d_c, plan.meta,
+            softmax_scale=scale, causal=False, use_legacy=True,
+        )
+        return out.squeeze(1).masked_fill_(plan.empty, 0)
+
+    def _plan_for(self, rows: int, heads: int, block_tables, seq_lens, query_start_loc) -> _Plan:
+        key = (rows, heads, block_tables, block_tables._version, seq_lens, seq_lens._version,
+               query_start_loc, query_start_loc._version,
+               seq_lens.is_cuda and torch.cuda.is_current_stream_capturing())  # a capture records its own plan
+        old = self._plan
+        if old is not None and len(old.key) == len(key) and all(a is b if isinstance(a, torch.Tensor) else a == b
+                                                                for a, b in zip(old.key, key)):
+            return old
+        import flash_mla
+
+        from deepinfer_nvidia_sm100.kernels.mla_decode import row_plan
+
+        tables, lens, empty = row_plan(block_tables, seq_lens, query_start_loc, rows)
+        meta, _ = flash_mla.get_mla_metadata()
+        self._plan = _Plan(key=key, tables=tables, lens=lens, empty=empty.view(rows, 1, 1), meta=meta)
+        return self._plan
+
+
+def provide(ops: dict) -> dict:
+    """``ops`` with FlashMLA providing ``mla_decode_attention`` (the op there becomes its fallback)
+    when FlashMLA is installed; unchanged otherwise."""
+    if version() is None or "mla_decode_attention" not in ops:
+        return ops
+    return {**ops, "mla_decode_attention": FlashMLADecode(ops["mla_decode_attention"])}

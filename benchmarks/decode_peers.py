@@ -5,12 +5,14 @@ measured in the same run.
     python -m benchmarks.decode_peers --out DIR [--models v2-lite,v3-slice] [--batches 1,8,32,64]
         [--contexts 1024,4096] [--max-tokens 33] [--repeats 2]
 
-For each model, two LLMs are built one after the other (random weights, bf16 or the model's FP8,
-prefix caching off, the same 64-token KV blocks so that only the attention kernel differs):
-``flashmla`` (DEEPINFER_EXTERNAL_KERNELS=1: FlashMLA decodes where installed) and ``triton``
-(DEEPINFER_EXTERNAL_KERNELS=0). At each batch B and context L, on each LLM: B prompts of L
-random tokens, greedy, ignore_eos; the first M-token call, then max_tokens=1 (the prefill) and
-the M-token call again, each repeated and the minimum kept. Decode step = (generate time -
+For each model, two LLMs live side by side (random weights, bf16 or the model's FP8, prefix
+caching off, 40% of the GPU's memory each, the same 64-token KV blocks so that only the
+attention kernel differs): ``flashmla`` (DEEPINFER_EXTERNAL_KERNELS=1: FlashMLA decodes where
+installed) and ``triton`` (DEEPINFER_EXTERNAL_KERNELS=0). At each batch B and context L: B
+prompts of L random tokens, greedy, ignore_eos; the first M-token call on each LLM, then in
+turns on each, max_tokens=1 (the prefill) and the M-token call again, ``--repeats`` times, the
+minimum kept (two LLMs built one after the other drifted apart by up to 13% on an H200, more
+than the kernels differ). Decode step = (generate time -
 prefill time) / (M - 1), as ``benchmarks.generate`` measures it: the first token comes from the
 prefill. ``decode_step_first_s`` uses the first call instead. The floor is the bytes a step
 must read (``benchmarks.e2e.step_weight_bytes``: weights, expected distinct experts; plus the
@@ -35,34 +37,45 @@ from benchmarks.generate import metadata, params, prompts, timed, write_model
 
 PROVIDERS = {"flashmla": "1", "triton": "0"}  # DEEPINFER_EXTERNAL_KERNELS of each LLM
 BLOCK_SIZE = 64  # FlashMLA's page size, used by both so that only the kernel differs
+MEMORY_SHARE = 0.4  # of the GPU's memory for each of the two LLMs, alive together
 
 
-def build(model_dir: Path, provider: str, max_batch: int, max_len: int):
+def build(model_dir: Path, provider: str, max_batch: int, max_len: int, memory: float):
     from deepinfer_core import LLM
 
     os.environ["DEEPINFER_EXTERNAL_KERNELS"] = PROVIDERS[provider]
     try:
         return LLM(model=str(model_dir), accelerator="nvidia", load_format="dummy", block_size=BLOCK_SIZE,
-                   max_num_seqs=max_batch, max_model_len=max_len, enable_prefix_caching=False, progress=False)
+                   max_num_seqs=max_batch, max_model_len=max_len, enable_prefix_caching=False, progress=False,
+                   gpu_memory_utilization=memory)
     finally:
         del os.environ["DEEPINFER_EXTERNAL_KERNELS"]
 
 
-def point(llm, batch: int, context: int, max_tokens: int, repeats: int, bandwidth: float) -> dict:
-    vocab = llm.engine.model_config.vocab_size
-    group = prompts(random.Random(batch * 100003 + context), vocab, batch, context)
-    first, outputs = timed(llm, group, params(max_tokens))
-    prefill = min(timed(llm, group, params(1))[0] for _ in range(repeats))
-    repeat = min(timed(llm, group, params(max_tokens))[0] for _ in range(repeats))
-    emitted = sum(len(o.outputs[0].token_ids) for o in outputs)
-    step, step_first = ((t - prefill) / (max_tokens - 1) for t in (repeat, first))
-    floor_bytes = step_weight_bytes(llm.engine.model, batch) + kv_bytes(llm.engine, batch, context + max_tokens / 2)
-    floor = floor_bytes / bandwidth
-    return {"batch": batch, "context": context, "max_tokens": max_tokens, "output_tokens": emitted,
-            "first_s": first, "prefill_s": prefill, "repeat_s": repeat,
-            "decode_step_s": step, "decode_step_first_s": step_first, "decode_tokens_per_s": batch / step,
-            "floor_bytes": floor_bytes, "floor_s": floor, "step_over_floor": step / floor,
-            "decode_attention": llm.engine.ops.implementations.get("mla_decode_attention")}
+def points(llms: dict, batch: int, context: int, max_tokens: int, repeats: int, bandwidth: float) -> dict:
+    """One (B, L) on every LLM, their calls interleaved (first calls, then each repeat on each in
+    turn), so that drift over the run falls on all of them alike."""
+    any_llm = next(iter(llms.values()))
+    group = prompts(random.Random(batch * 100003 + context), any_llm.engine.model_config.vocab_size, batch, context)
+    first = {name: timed(llm, group, params(max_tokens)) for name, llm in llms.items()}
+    prefill, repeat = {name: [] for name in llms}, {name: [] for name in llms}
+    for _ in range(repeats):
+        for name, llm in llms.items():
+            prefill[name].append(timed(llm, group, params(1))[0])
+            repeat[name].append(timed(llm, group, params(max_tokens))[0])
+    out = {}
+    for name, llm in llms.items():
+        p, r, (f, outputs) = min(prefill[name]), min(repeat[name]), first[name]
+        step, step_first = ((t - p) / (max_tokens - 1) for t in (r, f))
+        floor_bytes = step_weight_bytes(llm.engine.model, batch) + kv_bytes(llm.engine, batch, context + max_tokens / 2)
+        floor = floor_bytes / bandwidth
+        out[name] = {"batch": batch, "context": context, "max_tokens": max_tokens,
+                     "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+                     "first_s": f, "prefill_s": p, "repeat_s": r, "prefill_runs_s": prefill[name], "repeat_runs_s": repeat[name],
+                     "decode_step_s": step, "decode_step_first_s": step_first, "decode_tokens_per_s": batch / step,
+                     "floor_bytes": floor_bytes, "floor_s": floor, "step_over_floor": step / floor,
+                     "decode_attention": llm.engine.ops.implementations.get("mla_decode_attention")}
+    return out
 
 
 def run(args) -> dict:
@@ -76,25 +89,25 @@ def run(args) -> dict:
     max_len = -(-(max(args.contexts) + args.max_tokens + 16) // BLOCK_SIZE) * BLOCK_SIZE
     for name in args.models:
         model_dir = write_model(name, None, Path(tempfile.mkdtemp(prefix="deepinfer-peers-")))
-        for provider in PROVIDERS:
-            llm = build(model_dir, provider, max(args.batches), max_len)
-            for context in args.contexts:
-                for batch in args.batches:
-                    try:
-                        p = {"model": name, "provider": provider,
-                             **point(llm, batch, context, args.max_tokens, args.repeats, ceilings["copy_bytes_per_s"])}
-                    except Exception as e:  # noqa: BLE001 - one point's failure must not hide the others
-                        p = {"model": name, "provider": provider, "batch": batch, "context": context,
-                             "error": f"{type(e).__name__}: {e}"}
-                    report["points"].append(p)
+        # gpu_memory_utilization counts what is in use already: the second LLM's share ends at 2 x 40%
+        llms = {provider: build(model_dir, provider, max(args.batches), max_len, MEMORY_SHARE * (i + 1))
+                for i, provider in enumerate(PROVIDERS)}
+        for context in args.contexts:
+            for batch in args.batches:
+                try:
+                    done = points(llms, batch, context, args.max_tokens, args.repeats, ceilings["copy_bytes_per_s"])
+                except Exception as e:  # noqa: BLE001 - one point's failure must not hide the others
+                    done = {p: {"batch": batch, "context": context, "error": f"{type(e).__name__}: {e}"} for p in llms}
+                for provider, p in done.items():
+                    report["points"].append(p := {"model": name, "provider": provider, **p})
                     print(f"[peers] {name} {provider:8s} B={batch:<4d} L={context:<6d} " + (p.get("error") or (
                         f"step {p['decode_step_s'] * 1e3:7.2f} ms (first call {p['decode_step_first_s'] * 1e3:7.2f}) "
                         f"floor {p['floor_s'] * 1e3:6.2f} ms -> {p['step_over_floor']:.2f}x, "
                         f"{p['decode_tokens_per_s']:8.0f} tok/s")), flush=True)
-                    path.write_text(json.dumps(report, indent=1))
-            del llm
-            gc.collect()
-            torch.cuda.empty_cache()
+                path.write_text(json.dumps(report, indent=1))
+        del llms
+        gc.collect()
+        torch.cuda.empty_cache()
     report["side_by_side"] = side_by_side(report["points"])
     for row in report["side_by_side"]:
         print(f"[peers] {row['model']} B={row['batch']} L={row['context']}: triton step / flashmla step = "

@@ -2,7 +2,8 @@
 
 Chosen when ``flash_mla`` imports (``pip install "deepinfer-nvidia-sm100[flashmla]"``: the
 ``sgl-flash-mla`` wheel) and a call's shapes fit its dense decode kernel (``use_legacy=True``):
-a bf16 cache of 64-token blocks whose rows are 512 latent + 64 RoPE channels, the V2/V3 layout.
+a bf16 cache of 64-token blocks whose rows are 512 latent + 64 RoPE channels (the V2/V3 layout),
+and at least MIN_ROWS_X_HEADS query rows x heads (below that the Triton kernel is faster end to end).
 Any other call goes to the Triton kernel (``kernels/mla_decode.py``), as does every call when
 ``DEEPINFER_EXTERNAL_KERNELS=0`` or the batch-invariant table is asked for (the dense kernel has
 no batch-invariant mode). The shape test looks at shapes and dtypes only, so a captured graph
@@ -40,6 +41,13 @@ BLOCK_SIZE = 64  # FlashMLA's dense kernel reads pages of 64 tokens
 LATENT_DIM, ROPE_DIM = 512, 64  # its head_dim_v and head_dim - head_dim_v
 DTYPES = (torch.bfloat16,)
 DEVICE_TYPES = ("cuda",)
+# FlashMLA takes calls of at least this many query rows x heads. Measured on an H200 through
+# LLM.generate (benchmarks/decode_peers.py, two LLMs side by side, 2026-12-03): with FlashMLA
+# for every call the V2-Lite shape (16 heads) decoded 7% slower at B=1 and 3% at B=8, 7% faster
+# at B=64 (L=2048); the V3 slice (128 heads) -3..+13% at B=8..64 and equal at B=1. Its kernel
+# alone is faster from B=8 (kernels.py), but the concatenation, the mask and the per-step plan
+# cost more than it saves below that.
+MIN_ROWS_X_HEADS = 1024
 
 
 @functools.cache
@@ -66,6 +74,7 @@ def fits(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor) -> 
     """Whether FlashMLA's dense decode takes this call (shapes, dtypes and device only)."""
     return (
         kv_cache.device.type in DEVICE_TYPES
+        and q_latent.shape[0] * q_latent.shape[1] >= MIN_ROWS_X_HEADS
         and kv_cache.dtype in DTYPES
         and q_latent.dtype == kv_cache.dtype
         and q_pe.dtype == kv_cache.dtype
@@ -96,7 +105,8 @@ class FlashMLADecode:
     def __init__(self, fallback):
         self.fallback = fallback
         self.impl = (f"flashmla ({version()}, dense kernel) for bf16 caches of {BLOCK_SIZE}-token blocks and "
-                     f"{LATENT_DIM} + {ROPE_DIM} rows, one FlashMLA sequence per query row; else "
+                     f"{LATENT_DIM} + {ROPE_DIM} rows, rows x heads >= {MIN_ROWS_X_HEADS}, one FlashMLA sequence per "
+                     f"query row; else "
                      f"{getattr(fallback, 'impl', 'the Triton kernel')}")
         self._plan: _Plan | None = None
 
@@ -117,8 +127,8 @@ class FlashMLADecode:
         return out.squeeze(1).masked_fill_(plan.empty, 0)
 
     def _plan_for(self, rows: int, heads: int, block_tables, seq_lens, query_start_loc) -> _Plan:
-        key = (rows, heads, block_tables, block_tables._version, seq_lens, seq_lens._version,
-               query_start_loc, query_start_loc._version,
+        key = (rows, heads, block_tables, _version(block_tables), seq_lens, _version(seq_lens),
+               query_start_loc, _version(query_start_loc),
                seq_lens.is_cuda and torch.cuda.is_current_stream_capturing())  # a capture records its own plan
         old = self._plan
         if old is not None and len(old.key) == len(key) and all(a is b if isinstance(a, torch.Tensor) else a == b
@@ -132,6 +142,15 @@ class FlashMLADecode:
         meta, _ = flash_mla.get_mla_metadata()
         self._plan = _Plan(key=key, tables=tables, lens=lens, empty=empty.view(rows, 1, 1), meta=meta)
         return self._plan
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """A tensor's in-place write counter; None for inference tensors, which keep none (the engine
+    makes new batch tensors every eager step and never writes them in place during one)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def provide(ops: dict) -> dict:

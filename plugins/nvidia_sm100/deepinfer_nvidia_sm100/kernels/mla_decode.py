@@ -402,7 +402,7 @@ def row_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc
         _row_plan_kernel[(rows,)](
             block_tables, seq_lens, query_start_loc, tables, lens, empty, num_seqs, width,
             block_tables.stride(0), block_tables.stride(1), tables.stride(0),
-            BLOCK_B=min(MAX_BLOCK_B, triton.next_power_of_2(num_seqs)), BLOCK_W=128,
+            BLOCK_B=MAX_BLOCK_B, BLOCK_W=128,  # one compile for every batch (a step's first call paid one per size)
         )
     return tables, lens, empty.view(torch.bool)
 

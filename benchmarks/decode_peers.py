@@ -12,9 +12,8 @@ installed) and ``triton`` (DEEPINFER_EXTERNAL_KERNELS=0). At each batch B and co
 prompts of L random tokens, greedy, ignore_eos; the first M-token call on each LLM, then in
 turns on each, max_tokens=1 (the prefill) and the M-token call again, ``--repeats`` times, the
 minimum kept (two LLMs built one after the other drifted apart by up to 13% on an H200, more
-than the kernels differ). Decode step = (generate time -
-prefill time) / (M - 1), as ``benchmarks.generate`` measures it: the first token comes from the
-prefill. ``decode_step_first_s`` uses the first call instead. The floor is the bytes a step
+than the kernels differ). Decode step = (generate time - prefill time) / (M - 1), as
+``benchmarks.generate`` measures it: the first token comes from the prefill. ``decode_step_first_s`` uses the first call instead. The floor is the bytes a step
 must read (``benchmarks.e2e.step_weight_bytes``: weights, expected distinct experts; plus the
 cached latents at the steps' mean context L + M / 2) over the copy bandwidth of
 ``benchmarks.ceilings``. Writes DIR/decode_peers.json after every point and DIR/decode_peers.png.
@@ -43,13 +42,17 @@ MEMORY_SHARE = 0.4  # of the GPU's memory for each of the two LLMs, alive togeth
 def build(model_dir: Path, provider: str, max_batch: int, max_len: int, memory: float):
     from deepinfer_core import LLM
 
-    os.environ["DEEPINFER_EXTERNAL_KERNELS"] = PROVIDERS[provider]
+    before = os.environ.get("DEEPINFER_EXTERNAL_KERNELS")
+    os.environ["DEEPINFER_EXTERNAL_KERNELS"] = PROVIDERS[provider]  # read when the LLM builds its op table
     try:
         return LLM(model=str(model_dir), accelerator="nvidia", load_format="dummy", block_size=BLOCK_SIZE,
                    max_num_seqs=max_batch, max_model_len=max_len, enable_prefix_caching=False, progress=False,
                    gpu_memory_utilization=memory)
     finally:
-        del os.environ["DEEPINFER_EXTERNAL_KERNELS"]
+        if before is None:
+            del os.environ["DEEPINFER_EXTERNAL_KERNELS"]
+        else:
+            os.environ["DEEPINFER_EXTERNAL_KERNELS"] = before
 
 
 def points(llms: dict, batch: int, context: int, max_tokens: int, repeats: int, bandwidth: float) -> dict:

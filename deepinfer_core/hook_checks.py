@@ -81,6 +81,7 @@ LIMITS_RULES = {
     "graph_batch_sizes": (lambda v: v is None or (isinstance(v, (tuple, list)) and all(_is_int(b) and b > 0 for b in v)
                                                   and list(v) == sorted(set(v))),
                           "None or a tuple of positive ints, ascending, without repeats"),
+    "block_size": (_positive_or_none, "None or a positive int"),
 }
 
 

@@ -147,9 +147,11 @@ def _load(module: SimpleNamespace, name: str):
         ({"deepinfer_scheduler_limits": lambda platform, model_config: {"max_num_seqs": 4}}, ["returned a dict"]),
         ({"deepinfer_scheduler_limits": lambda platform, model_config: SchedulerLimits(graph_batch_sizes=(8, 1))},
          ["graph_batch_sizes is (8, 1)", "ascending"]),
+        ({"deepinfer_scheduler_limits": lambda platform, model_config: SchedulerLimits(block_size=0)},
+         ["block_size is 0", "positive int"]),
     ],
     ids=["platform-dict", "platform-device", "platform-backend", "platform-dtypes", "ops-list", "op-missing-arg",
-         "op-extra-positional", "op-spec-v1-decode", "limits-dict", "limits-order"],
+         "op-extra-positional", "op-spec-v1-decode", "limits-dict", "limits-order", "limits-block-size"],
 )
 def test_a_hook_returning_the_wrong_thing_is_named_at_start_up(hooks, needles):
     with pytest.raises(BackendError) as err:
@@ -239,3 +241,14 @@ def test_a_raising_observer_is_named_once_and_the_others_keep_observing(caplog):
     message = errors[0].getMessage()
     assert "backend 'loud' (registered in-process) raised at step 1; it is not called again" in message
     assert "observer bug" in caplog.text  # the traceback, once
+
+
+@pytest.mark.parametrize("suggested, expected", [(64, 64), (48, 48), (24, 16), (None, 16)])
+def test_the_backends_block_size_is_taken_where_the_models_layout_allows(suggested, expected):
+    """SchedulerLimits.block_size replaces the model's default block size (16 here) when it is a
+    multiple of it (a user's block_size comes before both, in Engine.__init__)."""
+    from deepinfer_core.engine.engine import Engine
+
+    engine = SimpleNamespace(model=SimpleNamespace(default_block_size=16))
+    assert Engine._default_block_size(engine, SchedulerLimits(block_size=suggested)) == expected
+    assert Engine._default_block_size(engine, None) == 16

@@ -15,15 +15,21 @@ say. So, as in the Triton kernel, every query row is its own FlashMLA sequence o
 row r of sequence b reads b's block table and attends to its first
 n_r = seq_lens[b] - q_len_b + 1 + i entries (i: r's index within b). That per-row plan (row ->
 sequence, n_r, the [T, W] block table rows: one kernel, ``mla_decode.row_plan``) and FlashMLA's
-tile-scheduler metadata are made on the device once per step and shared by every layer's call: the plan is kept for the step's
-``seq_lens`` / ``query_start_loc`` / ``block_tables`` tensors (the same objects for all layers
-of a step, and in a captured graph the first layer's kernels recompute it at every replay).
-Rows with n_r <= 0 (graph padding) get zeros, as the contract says: FlashMLA reads one entry
-for them and the output is masked.
+tile-scheduler metadata are made on the device once per step and shared by every layer's call.
+The plan is kept for the step's ``seq_lens`` / ``query_start_loc`` / ``block_tables`` tensors
+(the same objects for all layers of a step); in a captured graph the first layer's kernels
+remake it at every replay. Rows with n_r <= 0 (graph padding) get zeros, as the contract says:
+FlashMLA reads one entry for them and the output is masked.
 
 Cost against the Triton kernel, per layer: one concatenation of q_latent and q_pe (FlashMLA
 takes [latent | rope] rows) and the mask; per step: the plan and FlashMLA's metadata (two
-launches; made of ~20 torch ops the plan cost ~40 us a step on an H200).
+launches; the same plan made of ~20 torch ops cost ~40 us a step on an H200).
+
+Not done: with several rows per sequence (speculative decoding), one FlashMLA sequence per row
+reads the cache once per row. FlashMLA's s_q (rows sharing the cache tiles) needs the same row
+count for every sequence, which a captured graph has (rows are padded to it) but the op cannot
+know from shapes. At 4 rows per sequence the provider ran at 0.36-0.83x FlashMLA given s_q = 4
+(``benchmarks/kernels.py``, H200, with the plan remade every call).
 """
 
 from __future__ import annotations
@@ -44,9 +50,10 @@ DEVICE_TYPES = ("cuda",)
 # FlashMLA takes calls of at least this many query rows x heads. Measured on an H200 through
 # LLM.generate (benchmarks/decode_peers.py, two LLMs side by side, 2026-12-03): with FlashMLA
 # for every call the V2-Lite shape (16 heads) decoded 7% slower at B=1 and 3% at B=8, 7% faster
-# at B=64 (L=2048); the V3 slice (128 heads) -3..+13% at B=8..64 and equal at B=1. Its kernel
-# alone is faster from B=8 (kernels.py), but the concatenation, the mask and the per-step plan
-# cost more than it saves below that.
+# at B=64 (L=2048); the V3 slice (128 heads; its two LLMs built one after the other, which drifted
+# by up to 13%) -8..+13% at B=8..64 and equal at B=1. Its kernel alone is faster from B=8 at both
+# head counts (kernels.py), but below that the concatenation, the mask and the per-step plan
+# cost more than it saves.
 MIN_ROWS_X_HEADS = 1024
 
 
@@ -115,9 +122,7 @@ class FlashMLADecode:
             return self.fallback(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, scale)
         import flash_mla
 
-        rows, heads, d_c = q_latent.shape
-        if rows == 0 or heads == 0:
-            return q_latent.new_empty(q_latent.shape)
+        rows, heads, d_c = q_latent.shape  # rows x heads >= MIN_ROWS_X_HEADS >= 1: never empty
         plan = self._plan_for(rows, heads, block_tables, seq_lens, query_start_loc)
         q = torch.cat([q_latent, q_pe], dim=-1).unsqueeze(1)  # [T, 1, H, 576]
         out, _ = flash_mla.flash_mla_with_kvcache(

@@ -402,7 +402,7 @@ def row_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc
         _row_plan_kernel[(rows,)](
             block_tables, seq_lens, query_start_loc, tables, lens, empty, num_seqs, width,
             block_tables.stride(0), block_tables.stride(1), tables.stride(0),
-            BLOCK_B=MAX_BLOCK_B, BLOCK_W=128,  # one compile for every batch (a step's first call paid one per size)
+            BLOCK_B=MAX_BLOCK_B, BLOCK_W=128,  # one compile for every batch size
         )
     return tables, lens, empty.view(torch.bool)
 
@@ -417,7 +417,8 @@ def bench(device: str = "cuda") -> list[dict]:
     scheduler metadata made once, q_len rows per sequence as its s_q, causal), the peer;
     ``flashmla provider`` is what the op table runs (``deepinfer_nvidia_sm100.flashmla``: the
     concatenation, one FlashMLA sequence per query row, the mask, and here its per-step plan in
-    every call, since the timing rotates among copies of the inputs). Each record of ours
+    every call where the timing rotates among copies of the inputs; below its rows x heads
+    threshold the Triton kernel, as ``provider_path`` says). Each record of ours
     carries ``vs_flashmla`` = FlashMLA's time / ours (1.0: as fast).
 
     bytes = cache rows actually referenced (sum of seq_lens x 576 x element size) + q + out;
@@ -472,13 +473,15 @@ def _bench_one(model: str, heads: int, scale: float, batch: int, seq: int, q_len
         return flash_mla.flash_mla_with_kvcache(q, k_cache, block_tables, seq_lens, d_c, meta, softmax_scale=scale,
                                                 causal=q_len > 1, use_legacy=True)
 
-    provider = flashmla.FlashMLADecode(None)
+    provider = flashmla.FlashMLADecode(mla_decode_attention)  # the Triton kernel below its rows x heads threshold
+    path = "flashmla" if flashmla.fits(q_latent, q_pe, kv_cache) else "triton"
     peer_ms = do_bench(peer, return_mode="median")
     provider_ms = do_bench(lambda: provider(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, scale),
                            return_mode="median")
     out[0]["vs_flashmla"] = peer_ms / ours
     out.append({"name": f"{name} [flashmla]", "ms": peer_ms, "peer": flashmla.version(), **record})
-    out.append({"name": f"{name} [flashmla provider]", "ms": provider_ms, "vs_flashmla": peer_ms / provider_ms, **record})
+    out.append({"name": f"{name} [flashmla provider]", "ms": provider_ms, "vs_flashmla": peer_ms / provider_ms,
+                "provider_path": path, **record})
     return out
 
 

@@ -25,7 +25,6 @@ import importlib.util
 import logging
 import os
 
-from deepinfer_core.config import MLA_MODEL_TYPES
 from deepinfer_core.dist import local_rank
 from deepinfer_core.hookspecs import BackendInfo, ProbeResult, hookimpl
 
@@ -206,11 +205,9 @@ def deepinfer_scheduler_limits(platform, model_config):
     from deepinfer_core.hookspecs import SchedulerLimits
 
     block = None
-    if _peers_wanted(batch_invariant=False) and getattr(model_config, "model_type", None) in MLA_MODEL_TYPES:
+    if _peers_wanted(batch_invariant=False):
         from deepinfer_nvidia_sm100 import flashmla
 
-        if flashmla.version() is not None and (model_config.kv_lora_rank, model_config.qk_rope_head_dim) == (
-                flashmla.LATENT_DIM, flashmla.ROPE_DIM):
-            block = flashmla.BLOCK_SIZE  # FlashMLA's page size (the Triton kernel takes any)
+        block = flashmla.block_size_for(model_config)  # FlashMLA's page size (the Triton kernel takes any)
     return SchedulerLimits(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, graph_batch_sizes=GRAPH_BATCH_SIZES,
                            block_size=block)

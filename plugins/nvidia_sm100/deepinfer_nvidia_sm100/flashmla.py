@@ -136,8 +136,7 @@ class FlashMLADecode:
                query_start_loc, _version(query_start_loc),
                seq_lens.is_cuda and torch.cuda.is_current_stream_capturing())  # a capture records its own plan
         old = self._plan
-        if old is not None and len(old.key) == len(key) and all(a is b if isinstance(a, torch.Tensor) else a == b
-                                                                for a, b in zip(old.key, key)):
+        if old is not None and all(a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(old.key, key)):
             return old
         import flash_mla
 
@@ -156,6 +155,16 @@ def _version(t: torch.Tensor) -> int | None:
         return t._version
     except RuntimeError:
         return None
+
+
+def block_size_for(model_config) -> int | None:
+    """The KV block size FlashMLA needs for this model when it is installed and the model is a
+    V2/V3 one of its row widths (512 latent + 64 RoPE channels); else None (no wish)."""
+    from deepinfer_core.config import MLA_MODEL_TYPES
+
+    fitting = (getattr(model_config, "model_type", None) in MLA_MODEL_TYPES
+               and (model_config.kv_lora_rank, model_config.qk_rope_head_dim) == (LATENT_DIM, ROPE_DIM))
+    return BLOCK_SIZE if fitting and version() is not None else None
 
 
 def provide(ops: dict) -> dict:

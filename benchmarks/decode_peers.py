@@ -1,22 +1,25 @@
-"""Decode through ``LLM.generate`` with DeepSeek's FlashMLA providing decode attention against
-the backend's own Triton kernel, side by side in one run, and both against the HBM floor
-measured in the same run.
+"""Decode and prefill through ``LLM.generate`` with peer kernel libraries providing ops against
+the backend's own kernels, side by side in one run, and both against limits measured in the
+same run.
 
     python -m benchmarks.decode_peers --out DIR [--models v2-lite,v3-slice] [--batches 1,8,32,64]
         [--contexts 1024,4096] [--max-tokens 33] [--repeats 2]
 
 For each model, two LLMs live side by side (random weights, bf16 or the model's FP8, prefix
-caching off, 40% of the GPU's memory each, the same 64-token KV blocks so that only the
-attention kernel differs): ``flashmla`` (DEEPINFER_EXTERNAL_KERNELS=1: FlashMLA decodes where
-installed) and ``triton`` (DEEPINFER_EXTERNAL_KERNELS=0). At each batch B and context L: B
-prompts of L random tokens, greedy, ignore_eos; the first M-token call on each LLM, then in
-turns on each, max_tokens=1 (the prefill) and the M-token call again, ``--repeats`` times, the
-minimum kept (two LLMs built one after the other drifted apart by up to 13% on an H200, more
-than the kernels differ). Decode step = (generate time - prefill time) / (M - 1), as
-``benchmarks.generate`` measures it: the first token comes from the prefill. ``decode_step_first_s`` uses the first call instead. The floor is the bytes a step
-must read (``benchmarks.e2e.step_weight_bytes``: weights, expected distinct experts; plus the
-cached latents at the steps' mean context L + M / 2) over the copy bandwidth of
-``benchmarks.ceilings``. Writes DIR/decode_peers.json after every point and DIR/decode_peers.png.
+caching off, 40% of the GPU's memory each, the same 64-token KV blocks so that only the kernels
+differ): ``peers`` (DEEPINFER_EXTERNAL_KERNELS=1: FlashMLA decodes where installed, cuBLAS's
+block-scaled FP8 GEMM runs the FP8 linears on sm_90, each where its shapes fit) and ``own``
+(DEEPINFER_EXTERNAL_KERNELS=0: the backend's Triton kernels). Each point records which
+implementation each of those ops had. At each batch B and context L: B prompts of L random
+tokens, greedy, ignore_eos; the first M-token call on each LLM, then in turns on each,
+max_tokens=1 (the prefill) and the M-token call again, ``--repeats`` times, the minimum kept (two
+LLMs built one after the other drifted apart by up to 13% on an H200, more than the kernels
+differ). Decode step = (generate time - prefill time) / (M - 1), as ``benchmarks.generate``
+measures it: the first token comes from the prefill. ``decode_step_first_s`` uses the first call
+instead; prefill tokens/s = B L / prefill time. The floor is the bytes a step must read
+(``benchmarks.e2e.step_weight_bytes``: weights, expected distinct experts; plus the cached
+latents at the steps' mean context L + M / 2) over the copy bandwidth of ``benchmarks.ceilings``.
+Writes DIR/decode_peers.json after every point and DIR/decode_peers.png.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ import torch
 from benchmarks.e2e import kv_bytes, step_weight_bytes
 from benchmarks.generate import metadata, params, prompts, timed, write_model
 
-PROVIDERS = {"flashmla": "1", "triton": "0"}  # DEEPINFER_EXTERNAL_KERNELS of each LLM
+PROVIDERS = {"peers": "1", "own": "0"}  # DEEPINFER_EXTERNAL_KERNELS of each LLM
+PEER_OPS = ("mla_decode_attention", "fp8_block_linear")  # the ops a peer library may provide
 BLOCK_SIZE = 64  # FlashMLA's page size, used by both so that only the kernel differs
 MEMORY_SHARE = 0.4  # of the GPU's memory for each of the two LLMs, alive together
 
@@ -77,7 +81,8 @@ def points(llms: dict, batch: int, context: int, max_tokens: int, repeats: int, 
                      "first_s": f, "prefill_s": p, "repeat_s": r, "prefill_runs_s": prefill[name], "repeat_runs_s": repeat[name],
                      "decode_step_s": step, "decode_step_first_s": step_first, "decode_tokens_per_s": batch / step,
                      "floor_bytes": floor_bytes, "floor_s": floor, "step_over_floor": step / floor,
-                     "decode_attention": llm.engine.ops.implementations.get("mla_decode_attention")}
+                     "prefill_tokens_per_s": batch * context / p,
+                     "implementations": {op: llm.engine.ops.implementations.get(op) for op in PEER_OPS}}
     return out
 
 
@@ -106,30 +111,31 @@ def run(args) -> dict:
                     print(f"[peers] {name} {provider:8s} B={batch:<4d} L={context:<6d} " + (p.get("error") or (
                         f"step {p['decode_step_s'] * 1e3:7.2f} ms (first call {p['decode_step_first_s'] * 1e3:7.2f}) "
                         f"floor {p['floor_s'] * 1e3:6.2f} ms -> {p['step_over_floor']:.2f}x, "
-                        f"{p['decode_tokens_per_s']:8.0f} tok/s")), flush=True)
+                        f"{p['decode_tokens_per_s']:8.0f} tok/s; prefill {p['prefill_tokens_per_s']:8.0f} tok/s")), flush=True)
                 path.write_text(json.dumps(report, indent=1))
         del llms
         gc.collect()
         torch.cuda.empty_cache()
     report["side_by_side"] = side_by_side(report["points"])
     for row in report["side_by_side"]:
-        print(f"[peers] {row['model']} B={row['batch']} L={row['context']}: triton step / flashmla step = "
-              f"{row['triton_over_flashmla']:.3f}", flush=True)
+        print(f"[peers] {row['model']} B={row['batch']} L={row['context']}: own / peers: decode step "
+              f"{row['own_over_peers_step']:.3f}, prefill time {row['own_over_peers_prefill']:.3f}", flush=True)
     path.write_text(json.dumps(report, indent=1))
     plot(report, args.out)
     return report
 
 
 def side_by_side(points: list[dict]) -> list[dict]:
-    """Per (model, B, L) measured with both providers: the Triton step over the FlashMLA step."""
+    """Per (model, B, L) measured with both: the own kernels' decode step and prefill time over the peers'."""
     done = {(p["model"], p["provider"], p["batch"], p["context"]): p for p in points if "error" not in p}
     rows = []
     for (model, provider, batch, context), p in done.items():
-        other = done.get((model, "triton", batch, context))
-        if provider == "flashmla" and other:
+        other = done.get((model, "own", batch, context))
+        if provider == "peers" and other:
             rows.append({"model": model, "batch": batch, "context": context,
-                         "triton_over_flashmla": other["decode_step_s"] / p["decode_step_s"],
-                         "flashmla_over_floor": p["step_over_floor"], "triton_over_floor": other["step_over_floor"]})
+                         "own_over_peers_step": other["decode_step_s"] / p["decode_step_s"],
+                         "own_over_peers_prefill": other["prefill_s"] / p["prefill_s"],
+                         "peers_over_floor": p["step_over_floor"], "own_over_floor": other["step_over_floor"]})
     return rows
 
 
@@ -144,7 +150,7 @@ def plot(report: dict, out: Path) -> None:
     models = sorted({p["model"] for p in report["points"]})
     fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models):
-        for provider, style in (("flashmla", "o-"), ("triton", "s--")):
+        for provider, style in (("peers", "o-"), ("own", "s--")):
             for context in sorted({p["context"] for p in report["points"]}):
                 pts = [p for p in report["points"] if p["model"] == model and p["provider"] == provider
                        and p["context"] == context and "error" not in p]

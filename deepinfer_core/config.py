@@ -64,7 +64,7 @@ class Settings(BaseSettings):
     dist_timeout: float = Field(600.0, gt=0, description="Seconds a data-parallel collective or a rank's start-up may take.")
     external_kernels: bool = Field(
         True, description="0: a backend uses only its own kernels even where peer libraries it can use are installed "
-                          "(NVIDIA: FlashMLA); 1: it uses them where they fit.",
+                          "(NVIDIA: FlashMLA, cuBLAS's block-scaled FP8 GEMM); 1: it uses them where they fit.",
     )
 
 

@@ -15,8 +15,10 @@ DeepSeek's FlashMLA is installed it provides the decode attention whose shapes i
 Triton kernel the rest (``flashmla.py``; the KV blocks are then FlashMLA's 64 tokens). Every
 decode-path op is free of host synchronisation, so decode steps are captured as CUDA graphs
 over the batch sizes in ``GRAPH_BATCH_SIZES``. Block-FP8 checkpoints keep their FP8 weights:
-the GEMMs widen FP8 weight tiles in registers (W8A16) up to 1023 rows and quantise activations
-per token and 128 channels (W8A8, a pre-pass) from 1024 rows; the expert GEMMs are W8A16.
+on sm_90 cuBLAS's DeepSeek-scaled FP8 GEMM takes the bf16 linears from ``cublas_fp8.MIN_M`` rows
+(activations quantised per token and 128 channels by a Triton pre-pass); otherwise the Triton
+GEMMs widen FP8 weight tiles in registers (W8A16) up to 1023 rows and quantise activations
+(W8A8, a pre-pass) from 1024 rows; the expert GEMMs are W8A16.
 """
 
 from __future__ import annotations
@@ -186,15 +188,17 @@ def deepinfer_ops(platform, model_config, batch_invariant):
         if batch_invariant:
             ops.update(getattr(module, "INVARIANT_OPS", {}))
     if _peers_wanted(batch_invariant):
-        from deepinfer_nvidia_sm100 import flashmla
+        from deepinfer_nvidia_sm100 import cublas_fp8, flashmla
 
         ops = flashmla.provide(ops)  # FlashMLA decodes where installed and the shapes fit
+        ops = cublas_fp8.provide(ops, getattr(platform, "device", None))  # cuBLAS's DeepSeek-scaled FP8 GEMM on sm_90
     return ops
 
 
 def _peers_wanted(batch_invariant: bool) -> bool:
-    """Whether DeepSeek's kernel libraries may provide ops: not in the batch-invariant table (they
-    have no such mode), not when DEEPINFER_EXTERNAL_KERNELS=0."""
+    """Whether peer kernel libraries (DeepSeek's FlashMLA, cuBLAS's block-scaled FP8 GEMM) may
+    provide ops: not in the batch-invariant table (they have no such mode), not when
+    DEEPINFER_EXTERNAL_KERNELS=0."""
     from deepinfer_core.config import settings
 
     return not batch_invariant and settings().external_kernels

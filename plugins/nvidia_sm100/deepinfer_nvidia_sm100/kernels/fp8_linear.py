@@ -145,28 +145,45 @@ def round_to_e4m3(v):
     return steps * spacing
 
 
-@triton.jit(do_not_specialize=["M"])  # per-step sizes: one compile, not one per value class
+@triton.jit(do_not_specialize=["M", "M_STORE", "stride_sk"])  # per-step sizes: one compile, not one per value class
 def _quantize_activations_kernel(
     x_ptr, q_ptr, s_ptr,
-    M, K,
-    stride_xm, stride_xk, stride_qm, stride_sm,
+    M, M_STORE, K,
+    stride_xm, stride_xk, stride_qm, stride_sm, stride_sk,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """q = e4m3(x / s), s = amax / 448 per row and per BLOCK_K (= bk) columns."""
+    """q = e4m3(x / s), s = amax / 448 per row and per BLOCK_K (= bk) columns, for rows
+    [0, M_STORE) (M_STORE >= M: rows from M on are padding, written as zeros of the floor scale)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.program_id(1)
     k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask_m = rows < M
-    mask = mask_m[:, None] & (k < K)[None, :]
+    mask_k = (k < K)[None, :]
     rows64 = rows.to(tl.int64)
-    a = tl.load(x_ptr + rows64[:, None] * stride_xm + k[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(x_ptr + rows64[:, None] * stride_xm + k[None, :] * stride_xk, mask=(rows < M)[:, None] & mask_k,
+                other=0.0).to(tl.float32)
     a_scale = tl.maximum(tl.max(tl.abs(a), axis=1), _AMAX_FLOOR) / E4M3_MAX
     q = a * (1.0 / a_scale)[:, None]
     if INTERPRET:
         q = round_to_e4m3(q)
-    tl.store(q_ptr + rows64[:, None] * stride_qm + k[None, :], q.to(tl.float8e4nv), mask=mask)
-    tl.store(s_ptr + rows64 * stride_sm + kb, a_scale, mask=mask_m)
+    stored = rows < M_STORE
+    tl.store(q_ptr + rows64[:, None] * stride_qm + k[None, :], q.to(tl.float8e4nv), mask=stored[:, None] & mask_k)
+    tl.store(s_ptr + rows64 * stride_sm + kb * stride_sk, a_scale, mask=stored)
+
+
+def quantize_activations(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bk: int) -> None:
+    """Fill q [m_store, k] (float8_e4m3fn) and scales [m_store, k blocks] (float32, any strides)
+    from x [m, k], m <= m_store: per row and per bk channels, s = amax / 448, q = e4m3(x / s)
+    (DeepSeek's dynamic activation quantisation); rows from m on are padding (zeros)."""
+    m, k = x.shape
+    m_store = q.shape[0]
+    _quantize_activations_kernel[(triton.cdiv(m_store, FP8_QUANT_BLOCK_M), triton.cdiv(k, bk))](
+        x, q, scales,
+        m, m_store, k,
+        x.stride(0), x.stride(1), q.stride(0), scales.stride(0), scales.stride(1),
+        BLOCK_M=FP8_QUANT_BLOCK_M, BLOCK_K=bk,
+        INTERPRET=not x.is_cuda,
+    )
 
 
 @triton.jit(do_not_specialize=["M", "stride_os"])  # per-step sizes: one compile, not one per value class
@@ -308,13 +325,7 @@ def fp8_block_linear_with_config(
     if cfg.mode == W8A8_PREQUANT:
         a = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
         a_scale = torch.empty((m, k_blocks), dtype=torch.float32, device=x.device)
-        _quantize_activations_kernel[(triton.cdiv(m, FP8_QUANT_BLOCK_M), k_blocks)](
-            x2, a, a_scale,
-            m, k,
-            x2.stride(0), x2.stride(1), a.stride(0), a_scale.stride(0),
-            BLOCK_M=FP8_QUANT_BLOCK_M, BLOCK_K=bk,
-            INTERPRET=not x.is_cuda,
-        )
+        quantize_activations(x2, a, a_scale, bk)
     _launch_gemm(a, a_scale, weight, weight_scale_inv, bias, target, out, (m, n, k), (bn, bk), cfg, per_split, splits)
     return out.view(*lead, n)
 
@@ -473,12 +484,18 @@ V2_LITE_LINEARS = {  # V2-Lite is shipped in bf16; timed in FP8 for the kernel's
     "v2lite_dense_gate_up": (21888, 2048),
     "v2lite_dense_down": (2048, 10944),
 }
-BENCH_TOKENS = (1, 16, 64, 256, 4096)
+BENCH_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 
 
 def bench(device: str = "cuda") -> list[dict]:
-    """Median times (ms) of fp8_block_linear and of the same GEMM in bf16 through cuBLAS."""
+    """Median times (ms) of fp8_block_linear (the Triton GEMM), of cuBLAS's block-scaled FP8 GEMM
+    as the provider runs it (``fp8_block_linear[cublas]``, quantisation pre-pass included), of
+    cuBLAS FP8 with one scale per tensor on operands already in e4m3 (``fp8_tensorwise_cublas``:
+    the FP8 rate cuBLAS reaches at that shape, the peer) and of the same GEMM in bf16 through cuBLAS."""
+    from deepinfer_nvidia_sm100 import cublas_fp8
+
     block = (128, 128)
+    peers = cublas_fp8.supported(device)
     results = []
     for name, (n, k) in {**V3_FP8_LINEARS, **V2_LITE_LINEARS}.items():
         weight, scale = quantize_fp8_block(torch.randn(n, k, device=device) / k**0.5, block)
@@ -508,4 +525,35 @@ def bench(device: str = "cuda") -> list[dict]:
                 "name": f"bf16_cublas/{name}", "shape": {"M": m, "N": n, "K": k}, "ms": ms,
                 "bytes": m * k * 2 + n * k * 2 + m * n * 2, "flops": flops,
             })
+            if peers and k % block[1] == 0 and n % 8 == 0:
+                results += _cublas_cases(name, x, weight, scale)
     return results
+
+
+def _cublas_cases(name: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> list[dict]:
+    """bench()'s cuBLAS cases at one shape (the provider, the tensor-wise FP8 peer); a case that
+    fails is printed and left out, not the module's other cases."""
+    from deepinfer_nvidia_sm100 import cublas_fp8
+
+    (m, k), n = x.shape, weight.shape[0]
+    shape = {"M": m, "N": n, "K": k}
+    a = x.to(torch.float8_e4m3fn)
+    one = torch.ones((), device=x.device)
+    cases = {
+        "fp8_block_linear[cublas]": (lambda: cublas_fp8.block_fp8_linear(x, weight, scale),
+                                     m * k * 2 + n * k + scale.numel() * 4 + m * n * 2),
+        # operands already e4m3, one scale each: the FP8 rate cuBLAS itself reaches at this shape
+        "fp8_tensorwise_cublas": (lambda: F.scaled_mm(a, weight.t(), scale_a=one, scale_recipe_a=F.ScalingType.TensorWise,
+                                                      scale_b=one, scale_recipe_b=F.ScalingType.TensorWise,
+                                                      output_dtype=torch.bfloat16),
+                                  m * k + n * k + m * n * 2),
+    }
+    out = []
+    for label, (fn, nbytes) in cases.items():
+        try:
+            ms = triton.testing.do_bench(fn, return_mode="median")
+        except Exception as e:  # noqa: BLE001 - recorded as missing, the other cases still run
+            print(f"[kernels] {label}/{name} {shape}: {type(e).__name__}: {e}", flush=True)
+            continue
+        out.append({"name": f"{label}/{name}", "shape": shape, "ms": ms, "bytes": nbytes, "flops": 2 * m * n * k})
+    return out

@@ -384,7 +384,8 @@ def run(out_dir: Path, ceilings: dict | None = None, only: list[str] | None = No
             print(f"[kernels] {name:12s} {case['name']:40s} {str(case.get('shape')):50s} {case['ms'] * 1e3:9.1f} us "
                   f"{case['gb_per_s']:7.0f} GB/s ({case['bw_ratio']:5.1%} of copy) "
                   f"{case['tflop_per_s']:6.1f} TFLOP/s ({case['flop_ratio']:5.1%}) "
-                  f"[L2 {'cold' if case['l2_cold'] else 'MAY BE WARM'}: {case['l2']}]", flush=True)
+                  f"[L2 {'cold' if case['l2_cold'] else 'MAY BE WARM'}: {case['l2']}]"
+                  + "".join(f" {key}={value:.2f}" for key, value in case.items() if key.startswith("vs_")), flush=True)
         torch.cuda.empty_cache()
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "kernels.json").write_text(json.dumps(report, indent=1, default=str))

@@ -142,6 +142,27 @@ def test_the_backend_table(monkeypatch):
         is fp8_linear.fp8_block_linear
 
 
+def test_the_kernel_bench_ratios(monkeypatch):
+    """benchmarks/kernels.py's FP8 cases: the provider and the Triton GEMM get vs_cublas_fp8 = the
+    tensor-wise peer's time / theirs; a failing case is left out, not the others."""
+    import triton
+
+    times = iter([2.0, 1.0])
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, return_mode=None: next(times))
+    others = [{"name": "fp8_block_linear/q", "ms": 4.0}, {"name": "bf16_cublas/q", "ms": 3.0}]
+    x = torch.zeros(4, 128, dtype=torch.bfloat16)
+    out = fp8_linear._cublas_cases("q", x, torch.zeros(8, 128, dtype=torch.float8_e4m3fn), torch.ones(1, 1), others)
+    assert [(r["name"], r.get("vs_cublas_fp8")) for r in out] == [("fp8_block_linear[cublas]/q", 0.5),
+                                                                  ("fp8_tensorwise_cublas/q", None)]
+    assert others[0]["vs_cublas_fp8"] == 0.25 and "vs_cublas_fp8" not in others[1]
+
+    def fails(fn, return_mode=None):
+        raise RuntimeError("not on this device")
+
+    monkeypatch.setattr(triton.testing, "do_bench", fails)
+    assert fp8_linear._cublas_cases("q", x, torch.zeros(8, 128, dtype=torch.float8_e4m3fn), torch.ones(1, 1), []) == []
+
+
 # ------------------------------------------------------------------------------------------------
 # the real GEMM
 

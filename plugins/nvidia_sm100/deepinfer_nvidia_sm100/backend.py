@@ -15,7 +15,7 @@ DeepSeek's FlashMLA is installed it provides the decode attention whose shapes i
 Triton kernel the rest (``flashmla.py``; the KV blocks are then FlashMLA's 64 tokens). Every
 decode-path op is free of host synchronisation, so decode steps are captured as CUDA graphs
 over the batch sizes in ``GRAPH_BATCH_SIZES``. Block-FP8 checkpoints keep their FP8 weights:
-on sm_90 cuBLAS's DeepSeek-scaled FP8 GEMM takes the bf16 linears from ``cublas_fp8.MIN_M`` rows
+on sm_90 cuBLAS's DeepSeek-scaled FP8 GEMM takes the bf16 FP8 linears that ``cublas_fp8.fits``
 (activations quantised per token and 128 channels by a Triton pre-pass); otherwise the Triton
 GEMMs widen FP8 weight tiles in registers (W8A16) up to 1023 rows and quantise activations
 (W8A8, a pre-pass) from 1024 rows; the expert GEMMs are W8A16.

@@ -11,14 +11,16 @@ does) and hands both operands to cuBLAS.
 Chosen per call from shapes and dtypes only (so a captured graph takes the eager call's path):
 bf16 activations, 128 x 128 weight blocks, K a multiple of 128, N a multiple of 8 (16-byte output
 rows), float32 weight scales, at least MIN_M rows (any number on weights of MIN_WEIGHT elements or
-more), and a device of compute capability 9.0 with a torch that has the recipes. Every other call goes to the Triton GEMM (the fallback), as does every
-call when ``DEEPINFER_EXTERNAL_KERNELS=0`` or in the batch-invariant table (cuBLAS picks its kernel
-and K split per M).
+more), and a device of compute capability 9.0 with a torch that has the recipes. Every other call
+goes to the Triton GEMM (the fallback), as does every call when ``DEEPINFER_EXTERNAL_KERNELS=0``
+or in the batch-invariant table (cuBLAS picks its kernel and K split per M).
 
-Layouts cuBLAS wants: the activation scales K-block-major ([M, K/128] with strides (1, M)) and M
-a multiple of 4 (the pre-pass writes padding rows as zeros; the GEMM's padding rows are dropped);
-the weight scales [ceil(N/128), L4] with L4 = K/128 rounded up to a multiple of 4 (every DeepSeek
-projection already is; other shapes get a zero-padded copy per call), passed transposed.
+Layouts torch's recipe wants (its own tests, checked on an H200): the activation scales
+K-block-major ([M, K/128] with strides (1, M)); the weight scales [ceil(N/128), L4] with L4 =
+K/128 rounded up to a multiple of 4 (every DeepSeek projection already is; other shapes get a
+zero-padded copy per call; unpadded ones were refused), passed transposed. M is padded to a
+multiple of 4, as vLLM does for cuBLASLt with this recipe (odd M unpadded was not tried): the
+pre-pass writes the padding rows as zeros and the GEMM's padding rows are dropped.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 from deepinfer_nvidia_sm100.kernels.fp8_linear import quantize_activations
 
 BLOCK = (128, 128)  # the only weight block cuBLAS's DeepSeek recipe takes
-M_ALIGN = 4  # cuBLASLt: the activation scale vectors' leading dimension
+M_ALIGN = 4  # rows padded to a multiple of this (see above)
 # cuBLAS takes calls of at least MIN_M rows, and calls of any row count on weights of at least
 # MIN_WEIGHT elements; the rest go to the Triton W8A16 GEMM, which widens the FP8 weight in
 # registers and needs no quantisation pass. H200, 2026-12-03 (benchmarks/kernels.py --only

@@ -526,13 +526,16 @@ def bench(device: str = "cuda") -> list[dict]:
                 "bytes": m * k * 2 + n * k * 2 + m * n * 2, "flops": flops,
             })
             if peers and k % block[1] == 0 and n % 8 == 0:
-                results += _cublas_cases(name, x, weight, scale)
+                at_shape = [r for r in results if r["shape"] == {"M": m, "N": n, "K": k} and r["name"].endswith(f"/{name}")]
+                results += _cublas_cases(name, x, weight, scale, at_shape)
     return results
 
 
-def _cublas_cases(name: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> list[dict]:
+def _cublas_cases(name: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, others: list[dict]) -> list[dict]:
     """bench()'s cuBLAS cases at one shape (the provider, the tensor-wise FP8 peer); a case that
-    fails is printed and left out, not the module's other cases."""
+    fails is printed and left out, not the module's other cases. The provider's record and the
+    FP8 records of ``others`` (the Triton GEMM's at this shape) get ``vs_cublas_fp8`` = the peer's
+    time / theirs (1.0: as fast as cuBLAS FP8 with one scale per tensor)."""
     from deepinfer_nvidia_sm100 import cublas_fp8
 
     (m, k), n = x.shape, weight.shape[0]
@@ -556,4 +559,8 @@ def _cublas_cases(name: str, x: torch.Tensor, weight: torch.Tensor, scale: torch
             print(f"[kernels] {label}/{name} {shape}: {type(e).__name__}: {e}", flush=True)
             continue
         out.append({"name": f"{label}/{name}", "shape": shape, "ms": ms, "bytes": nbytes, "flops": 2 * m * n * k})
+    peer = next((r["ms"] for r in out if r["name"].startswith("fp8_tensorwise_cublas")), None)
+    if peer is not None:
+        for record in out[:-1] + [r for r in others if r["name"].startswith("fp8_block_linear")]:
+            record["vs_cublas_fp8"] = peer / record["ms"]
     return out

@@ -327,9 +327,10 @@ class V4Checkpoint:
             scale = name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in params
             target = name[: -len(SCALE_SUFFIX)] if scale else name
             whole = (target, None, None, scale)
+            param_slots = expert_slots(model, name)
             if target.endswith(FUSED_EXPERTS) and whole not in found:
                 halves = (0, 1) if target.endswith("gate_up_proj") else (None,)
-                first = first_slots(tensor.shape[0], expert_slots(model, name))
+                first = first_slots(tensor.shape[0], param_slots)
                 parts = [(e, h) for e in first for h in halves]
                 if naming != "hf" or any((target, e, h, scale) in found for e, h in parts):
                     rows = tensor.shape[1] // len(halves)
@@ -338,8 +339,8 @@ class V4Checkpoint:
                         expected[key] = Slot(name, first[e], None if h is None else slice(h * rows, (h + 1) * rows))
                     continue
             key = found.get(whole) or self.checkpoint_key(target, naming, scale=scale) or name
-            sharded = expert_slots(model, name) is not None and target.endswith(FUSED_EXPERTS)  # fused: this rank's rows
-            expected[key] = Slot(name, source=tuple(slots)) if sharded else Slot(name)
+            sharded = param_slots is not None and target.endswith(FUSED_EXPERTS)  # fused: this rank's rows
+            expected[key] = Slot(name, source=tuple(param_slots)) if sharded else Slot(name)
 
         companions = {}
         for key, p in parsed.items():

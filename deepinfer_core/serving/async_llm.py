@@ -115,9 +115,9 @@ class AsyncLLM:
                 item = GenerationError(f"generation failed: {progress.failure}", [out]) if progress.failure else out
                 self._deliver(out.request_id, item)
             if progress.failure:  # requests the failure took without an output (a data-parallel rank died)
-                why = driver.unavailable() or f"generation failed: {progress.failure}"
+                gone = driver.unavailable()
                 for rid in list(self._streams):
-                    self._deliver(rid, Unavailable(why) if driver.unavailable() else GenerationError(why, []))
+                    self._deliver(rid, Unavailable(gone) if gone else GenerationError(f"generation failed: {progress.failure}", []))
             for out in progress.partial:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:

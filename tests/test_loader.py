@@ -241,7 +241,7 @@ def fp8_nonsquare(tmp_path_factory):
 
 def float_weights(model) -> dict[str, torch.Tensor]:
     """Every linear / expert weight of our model in float32 under transformers' key, FP8 dequantised
-    with the model's own block (fused gate/up split back)."""
+    with the model's own block (fused gate/up and the stacked input projections split back)."""
     out = {}
     for name, module in model.named_modules():
         if hasattr(module, "dequantized_weight") and module.weight.numel():
@@ -249,6 +249,11 @@ def float_weights(model) -> dict[str, torch.Tensor]:
             if name.endswith("gate_up_proj"):
                 base = name[: -len("gate_up_proj")]
                 out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = w.chunk(2)
+            elif name.endswith("qkv_a_proj"):
+                attn = model.get_submodule(name[: -len(".qkv_a_proj")])
+                q, kv = w.split(attn.qkv_a_split)
+                out[name[: -len("qkv_a_proj")] + ("q_a_proj.weight" if attn.q_lora else "q_proj.weight")] = q
+                out[name[: -len("qkv_a_proj")] + "kv_a_proj_with_mqa.weight"] = kv
             else:
                 out[name + ".weight"] = w
         elif name.endswith("mlp.experts"):

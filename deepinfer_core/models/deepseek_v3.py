@@ -248,6 +248,8 @@ class Attention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, alloc)
         self.kv_b_proj = Linear(self.kv_lora_rank, h * (self.nope_dim + self.v_dim), ops, alloc)
         self.o_proj = Linear(h * self.v_dim, d, ops, alloc, bias=bias)
+        # Set by post_load: [q_proj or q_a_proj | kv_a_proj_with_mqa] stacked (one GEMM of the input).
+        self.qkv_a_proj: Linear | None = None
         # Derived by post_load from kv_b_proj: W_UK^T [H, d_c, d_n] and W_UV [H, d_v, d_c] (views). Not parameters.
         self.w_uk_t: torch.Tensor | None = None
         self.w_uv: torch.Tensor | None = None
@@ -255,19 +257,35 @@ class Attention(nn.Module):
     def post_load(self, dtype: torch.dtype) -> None:
         w = self.kv_b_proj.dequantized_weight(dtype).view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         self.w_uk_t, self.w_uv = w[:, : self.nope_dim].transpose(1, 2), w[:, self.nope_dim :]
+        self._fuse_input_projections()
+
+    def _fuse_input_projections(self) -> None:
+        """Stack the two projections of the layer input (q_proj or q_a_proj, and kv_a_proj_with_mqa)
+        into one GEMM: one launch and one read of x instead of two, and kv_a's narrow GEMM no longer
+        runs alone. Kept apart when they carry biases or FP8 blocks would straddle the seam."""
+        first = self.q_a_proj if self.q_lora else self.q_proj
+        kv = self.kv_a_proj_with_mqa
+        if self.qkv_a_proj is not None or first.bias is not None or kv.bias is not None:
+            return
+        if first.block is not None and first.weight.shape[0] % first.block[0]:
+            return
+        self.qkv_a_proj = Linear.stacked(first, kv)
+        self.qkv_a_split = (first.weight.shape[0], kv.weight.shape[0])
+        first.release()
+        kv.release()
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
         """(q_nope, q_pe, latent, k_pe) of tokens ``x`` at ``positions`` (rotary applied)."""
         ops = self.ops
         t = x.shape[0]
-        if not self.q_lora:
-            q = self.q_proj(x)
+        if self.qkv_a_proj is not None:
+            q, ckv = self.qkv_a_proj(x).split(self.qkv_a_split, dim=1)
         else:
-            qa = self.q_a_proj(x)
-            q = self.q_b_proj(ops.rms_norm(qa, self.q_a_layernorm.weight, self.q_a_layernorm.eps))
+            q, ckv = (self.q_a_proj if self.q_lora else self.q_proj)(x), self.kv_a_proj_with_mqa(x)
+        if self.q_lora:
+            q = self.q_b_proj(ops.rms_norm(q, self.q_a_layernorm.weight, self.q_a_layernorm.eps))
         q = q.view(t, self.num_heads, self.qk_dim)
         q_nope, q_pe = q[..., : self.nope_dim], q[..., self.nope_dim :]
-        ckv = self.kv_a_proj_with_mqa(x)
         latent = ops.rms_norm(ckv[:, : self.kv_lora_rank], self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
         q_pe, k_pe = ops.rotary_embedding(q_pe, ckv[:, self.kv_lora_rank :], positions, cos_sin, self.interleaved)
         return q_nope, q_pe, latent, k_pe

@@ -11,6 +11,8 @@ filled every parameter and called ``post_load``.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -157,6 +159,7 @@ class Experts(nn.Module):
             raise ValueError(f"expert_slots {alloc.expert_slots} name experts outside 0..{config.n_routed_experts - 1}")
         d, i = config.hidden_size, config.moe_intermediate_size
         self.block = alloc.fp8_block
+        self.slots = alloc.expert_slots  # None: every routed expert, slot e = expert e
         if self.block is None:
             self.gate_up_proj = _param((e, 2 * i, d), alloc.dtype, alloc.device)
             self.down_proj = _param((e, d, i), alloc.dtype, alloc.device)
@@ -173,6 +176,18 @@ class Experts(nn.Module):
             self.down_proj_scale_inv = _param((e, *_scale_grid(d, i, self.block)), torch.float32, alloc.device)
 
 
+class SharedInGroupedPass(NamedTuple):
+    """A MoE layer's routed experts with its shared experts appended (``MoE.fuse_shared``)."""
+
+    max_tokens: int  # batches up to this many tokens take this path
+    w13: torch.Tensor  # [E + n_shared, 2I, D]
+    w2: torch.Tensor  # [E + n_shared, D, I]
+    w13_scale: torch.Tensor | None  # FP8 scales, as Experts' (None: unquantised)
+    w2_scale: torch.Tensor | None
+    ids: torch.Tensor  # [1, n_shared] int64: E.. E + n_shared - 1, appended to every token's ids
+    weights: torch.Tensor  # [1, n_shared] float32 ones, appended to its weights
+
+
 class MoE(nn.Module):
     def __init__(self, config: ModelConfig, ops: OpTable, alloc: Alloc):
         super().__init__()
@@ -185,6 +200,51 @@ class MoE(nn.Module):
         else:
             self.shared_experts = None
         self.ep = None  # set by dist.expert_parallel.ExpertParallel: the routed experts run across ranks
+        # Set by fuse_shared: the routed experts with the shared ones appended, for small batches.
+        self.with_shared: SharedInGroupedPass | None = None
+
+    @torch.no_grad()
+    def fuse_shared(self) -> None:
+        """After loading, where the backend's ``moe_experts`` asks for it (its callable's
+        ``shared_expert_max_tokens``, see ``deepinfer_core.ops.moe.moe_experts``): append the
+        shared experts to the routed ones as ``n_shared_experts`` more experts, so that a batch of
+        up to that many tokens runs them in the routed experts' grouped pass, with weight 1 (one
+        call instead of the shared MLP's GEMMs, its SwiGLU and the add). The routed weights move
+        into the larger tensors (their parameters become views of them, no second copy); the
+        shared MLP keeps its own weights for larger batches, a copy of n_shared / n_routed of
+        the expert weights (V2-Lite 2/64, V3 1/256). Not under expert parallelism (the routed
+        experts are this rank's slots) nor when FP8 blocks would straddle the shared chunks."""
+        max_tokens = getattr(self.ops.moe_experts, "shared_expert_max_tokens", 0)
+        ex, shared = self.experts, self.shared_experts
+        if not max_tokens or shared is None or ex.slots is not None or self.with_shared is not None:
+            return
+        if shared.gate_up_proj is not None:
+            raise RuntimeError("fuse_shared reads the shared MLP's gate_proj / up_proj: call it before MLP.fuse")
+        inter = self.config.moe_intermediate_size
+        if ex.block is not None and (inter % ex.block[0] or inter % ex.block[1]):
+            return
+        gate, up, down = shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight
+        scales = None if ex.block is None else tuple(p.weight_scale_inv for p in (shared.gate_proj, shared.up_proj, shared.down_proj))
+        # Shared chunk j is an expert of its own: gate and up rows j*I..(j+1)*I, down columns j*I..(j+1)*I
+        # (the same split of the weights' row / column blocks for the FP8 scales).
+        n = self.config.n_shared_experts
+        w13 = lambda g, u: torch.cat([g.view(n, -1, g.shape[1]), u.view(n, -1, u.shape[1])], dim=1)  # noqa: E731
+        w2 = lambda d: d.view(d.shape[0], n, -1).transpose(0, 1)  # noqa: E731
+        e, device = ex.gate_up_proj.shape[0], ex.gate_up_proj.device
+        fused = SharedInGroupedPass(
+            max_tokens,
+            torch.cat([ex.gate_up_proj, w13(gate, up)]),
+            torch.cat([ex.down_proj, w2(down)]),
+            None if scales is None else torch.cat([ex.gate_up_proj_scale_inv, w13(*scales[:2])]),
+            None if scales is None else torch.cat([ex.down_proj_scale_inv, w2(scales[2])]),
+            torch.arange(e, e + n, device=device)[None],
+            torch.ones((1, n), dtype=torch.float32, device=device),
+        )
+        routed = (ex.gate_up_proj, ex.down_proj, ex.gate_up_proj_scale_inv, ex.down_proj_scale_inv)
+        for param, whole in zip(routed, (fused.w13, fused.w2, fused.w13_scale, fused.w2_scale)):
+            if param is not None:
+                param.data = whole[:e]  # the routed experts live on in the larger tensor
+        self.with_shared = fused
 
     def experts_op(self, x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, block=None) -> torch.Tensor:
         """The routed experts over the given expert weights (all of them, or one rank's slots)."""
@@ -207,6 +267,10 @@ class MoE(nn.Module):
         ex, shared = self.experts, self.shared_experts
         if self.ep is not None:  # the shared expert computes while the routed rows travel to their ranks
             out, shared_out = self.ep(x, weights, ids, None if shared is None else lambda: shared(x))
+        elif self.with_shared is not None and x.shape[0] <= self.with_shared.max_tokens:
+            f, t = self.with_shared, x.shape[0]
+            weights, ids = torch.cat([weights, f.weights.expand(t, -1)], dim=1), torch.cat([ids, f.ids.expand(t, -1)], dim=1)
+            out, shared_out = self.experts_op(x, f.w13, f.w2, weights, ids, f.w13_scale, f.w2_scale, ex.block), None
         else:
             out = self.experts_op(x, ex.gate_up_proj, ex.down_proj, weights, ids, ex.gate_up_proj_scale_inv,
                                   ex.down_proj_scale_inv, ex.block)
@@ -462,10 +526,14 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def post_load(self) -> None:
-        """Derive the absorbed-decode matrices W_UK / W_UV from every kv_b_proj (dequantising FP8)
-        and fuse every MLP's gate and up projections."""
+        """Derive the absorbed-decode matrices W_UK / W_UV from every kv_b_proj (dequantising FP8),
+        stack each attention's input projections, append the shared experts to the routed ones
+        where the backend asks for it, and fuse every MLP's gate and up projections."""
         for _, attn in self.attention_layers():
             attn.post_load(self.dtype)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.fuse_shared()
         for module in self.modules():
             if isinstance(module, MLP):
                 module.fuse()

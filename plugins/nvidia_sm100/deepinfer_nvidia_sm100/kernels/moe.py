@@ -86,6 +86,11 @@ ALIGN_BLOCK_N = 128  # pairs per program of the chunked align
 ALIGN_BLOCK_C = 32  # chunks per step of the prefix program
 ALIGN_BLOCK_B = 64  # M-blocks per step when writing the expert of each M-block
 ALIGN_NUM_WARPS = 8
+# Up to this many tokens the model runs the shared experts as extra experts of this op's grouped
+# pass (deepinfer_core.ops.moe.moe_experts' shared_expert_max_tokens): decode batches stream the
+# shared weights at the grouped GEMM's rate, with no GEMVs, SwiGLU and add of their own; larger
+# batches keep the shared MLP (cuBLAS GEMMs, FP8 W8A8 there).
+SHARED_EXPERT_MAX_TOKENS = 64
 SUM_BLOCK_D = 1024  # slot sum: hidden columns per program
 SUM_NUM_WARPS = 4
 
@@ -668,8 +673,10 @@ def invariant_moe_experts(
 
 
 moe_experts.impl = "triton: expert-sorted padded M-blocks, grouped GEMMs (fused SwiGLU; FP8 W8A16), slot sum"
+moe_experts.shared_expert_max_tokens = SHARED_EXPERT_MAX_TOKENS
 invariant_moe_route.impl = "triton, batch-invariant: " + moe_route.impl.removeprefix("triton: ") + "; gate logits by the invariant GEMM"
 invariant_moe_experts.impl = "triton, batch-invariant: " + moe_experts.impl.removeprefix("triton: ") + ", one tile for every batch"
+moe_experts.impl += f"; shared experts as extra experts up to {SHARED_EXPERT_MAX_TOKENS} tokens"
 
 
 # ============================================================================================

@@ -1,0 +1,89 @@
+"""The shared experts run as extra experts of the routed grouped pass (``MoE.fuse_shared``) when
+the backend's ``moe_experts`` asks for it, and the two attention input projections as one GEMM
+(``Attention.qkv_a_proj``): the same logits as the model computed the plain way.
+
+The op table here is the reference's, with a ``moe_experts`` that carries the hint and records
+the expert count it is called with, so the test sees which path each forward took.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_core.config import ModelConfig
+from deepinfer_core.loader import load_model
+from deepinfer_core.models import get_model_class
+from deepinfer_core.ops import REFERENCE_OPS, OpTable, reference_ops
+from tests.hf_checkpoints import write_checkpoint
+from tests.test_model_parity import full_logits, prompt
+
+MAX_TOKENS = 4
+
+
+def hinted_table(calls: list[int]) -> OpTable:
+    def moe_experts(x, w13, *args):
+        calls.append(w13.shape[0])
+        return REFERENCE_OPS["moe_experts"](x, w13, *args)
+
+    moe_experts.shared_expert_max_tokens = MAX_TOKENS
+    return OpTable({**reference_ops(), "moe_experts": moe_experts}, dict.fromkeys(REFERENCE_OPS, "reference"))
+
+
+def build(path, ops: OpTable, keep_fp8: bool = False, expert_slots=None):
+    config = ModelConfig.from_dir(path)
+    model = get_model_class(config.model_type)(config, ops, torch.float32, torch.device("cpu"), keep_fp8=keep_fp8,
+                                                expert_slots=expert_slots)
+    load_model(path, config, model, progress=False)
+    return model
+
+
+@pytest.mark.parametrize("name,keep_fp8", [("v3_shared2", False), ("v2_greedy", False), ("v3_fp8", True), ("v3_no_q_lora", False)])
+def test_fused_shared_experts_give_the_plain_logits(tmp_path, name, keep_fp8):
+    path = tmp_path / "ckpt"
+    hf = write_checkpoint(name, path)
+    plain = build(path, OpTable.reference(), keep_fp8)
+    calls: list[int] = []
+    fused = build(path, hinted_table(calls), keep_fp8)
+    config = fused.config
+    e, n = config.n_routed_experts, config.n_shared_experts
+    moe = next(layer.mlp for layer in fused.model.layers if hasattr(layer.mlp, "with_shared"))
+    assert moe.with_shared is not None and moe.with_shared.w13.shape[0] == e + n
+    # The routed parameters are views of the larger tensors (no second copy), under their old keys and shapes.
+    ex = moe.experts
+    assert ex.gate_up_proj.data_ptr() == moe.with_shared.w13.data_ptr() and ex.gate_up_proj.shape[0] == e
+    assert ex.down_proj.data_ptr() == moe.with_shared.w2.data_ptr()
+    assert set(fused.state_dict()) == set(plain.state_dict())
+    # Both attention input projections are one stacked GEMM (it needs no hint), unless the q rows
+    # end inside an FP8 block (v3_fp8: q_lora_rank 48 in 32-row blocks).
+    attn = fused.model.layers[0].self_attn
+    q_rows = config.q_lora_rank or config.num_attention_heads * config.qk_head_dim
+    straddles = keep_fp8 and q_rows % config.fp8_block[0] != 0
+    assert (attn.qkv_a_proj is None) == straddles
+    assert straddles or attn.kv_a_proj_with_mqa.weight.numel() == 0
+    for length, path_taken in ((MAX_TOKENS, e + n), (MAX_TOKENS + 5, e)):
+        tokens = prompt(hf.config.vocab_size, length, seed=length)
+        calls.clear()
+        got, want = full_logits(fused, tokens), full_logits(plain, tokens)
+        assert calls and set(calls) == {path_taken}, (length, calls)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_not_fused_without_the_hint_or_under_expert_parallelism(tmp_path):
+    path = tmp_path / "ckpt"
+    write_checkpoint("v3_shared2", path)
+    config = ModelConfig.from_dir(path)
+    plain = build(path, OpTable.reference())
+    assert all(getattr(layer.mlp, "with_shared", None) is None for layer in plain.model.layers)
+    sharded = build(path, hinted_table([]), expert_slots=tuple(range(0, config.n_routed_experts, 2)))
+    assert all(getattr(layer.mlp, "with_shared", None) is None for layer in sharded.model.layers)
+    # MTP layers hold every expert, also under expert parallelism: they take the fused path.
+    assert all(layer.mlp.with_shared is not None for layer in sharded.mtp.layers)
+
+
+def test_the_nvidia_tables_hint():
+    """The NVIDIA plugin's moe_experts asks for the fusion up to SHARED_EXPERT_MAX_TOKENS; its
+    batch-invariant form must not (a row's path would follow the batch size)."""
+    kmoe = pytest.importorskip("deepinfer_nvidia_sm100.kernels.moe")
+    assert kmoe.OPS["moe_experts"].shared_expert_max_tokens == kmoe.SHARED_EXPERT_MAX_TOKENS > 0
+    assert not hasattr(kmoe.INVARIANT_OPS["moe_experts"], "shared_expert_max_tokens")

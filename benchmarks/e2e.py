@@ -141,15 +141,20 @@ def prefill_point(llm, batch: int, length: int) -> dict | None:
 
 
 def hf_state_dict(model) -> dict[str, torch.Tensor]:
-    """Our parameters under transformers' names (fused MLP gate/up split back into views)."""
+    """Our parameters under transformers' names (fused MLP gate/up and the stacked attention
+    input projections split back into views)."""
     out = {}
     for name, p in model.named_parameters():
         if p.numel() == 0 or name.startswith("mtp."):
             continue  # released (fused) weights
         m = re.fullmatch(r"(.*)\.gate_up_proj\.weight", name)
+        stacked = re.fullmatch(r"(.*)\.qkv_a_proj\.weight", name)
         if m:
             half = p.shape[0] // 2
             out[f"{m[1]}.gate_proj.weight"], out[f"{m[1]}.up_proj.weight"] = p[:half], p[half:]
+        elif stacked:
+            for proj, part in model.get_submodule(stacked[1]).unstacked(p).items():
+                out[f"{stacked[1]}.{proj}.weight"] = part
         else:
             out[name] = p
     return out

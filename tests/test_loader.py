@@ -249,11 +249,10 @@ def float_weights(model) -> dict[str, torch.Tensor]:
             if name.endswith("gate_up_proj"):
                 base = name[: -len("gate_up_proj")]
                 out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = w.chunk(2)
-            elif name.endswith("qkv_a_proj"):
-                attn = model.get_submodule(name[: -len(".qkv_a_proj")])
-                q, kv = w.split(attn.qkv_a_split)
-                out[name[: -len("qkv_a_proj")] + ("q_a_proj.weight" if attn.q_lora else "q_proj.weight")] = q
-                out[name[: -len("qkv_a_proj")] + "kv_a_proj_with_mqa.weight"] = kv
+            elif name.endswith(".qkv_a_proj"):
+                base = name[: -len("qkv_a_proj")]
+                for proj, part in model.get_submodule(base[:-1]).unstacked(w).items():
+                    out[f"{base}{proj}.weight"] = part
             else:
                 out[name + ".weight"] = w
         elif name.endswith("mlp.experts"):

@@ -87,3 +87,17 @@ def test_the_nvidia_tables_hint():
     kmoe = pytest.importorskip("deepinfer_nvidia_sm100.kernels.moe")
     assert kmoe.OPS["moe_experts"].shared_expert_max_tokens == kmoe.SHARED_EXPERT_MAX_TOKENS > 0
     assert not hasattr(kmoe.INVARIANT_OPS["moe_experts"], "shared_expert_max_tokens")
+
+
+@pytest.mark.parametrize("name", ["v3_yarn", "v3_no_q_lora"])
+def test_the_transformers_peer_gets_the_checkpoints_weights_back(tmp_path, name):
+    """benchmarks.e2e.hf_state_dict hands transformers our weights under its names, the stacked
+    input projections and fused gate/up split back: exactly the checkpoint's tensors."""
+    from benchmarks.e2e import hf_state_dict
+
+    path = tmp_path / "ckpt"
+    want = write_checkpoint(name, path).state_dict()
+    got = hf_state_dict(build(path, hinted_table([])))
+    assert set(got) == set(want)
+    for key in want:
+        torch.testing.assert_close(got[key].float(), want[key].float(), atol=0, rtol=0, msg=key)

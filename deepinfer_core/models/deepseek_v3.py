@@ -338,6 +338,12 @@ class Attention(nn.Module):
         first.release()
         kv.release()
 
+    def unstacked(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``qkv_a_proj``'s weight (or a tensor of its rows, e.g. dequantised) split back into the
+        checkpoint's projections, by module name."""
+        q, kv = weight.split(self.qkv_a_split)
+        return {"q_a_proj" if self.q_lora else "q_proj": q, "kv_a_proj_with_mqa": kv}
+
     def _project(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
         """(q_nope, q_pe, latent, k_pe) of tokens ``x`` at ``positions`` (rotary applied)."""
         ops = self.ops

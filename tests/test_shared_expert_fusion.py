@@ -21,12 +21,12 @@ from tests.test_model_parity import full_logits, prompt
 MAX_TOKENS = 4
 
 
-def hinted_table(calls: list[int]) -> OpTable:
+def hinted_table(calls: list[int], dtypes=(torch.float32, torch.float8_e4m3fn)) -> OpTable:
     def moe_experts(x, w13, *args):
         calls.append(w13.shape[0])
         return REFERENCE_OPS["moe_experts"](x, w13, *args)
 
-    moe_experts.shared_expert_max_tokens = MAX_TOKENS
+    moe_experts.shared_expert_max_tokens = dict.fromkeys(dtypes, MAX_TOKENS)
     return OpTable({**reference_ops(), "moe_experts": moe_experts}, dict.fromkeys(REFERENCE_OPS, "reference"))
 
 
@@ -69,12 +69,16 @@ def test_fused_shared_experts_give_the_plain_logits(tmp_path, name, keep_fp8):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
-def test_not_fused_without_the_hint_or_under_expert_parallelism(tmp_path):
+def test_not_fused_without_the_hint_for_the_dtype_or_under_expert_parallelism(tmp_path):
     path = tmp_path / "ckpt"
     write_checkpoint("v3_shared2", path)
     config = ModelConfig.from_dir(path)
     plain = build(path, OpTable.reference())
     assert all(getattr(layer.mlp, "with_shared", None) is None for layer in plain.model.layers)
+    fp8 = tmp_path / "fp8"
+    write_checkpoint("v3_fp8", fp8)
+    kept = build(fp8, hinted_table([], dtypes=(torch.float32,)), keep_fp8=True)  # the hint does not name FP8
+    assert kept.keep_fp8 and all(getattr(layer.mlp, "with_shared", None) is None for layer in kept.model.layers)
     sharded = build(path, hinted_table([]), expert_slots=tuple(range(0, config.n_routed_experts, 2)))
     assert all(getattr(layer.mlp, "with_shared", None) is None for layer in sharded.model.layers)
     # MTP layers hold every expert, also under expert parallelism: they take the fused path.
@@ -85,7 +89,8 @@ def test_the_nvidia_tables_hint():
     """The NVIDIA plugin's moe_experts asks for the fusion up to SHARED_EXPERT_MAX_TOKENS; its
     batch-invariant form must not (a row's path would follow the batch size)."""
     kmoe = pytest.importorskip("deepinfer_nvidia_sm100.kernels.moe")
-    assert kmoe.OPS["moe_experts"].shared_expert_max_tokens == kmoe.SHARED_EXPERT_MAX_TOKENS > 0
+    assert kmoe.OPS["moe_experts"].shared_expert_max_tokens == kmoe.SHARED_EXPERT_MAX_TOKENS
+    assert kmoe.SHARED_EXPERT_MAX_TOKENS[torch.bfloat16] > 0 and torch.float8_e4m3fn not in kmoe.SHARED_EXPERT_MAX_TOKENS
     assert not hasattr(kmoe.INVARIANT_OPS["moe_experts"], "shared_expert_max_tokens")
 
 

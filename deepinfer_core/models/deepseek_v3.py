@@ -184,8 +184,8 @@ class SharedInGroupedPass(NamedTuple):
     w2: torch.Tensor  # [E + n_shared, D, I]
     w13_scale: torch.Tensor | None  # FP8 scales, as Experts' (None: unquantised)
     w2_scale: torch.Tensor | None
-    ids: torch.Tensor  # [1, n_shared] int64: E.. E + n_shared - 1, appended to every token's ids
-    weights: torch.Tensor  # [1, n_shared] float32 ones, appended to its weights
+    ids: torch.Tensor  # [max_tokens, n_shared] int64: E.. E + n_shared - 1 on every row, appended to each token's ids
+    weights: torch.Tensor  # [max_tokens, n_shared] float32 ones, appended to its weights
 
 
 class MoE(nn.Module):
@@ -205,8 +205,8 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def fuse_shared(self) -> None:
-        """After loading, where the backend's ``moe_experts`` asks for it (its callable's
-        ``shared_expert_max_tokens``, see ``deepinfer_core.ops.moe.moe_experts``): append the
+        """After loading, where the backend's ``moe_experts`` asks for it for these experts' weight
+        dtype (its callable's ``shared_expert_max_tokens``, see ``deepinfer_core.ops.moe.moe_experts``): append the
         shared experts to the routed ones as ``n_shared_experts`` more experts, so that a batch of
         up to that many tokens runs them in the routed experts' grouped pass, with weight 1 (one
         call instead of the shared MLP's GEMMs, its SwiGLU and the add). The routed weights move
@@ -214,8 +214,8 @@ class MoE(nn.Module):
         shared MLP keeps its own weights for larger batches, a copy of n_shared / n_routed of
         the expert weights (V2-Lite 2/64, V3 1/256). Not under expert parallelism (the routed
         experts are this rank's slots) nor when FP8 blocks would straddle the shared chunks."""
-        max_tokens = getattr(self.ops.moe_experts, "shared_expert_max_tokens", 0)
         ex, shared = self.experts, self.shared_experts
+        max_tokens = getattr(self.ops.moe_experts, "shared_expert_max_tokens", {}).get(ex.gate_up_proj.dtype, 0)
         if not max_tokens or shared is None or ex.slots is not None or self.with_shared is not None:
             return
         if shared.gate_up_proj is not None:
@@ -237,8 +237,8 @@ class MoE(nn.Module):
             torch.cat([ex.down_proj, w2(down)]),
             None if scales is None else torch.cat([ex.gate_up_proj_scale_inv, w13(*scales[:2])]),
             None if scales is None else torch.cat([ex.down_proj_scale_inv, w2(scales[2])]),
-            torch.arange(e, e + n, device=device)[None],
-            torch.ones((1, n), dtype=torch.float32, device=device),
+            torch.arange(e, e + n, device=device).repeat(max_tokens, 1),
+            torch.ones((max_tokens, n), dtype=torch.float32, device=device),
         )
         routed = (ex.gate_up_proj, ex.down_proj, ex.gate_up_proj_scale_inv, ex.down_proj_scale_inv)
         for param, whole in zip(routed, (fused.w13, fused.w2, fused.w13_scale, fused.w2_scale)):
@@ -269,7 +269,8 @@ class MoE(nn.Module):
             out, shared_out = self.ep(x, weights, ids, None if shared is None else lambda: shared(x))
         elif self.with_shared is not None and x.shape[0] <= self.with_shared.max_tokens:
             f, t = self.with_shared, x.shape[0]
-            weights, ids = torch.cat([weights, f.weights.expand(t, -1)], dim=1), torch.cat([ids, f.ids.expand(t, -1)], dim=1)
+            # Contiguous rows (an expanded [1, n] would cost a copy kernel per cat on a GPU).
+            weights, ids = torch.cat([weights, f.weights[:t]], dim=1), torch.cat([ids, f.ids[:t]], dim=1)
             out, shared_out = self.experts_op(x, f.w13, f.w2, weights, ids, f.w13_scale, f.w2_scale, ex.block), None
         else:
             out = self.experts_op(x, ex.gate_up_proj, ex.down_proj, weights, ids, ex.gate_up_proj_scale_inv,

@@ -49,6 +49,14 @@ def use_kernels(monkeypatch, device):
     return enable
 
 
+def assert_same_greedy(expected, got) -> None:
+    """The same tokens, and logprobs within LOGPROB_ATOL, request by request."""
+    for a, b in zip(expected, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys() and all(abs(la[t] - lb[t]) <= LOGPROB_ATOL for t in la), (la, lb)
+
+
 def test_greedy_generation_matches_reference(tmp_path, use_kernels):
     path = tmp_path / "ckpt"
     write_checkpoint("v3_grouped", path)
@@ -58,10 +66,7 @@ def test_greedy_generation_matches_reference(tmp_path, use_kernels):
     llm = LLM(model=str(path), accelerator="cpu", dtype="float32", max_num_batched_tokens=16, progress=False)
     assert {p for op, p in llm.engine.ops.providers.items() if op not in V4_OP_NAMES} == {"nvidia"}
     got = llm.generate(PROMPTS, params, use_tqdm=False)  # 16-token budget: chunked prefill beside decodes
-    for a, b in zip(expected, got):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert la.keys() == lb.keys() and all(abs(la[t] - lb[t]) <= LOGPROB_ATOL for t in la), (la, lb)
+    assert_same_greedy(expected, got)
 
 
 def test_fp8_checkpoint_kept_quantised(tmp_path, use_kernels):
@@ -99,7 +104,24 @@ def test_batch_invariant_kernels_drive_the_engine(tmp_path, use_kernels):
         "linear", "fp8_block_linear", "head_linear", "mla_decode_attention", "moe_route", "moe_experts", "sample_tokens"}
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     assert llm.engine.num_preemptions > 0
-    for a, b in zip(expected, got):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert la.keys() == lb.keys() and all(abs(la[t] - lb[t]) <= LOGPROB_ATOL for t in la), (la, lb)
+    assert_same_greedy(expected, got)
+
+
+def test_shared_experts_in_the_grouped_pass_drive_the_engine(tmp_path, use_kernels, monkeypatch):
+    """The shared experts appended to the routed ones (MoE.fuse_shared), for every batch of this
+    run (prompt chunks and decodes up to 16 tokens): the same greedy tokens and logprobs as the
+    reference. The shipped hint names bf16 only, so float32 is added here."""
+    import torch
+    from deepinfer_nvidia_sm100.kernels import moe as kmoe
+
+    monkeypatch.setattr(kmoe.moe_experts, "shared_expert_max_tokens", {torch.float32: 16})
+    path = tmp_path / "ckpt"
+    write_checkpoint("v3_shared2", path)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
+    expected = LLM(model=str(path), accelerator="cpu", dtype="float32", progress=False).generate(PROMPTS, params, use_tqdm=False)
+    use_kernels()
+    llm = LLM(model=str(path), accelerator="cpu", dtype="float32", max_num_batched_tokens=16, progress=False)
+    moe = [layer.mlp for layer in llm.engine.model.model.layers if hasattr(layer.mlp, "with_shared")]
+    assert moe and all(m.with_shared is not None for m in moe)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert_same_greedy(expected, got)

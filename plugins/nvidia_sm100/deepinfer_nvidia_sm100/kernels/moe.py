@@ -86,11 +86,14 @@ ALIGN_BLOCK_N = 128  # pairs per program of the chunked align
 ALIGN_BLOCK_C = 32  # chunks per step of the prefix program
 ALIGN_BLOCK_B = 64  # M-blocks per step when writing the expert of each M-block
 ALIGN_NUM_WARPS = 8
-# Up to this many tokens the model runs the shared experts as extra experts of this op's grouped
-# pass (deepinfer_core.ops.moe.moe_experts' shared_expert_max_tokens): decode batches stream the
-# shared weights at the grouped GEMM's rate, with no GEMVs, SwiGLU and add of their own; larger
-# batches keep the shared MLP (cuBLAS GEMMs, FP8 W8A8 there).
-SHARED_EXPERT_MAX_TOKENS = 64
+# Up to this many tokens, by expert weight dtype, the model runs the shared experts as extra
+# experts of this op's grouped pass (deepinfer_core.ops.moe.moe_experts' shared_expert_max_tokens):
+# the shared weights stream at the grouped GEMM's rate instead of through cuBLAS's bf16 GEMVs, with
+# no SwiGLU and add of their own. Measured through LLM.generate on an H200
+# (benchmarks/shared_fusion.py, two runs): V2-Lite (bf16) decode steps 0.90-0.97x at B=1..16,
+# 1.03-1.12x at B=32..64; the V3 slice (FP8 experts, whose shared expert runs the Triton FP8 GEMV
+# apart) 1.04-1.06x at B=1..4 and no gain above, hence not for FP8.
+SHARED_EXPERT_MAX_TOKENS = {torch.bfloat16: 16, torch.float16: 16}
 SUM_BLOCK_D = 1024  # slot sum: hidden columns per program
 SUM_NUM_WARPS = 4
 
@@ -676,7 +679,7 @@ moe_experts.impl = "triton: expert-sorted padded M-blocks, grouped GEMMs (fused 
 moe_experts.shared_expert_max_tokens = SHARED_EXPERT_MAX_TOKENS
 invariant_moe_route.impl = "triton, batch-invariant: " + moe_route.impl.removeprefix("triton: ") + "; gate logits by the invariant GEMM"
 invariant_moe_experts.impl = "triton, batch-invariant: " + moe_experts.impl.removeprefix("triton: ") + ", one tile for every batch"
-moe_experts.impl += f"; shared experts as extra experts up to {SHARED_EXPERT_MAX_TOKENS} tokens"
+moe_experts.impl += f"; bf16 shared experts as extra experts up to {SHARED_EXPERT_MAX_TOKENS[torch.bfloat16]} tokens"
 
 
 # ============================================================================================

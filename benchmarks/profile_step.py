@@ -43,11 +43,12 @@ def profile(name: str, points: list[tuple[int, int]], steps: int = 8, batch_inva
             if event.device_type == torch.autograd.DeviceType.CUDA:
                 kernels[event.name] += event.device_time_total / 1e3  # us -> ms
         total_steps = steps + 3  # decode_point's warm-up steps ran under the profiler too
-        rows = sorted(((k[:90], v / total_steps) for k, v in kernels.items()), key=lambda r: -r[1])
+        # Whole names: templated kernels share long prefixes (a cut name merged them and kept one's time).
+        rows = sorted(((k, v / total_steps) for k, v in kernels.items()), key=lambda r: -r[1])
         gpu_ms = sum(v for _, v in rows)
         print(f"[{name}{' batch-invariant' if batch_invariant else ''}] B={batch} L={context}: wall step {point['step_s'] * 1e3:.2f} ms, GPU kernels {gpu_ms:.2f} ms/step", flush=True)
         for kname, ms in rows[:18]:
-            print(f"    {ms * 1e3:9.1f} us  {kname}", flush=True)
+            print(f"    {ms * 1e3:9.1f} us  {kname[:90]}", flush=True)
         out[f"{batch}x{context}"] = {"step_ms": point["step_s"] * 1e3, "gpu_ms": gpu_ms, "kernels_ms": dict(rows)}
     del llm
     torch.cuda.empty_cache()

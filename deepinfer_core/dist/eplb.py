@@ -105,6 +105,11 @@ class Placement:
     def slots_per_gpu(self) -> int:
         return self.phy2log.shape[1] // self.num_gpus
 
+    def slots_of(self, gpu: int, layer: int = 0) -> torch.Tensor:
+        """[slots_per_gpu] int64: the logical expert of each of ``gpu``'s slots in ``layer``."""
+        per = self.slots_per_gpu
+        return self.phy2log[layer, gpu * per:(gpu + 1) * per]
+
     @classmethod
     def from_phy2log(cls, phy2log: torch.Tensor, num_experts: int, num_gpus: int) -> Placement:
         layers, slots = phy2log.shape

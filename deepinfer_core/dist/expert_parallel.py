@@ -62,8 +62,7 @@ class ExpertShard:
                   block: tuple[int, int] | None = None) -> ExpertShard:
         """Rank ``rank``'s shard, cut from a layer's full [E, ...] expert weights (copies are
         copied: a replicated expert's weights live on every rank holding one of its slots)."""
-        per = placement.slots_per_gpu
-        mine = placement.phy2log[layer, rank * per:(rank + 1) * per]
+        mine = placement.slots_of(rank, layer)
 
         def take(t):
             return None if t is None else t[mine].contiguous()
@@ -140,9 +139,7 @@ def initial_placement(num_experts: int, ep_size: int, num_groups: int = 1, extra
 def initial_slots(num_experts: int, rank: int, ep_size: int, num_groups: int = 1, extra: int | None = None) -> tuple[int, ...]:
     """The logical expert of each slot ``rank`` holds at start-up (``initial_placement``): what
     its model allocates and its loader reads (``expert_slots`` of the model constructors)."""
-    placement = initial_placement(num_experts, ep_size, num_groups, extra)
-    per = placement.slots_per_gpu
-    return tuple(placement.phy2log[0, rank * per:(rank + 1) * per].tolist())
+    return tuple(initial_placement(num_experts, ep_size, num_groups, extra).slots_of(rank).tolist())
 
 
 class ExpertParallel:
@@ -160,7 +157,7 @@ class ExpertParallel:
         self.num_experts, self.num_groups = num_experts, num_groups
         self.num_slots = num_physical_experts(num_experts, comm.size, extra)
         self.placement = initial_placement(num_experts, comm.size, num_groups, extra, len(self.layers))
-        mine = initial_slots(num_experts, comm.rank, comm.size, num_groups, extra)
+        mine = tuple(self.placement.slots_of(comm.rank).tolist())  # initial_slots' answer, without a second placement
         built = getattr(model, "expert_slots", None)
         if built is None or tuple(built) != mine:
             raise ValueError(

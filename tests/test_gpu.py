@@ -39,6 +39,34 @@ def _assert_same_greedy(cpu, gpu, atol: float) -> None:
                 assert abs(v - lb[t]) < atol
 
 
+@pytest.mark.parametrize("name", ["v3_shared2", "v2_greedy"])
+def test_shared_experts_in_the_grouped_pass_match_cpu_reference(tmp_path, monkeypatch, name):
+    """MoE.fuse_shared on the compiled kernels, CUDA graphs on: float32 (the shipped hint names
+    bf16 only, so float32 is added here) against the CPU reference, and bf16 fused against bf16
+    apart (hint emptied) on the same prompts."""
+    import torch
+    from deepinfer_nvidia_sm100.kernels import moe as kmoe
+
+    path = tmp_path / "ckpt"
+    write_checkpoint(name, path)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    cpu = LLM(model=str(path), accelerator="cpu", dtype="float32", progress=False).generate(PROMPTS, params, use_tqdm=False)
+    monkeypatch.setattr(kmoe.moe_experts, "shared_expert_max_tokens", {**kmoe.SHARED_EXPERT_MAX_TOKENS, torch.float32: 16})
+    runs = {}
+    for dtype, hint in (("float32", None), ("bfloat16", None), ("bfloat16", {})):
+        if hint is not None:
+            monkeypatch.setattr(kmoe.moe_experts, "shared_expert_max_tokens", hint)
+        llm = LLM(model=str(path), accelerator="nvidia", dtype=dtype, progress=False)
+        moe = [layer.mlp for layer in llm.engine.model.model.layers if hasattr(layer.mlp, "with_shared")]
+        assert moe and all((m.with_shared is not None) == (hint is None) for m in moe)
+        runs[dtype, hint is None] = llm.generate(PROMPTS, params, use_tqdm=False)
+    _assert_same_greedy(cpu, runs["float32", True], 1e-3)
+    for a, b in zip(runs["bfloat16", False], runs["bfloat16", True]):  # bf16 rounding apart: logprobs, first token
+        assert a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0]
+        la, lb = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        assert all(abs(v - lb[t]) < 5e-2 for t, v in la.items() if t in lb)
+
+
 def test_nvidia_backend_runs_bf16_and_sampling(checkpoint):
     llm = LLM(model=str(checkpoint), accelerator="nvidia", dtype="bfloat16", progress=False)
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True, n=2)

@@ -15,7 +15,7 @@ from deepinfer_core.config import ModelConfig
 from deepinfer_core.loader import load_model
 from deepinfer_core.models import get_model_class
 from deepinfer_core.ops import REFERENCE_OPS, OpTable, reference_ops
-from tests.hf_checkpoints import write_checkpoint
+from tests.hf_checkpoints import add_mtp_weights, write_checkpoint
 from tests.test_model_parity import full_logits, prompt
 
 MAX_TOKENS = 4
@@ -71,10 +71,14 @@ def test_fused_shared_experts_give_the_plain_logits(tmp_path, name, keep_fp8):
 
 def test_not_fused_without_the_hint_for_the_dtype_or_under_expert_parallelism(tmp_path):
     path = tmp_path / "ckpt"
-    write_checkpoint("v3_shared2", path)
+    add_mtp_weights(path, write_checkpoint("v3_shared2", path))
     config = ModelConfig.from_dir(path)
     plain = build(path, OpTable.reference())
-    assert all(getattr(layer.mlp, "with_shared", None) is None for layer in plain.model.layers)
+    moe = [layer.mlp for layer in plain.model.layers if hasattr(layer.mlp, "with_shared")]
+    assert moe and all(m.with_shared is None for m in moe)
+    invariant = hinted_table([])
+    invariant.batch_invariant = True
+    assert all(layer.mlp.with_shared is None for layer in build(path, invariant).model.layers if hasattr(layer.mlp, "with_shared"))
     fp8 = tmp_path / "fp8"
     write_checkpoint("v3_fp8", fp8)
     kept = build(fp8, hinted_table([], dtypes=(torch.float32,)), keep_fp8=True)  # the hint does not name FP8
@@ -82,7 +86,16 @@ def test_not_fused_without_the_hint_for_the_dtype_or_under_expert_parallelism(tm
     sharded = build(path, hinted_table([]), expert_slots=tuple(range(0, config.n_routed_experts, 2)))
     assert all(getattr(layer.mlp, "with_shared", None) is None for layer in sharded.model.layers)
     # MTP layers hold every expert, also under expert parallelism: they take the fused path.
-    assert all(layer.mlp.with_shared is not None for layer in sharded.mtp.layers)
+    assert sharded.num_mtp_layers and all(layer.mlp.with_shared is not None for layer in sharded.mtp.layers)
+
+
+def test_a_hint_that_is_not_a_dict_is_refused_by_name(tmp_path):
+    path = tmp_path / "ckpt"
+    write_checkpoint("v3_shared2", path)
+    ops = hinted_table([])
+    ops.moe_experts.shared_expert_max_tokens = 16
+    with pytest.raises(TypeError, match="shared_expert_max_tokens must be a dict"):
+        build(path, ops)
 
 
 def test_the_nvidia_tables_hint():

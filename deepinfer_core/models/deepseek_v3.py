@@ -212,10 +212,18 @@ class MoE(nn.Module):
         call instead of the shared MLP's GEMMs, its SwiGLU and the add). The routed weights move
         into the larger tensors (their parameters become views of them, no second copy); the
         shared MLP keeps its own weights for larger batches, a copy of n_shared / n_routed of
-        the expert weights (V2-Lite 2/64, V3 1/256). Not under expert parallelism (the routed
-        experts are this rank's slots) nor when FP8 blocks would straddle the shared chunks."""
+        the expert weights (V2-Lite 2/64, V3 1/256). Not in a batch-invariant table, nor under
+        expert parallelism (the routed experts are this rank's slots), nor when FP8 blocks would
+        straddle the shared chunks. The appended shared weights are a copy made here: weights
+        written into the parameters after loading would not reach it (nothing does so today)."""
         ex, shared = self.experts, self.shared_experts
-        max_tokens = getattr(self.ops.moe_experts, "shared_expert_max_tokens", {}).get(ex.gate_up_proj.dtype, 0)
+        hint = getattr(self.ops.moe_experts, "shared_expert_max_tokens", {})
+        if not isinstance(hint, dict):
+            raise TypeError(f"moe_experts.shared_expert_max_tokens must be a dict {{expert weight dtype: max tokens}}, "
+                            f"not {hint!r} (see deepinfer_core.ops.moe.moe_experts)")
+        max_tokens = hint.get(ex.gate_up_proj.dtype, 0)
+        if self.ops.batch_invariant:  # a row's arithmetic would follow the batch size
+            return
         if not max_tokens or shared is None or ex.slots is not None or self.with_shared is not None:
             return
         if shared.gate_up_proj is not None:

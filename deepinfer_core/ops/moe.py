@@ -130,8 +130,9 @@ def moe_experts(
     hint, not part of the results' contract): up to that many tokens, the V2/V3 model appends
     its shared experts to the routed ones (``n_shared_experts`` more experts, ids E.., weight 1
     for every token) and computes them in this call instead of through the shared MLP
-    (``MoE.fuse_shared``); a dtype it does not name is never fused. The reference carries none:
-    it keeps transformers' order (shared experts apart, added after).
+    (``MoE.fuse_shared``); a dtype it does not name is never fused, and neither is a
+    batch-invariant table's model. The reference carries none: it keeps transformers' order
+    (shared experts apart, added after).
     """
     return routed_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, silu_and_mul, F.linear)
 

@@ -90,9 +90,10 @@ ALIGN_NUM_WARPS = 8
 # experts of this op's grouped pass (deepinfer_core.ops.moe.moe_experts' shared_expert_max_tokens):
 # the shared weights stream at the grouped GEMM's rate instead of through cuBLAS's bf16 GEMVs, with
 # no SwiGLU and add of their own. Measured through LLM.generate on an H200
-# (benchmarks/shared_fusion.py, two runs): V2-Lite (bf16) decode steps 0.90-0.97x at B=1..16,
-# 1.03-1.12x at B=32..64; the V3 slice (FP8 experts, whose shared expert runs the Triton FP8 GEMV
-# apart) 1.04-1.06x at B=1..4 and no gain above, hence not for FP8.
+# (benchmarks/shared_fusion.py, two runs): V2-Lite (bf16) decode steps 0.90-0.99x at B=1..16,
+# 0.98-1.12x at B=32..64; the V3 slice (FP8 experts, whose shared expert runs the Triton FP8 GEMV
+# apart) 1.05-1.06x at B=1, 0.99-1.04x at B=4 and no gain above, hence not for FP8. Only the
+# H200 (sm_90) was measured, and neither fp16 nor a bf16 model of V3's 256 experts.
 SHARED_EXPERT_MAX_TOKENS = {torch.bfloat16: 16, torch.float16: 16}
 SUM_BLOCK_D = 1024  # slot sum: hidden columns per program
 SUM_NUM_WARPS = 4

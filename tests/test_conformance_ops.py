@@ -106,6 +106,16 @@ def test_inputs_are_reproducible_and_device_independent():
     assert not a.args[3].is_contiguous()  # block tables are a strided view, as the spec promises
 
 
+@pytest.mark.parametrize("op,index", [("rotary_embedding", 0), ("head_linear", 0)])
+def test_per_head_inputs_come_as_the_model_passes_them(op, index):
+    """q (rotary_embedding) and q_nope (head_linear) are column slices of the model's stacked
+    [q | latent | k_pe] rows: a token's row is wider than its heads, so a kernel that takes
+    stride(0) for heads * stride(1) fails here as it would in the model."""
+    dims = next(d for d in shapes(op) if d["tokens"] > 1 and d["heads"] > 1)  # size-1 dims have no stride to test
+    x = make_case(op, dims, F32, "cpu").args[index]
+    assert x.stride(0) != x.shape[1] * x.stride(1) and x.stride(2) == 1
+
+
 def test_forgotten_eps_fails_with_the_shape():
     report = check("rms_norm", lambda x, w, eps: rms_norm(x, w, 0.0) * 1.01)
     assert report.result == "FAIL"

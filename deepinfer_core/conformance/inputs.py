@@ -22,6 +22,7 @@ from deepinfer_core.models.engram_tables import engram_multipliers, engram_offse
 from deepinfer_core.ops.rope import rope_cos_sin_table
 
 NORM_EPS = 1e-6
+HEAD_ROW_EXTRA = 24  # columns past the heads in a per-head input's rows (the model's kv_a part, shrunk)
 # Softmax scales of the spec's named attention cases (V3 / V2-Lite YaRN mscale folded in).
 ATTENTION_SCALES = {"v3_yarn": 0.135234, "v2lite_yarn": 0.114721}
 ROPE_PARAMETERS = {
@@ -135,10 +136,17 @@ def _add_rms_norm(d: dict, dtype, r: _Draw):
     return (x, residual, w, NORM_EPS), {}
 
 
+def _head_rows(r: _Draw, tokens: int, heads: int, width: int, dtype) -> torch.Tensor:
+    """[tokens, heads, width], each token's heads the head part of a wider row (the model's q is
+    the first columns of [q | latent | k_pe]): stride(0) = heads * width + HEAD_ROW_EXTRA."""
+    return r.randn(tokens, heads * width + HEAD_ROW_EXTRA, dtype=dtype)[:, : heads * width].view(tokens, heads, width)
+
+
 def _rotary_embedding(d: dict, dtype, r: _Draw):
     t, h, rd = d["tokens"], d["heads"], d["rope_dim"]
-    # q as the model passes it: the rope part of a wider per-head projection (a strided view)
-    q = r.randn(t, h, rd + 16, dtype=dtype)[..., 16:]
+    # q as the model passes it: the rope part of a wider per-head projection, whose rows are
+    # wider still (the stacked q | kv_a output): a strided view with stride(0) != H * stride(1)
+    q = _head_rows(r, t, h, rd + 16, dtype)[..., 16:]
     k = r.randn(t, rd, dtype=dtype)
     positions = r.integers(0, d["max_positions"], t).to(r.device)
     cos_sin = _cos_sin_cpu(d["rope"], rd, d["max_positions"]).to(r.device)
@@ -154,7 +162,7 @@ def _linear(d: dict, dtype, r: _Draw):
 
 def _head_linear(d: dict, dtype, r: _Draw):
     t, h, k, n = d["tokens"], d["heads"], d["in_features"], d["out_features"]
-    x = r.randn(t, h, k + 8, dtype=dtype)[..., :k]  # a strided view, as the model's q_nope
+    x = _head_rows(r, t, h, k + 8, dtype)[..., :k]  # a strided view, as the model's q_nope
     if d["transposed_weight"]:  # W_UK^T: a transposed view of [H, K, N]
         weight = r.randn(h, k, n, dtype=dtype, scale=k ** -0.5).transpose(1, 2)
     else:

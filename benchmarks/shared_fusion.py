@@ -8,7 +8,8 @@ NVIDIA backend's ``SHARED_EXPERT_MAX_TOKENS``.
 Two LLMs live side by side, built as ``benchmarks.decode_peers`` builds its ``peers`` LLM (random
 weights, 64-token KV blocks, 40% of the GPU's memory each): ``apart`` with the backend's
 ``moe_experts`` hint emptied while it loads (no fusion), ``fused`` with it set to the largest
-batch for every weight dtype (bf16 and FP8 experts alike: every decode step fused). The timing, floor and interleaving are ``decode_peers.points``'.
+batch for every weight dtype (bf16 and FP8 experts alike: every decode step fused). The timing,
+floor and interleaving are ``decode_peers.points``'.
 Writes DIR/shared_fusion.json after every point.
 """
 
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.decode_peers import MEMORY_SHARE, BLOCK_SIZE, build, points
+from benchmarks.decode_peers import BLOCK_SIZE, MEMORY_SHARE, build, points
 from benchmarks.generate import metadata, write_model
 
 

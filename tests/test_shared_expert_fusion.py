@@ -53,7 +53,7 @@ def test_fused_shared_experts_give_the_plain_logits(tmp_path, name, keep_fp8):
     ex = moe.experts
     assert ex.gate_up_proj.data_ptr() == moe.with_shared.w13.data_ptr() and ex.gate_up_proj.shape[0] == e
     assert ex.down_proj.data_ptr() == moe.with_shared.w2.data_ptr()
-    assert set(fused.state_dict()) == set(plain.state_dict())
+    assert set(fused.state_dict()) == set(plain.state_dict())  # both stack q | kv_a: the fusion adds no key
     # Both attention input projections are one stacked GEMM (it needs no hint), unless the q rows
     # end inside an FP8 block (v3_fp8: q_lora_rank 48 in 32-row blocks).
     attn = fused.model.layers[0].self_attn

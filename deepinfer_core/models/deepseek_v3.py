@@ -206,10 +206,10 @@ class MoE(nn.Module):
     @torch.no_grad()
     def fuse_shared(self) -> None:
         """After loading, where the backend's ``moe_experts`` asks for it for these experts' weight
-        dtype (its callable's ``shared_expert_max_tokens``, see ``deepinfer_core.ops.moe.moe_experts``): append the
-        shared experts to the routed ones as ``n_shared_experts`` more experts, so that a batch of
-        up to that many tokens runs them in the routed experts' grouped pass, with weight 1 (one
-        call instead of the shared MLP's GEMMs, its SwiGLU and the add). The routed weights move
+        dtype (its callable's ``shared_expert_max_tokens``, see ``deepinfer_core.ops.moe.moe_experts``):
+        append the shared experts to the routed ones as ``n_shared_experts`` more experts, so that
+        a batch of up to that many tokens runs them in the routed experts' grouped pass, with
+        weight 1 (one call instead of the shared MLP's GEMMs, its SwiGLU and the add). The routed weights move
         into the larger tensors (their parameters become views of them, no second copy); the
         shared MLP keeps its own weights for larger batches, a copy of n_shared / n_routed of
         the expert weights (V2-Lite 2/64, V3 1/256). Not in a batch-invariant table, nor under

@@ -34,6 +34,7 @@ def build(path, ops: OpTable, keep_fp8: bool = False, expert_slots=None):
     config = ModelConfig.from_dir(path)
     model = get_model_class(config.model_type)(config, ops, torch.float32, torch.device("cpu"), keep_fp8=keep_fp8,
                                                 expert_slots=expert_slots)
+    model.built_at = {name: p.data_ptr() for name, p in model.named_parameters() if ".mlp.experts." in name}
     load_model(path, config, model, progress=False)
     return model
 
@@ -49,10 +50,13 @@ def test_fused_shared_experts_give_the_plain_logits(tmp_path, name, keep_fp8):
     e, n = config.n_routed_experts, config.n_shared_experts
     moe = next(layer.mlp for layer in fused.model.layers if hasattr(layer.mlp, "with_shared"))
     assert moe.with_shared is not None and moe.with_shared.w13.shape[0] == e + n
-    # The routed parameters are views of the larger tensors (no second copy), under their old keys and shapes.
+    # The routed parameters are views of the larger tensors, under their old keys and shapes, and
+    # were loaded there: the storage they were built with (rows kept free for the shared experts).
     ex = moe.experts
     assert ex.gate_up_proj.data_ptr() == moe.with_shared.w13.data_ptr() and ex.gate_up_proj.shape[0] == e
     assert ex.down_proj.data_ptr() == moe.with_shared.w2.data_ptr()
+    moved = [name for name, p in fused.named_parameters() if name in fused.built_at and p.data_ptr() != fused.built_at[name]]
+    assert not moved, f"routed experts copied after loading: {moved}"
     assert set(fused.state_dict()) == set(plain.state_dict())  # both stack q | kv_a: the fusion adds no key
     # Both attention input projections are one stacked GEMM (it needs no hint), unless the q rows
     # end inside an FP8 block (v3_fp8: q_lora_rank 48 in 32-row blocks).

@@ -150,9 +150,12 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """Routed experts, fused: gate_up_proj [E, 2I, D] (gate rows, then up rows), down_proj [E, D, I];
-    under expert parallelism E is the number of this process's slots (``alloc.expert_slots``)."""
+    under expert parallelism E is the number of this process's slots (``alloc.expert_slots``).
+    ``room``: rows for that many more experts are allocated past the E (each parameter is a view of
+    the first E rows of its ``whole`` tensor), where ``MoE.fuse_shared`` appends the shared experts
+    without copying the routed ones."""
 
-    def __init__(self, config: ModelConfig, alloc: Alloc):
+    def __init__(self, config: ModelConfig, alloc: Alloc, room: int = 0):
         super().__init__()
         e = config.n_routed_experts if alloc.expert_slots is None else len(alloc.expert_slots)
         if alloc.expert_slots is not None and not all(0 <= x < config.n_routed_experts for x in alloc.expert_slots):
@@ -160,9 +163,17 @@ class Experts(nn.Module):
         d, i = config.hidden_size, config.moe_intermediate_size
         self.block = alloc.fp8_block
         self.slots = alloc.expert_slots  # None: every routed expert, slot e = expert e
+        self.whole: dict[str, torch.Tensor] = {}  # name -> [E + room, ...] (only with room)
+
+        def param(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+            whole = torch.empty((shape[0] + room, *shape[1:]), dtype=dtype, device=alloc.device)
+            if room:
+                self.whole[name] = whole
+            return nn.Parameter(whole[: shape[0]], requires_grad=False)
+
         if self.block is None:
-            self.gate_up_proj = _param((e, 2 * i, d), alloc.dtype, alloc.device)
-            self.down_proj = _param((e, d, i), alloc.dtype, alloc.device)
+            self.gate_up_proj = param("gate_up_proj", (e, 2 * i, d), alloc.dtype)
+            self.down_proj = param("down_proj", (e, d, i), alloc.dtype)
             self.gate_up_proj_scale_inv = self.down_proj_scale_inv = None
         else:
             if i % self.block[0]:
@@ -170,10 +181,10 @@ class Experts(nn.Module):
                     f"moe_intermediate_size={i} is not a multiple of the FP8 block {self.block[0]}: the fused "
                     "gate/up scales cannot be kept; load with FP8 weights dequantised instead"
                 )
-            self.gate_up_proj = _param((e, 2 * i, d), FP8_DTYPE, alloc.device)
-            self.down_proj = _param((e, d, i), FP8_DTYPE, alloc.device)
-            self.gate_up_proj_scale_inv = _param((e, *_scale_grid(2 * i, d, self.block)), torch.float32, alloc.device)
-            self.down_proj_scale_inv = _param((e, *_scale_grid(d, i, self.block)), torch.float32, alloc.device)
+            self.gate_up_proj = param("gate_up_proj", (e, 2 * i, d), FP8_DTYPE)
+            self.down_proj = param("down_proj", (e, d, i), FP8_DTYPE)
+            self.gate_up_proj_scale_inv = param("gate_up_proj_scale_inv", (e, *_scale_grid(2 * i, d, self.block)), torch.float32)
+            self.down_proj_scale_inv = param("down_proj_scale_inv", (e, *_scale_grid(d, i, self.block)), torch.float32)
 
 
 class SharedInGroupedPass(NamedTuple):
@@ -194,7 +205,9 @@ class MoE(nn.Module):
         self.config = config
         self.ops = ops
         self.gate = Router(config, alloc)
-        self.experts = Experts(config, alloc)
+        # Tokens up to which fuse_shared appends the shared experts to the routed ones (0: never).
+        self.shared_max_tokens = self._shared_max_tokens(config, ops, alloc)
+        self.experts = Experts(config, alloc, room=config.n_shared_experts if self.shared_max_tokens else 0)
         if config.n_shared_experts:
             self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, ops, alloc)
         else:
@@ -203,56 +216,65 @@ class MoE(nn.Module):
         # Set by fuse_shared: the routed experts with the shared ones appended, for small batches.
         self.with_shared: SharedInGroupedPass | None = None
 
-    @torch.no_grad()
-    def fuse_shared(self) -> None:
-        """After loading, where the backend's ``moe_experts`` asks for it for these experts' weight
-        dtype (its callable's ``shared_expert_max_tokens``, see ``deepinfer_core.ops.moe.moe_experts``):
-        append the shared experts to the routed ones as ``n_shared_experts`` more experts, so that
-        a batch of up to that many tokens runs them in the routed experts' grouped pass, with
-        weight 1 (one call instead of the shared MLP's GEMMs, its SwiGLU and the add). The routed weights move
-        into the larger tensors (their parameters become views of them, no second copy); the
-        shared MLP keeps its own weights for larger batches, a copy of n_shared / n_routed of
-        the expert weights (V2-Lite 2/64, V3 1/256). Not in a batch-invariant table, nor under
-        expert parallelism (the routed experts are this rank's slots), nor when FP8 blocks would
-        straddle the shared chunks. The appended shared weights are a copy made here: weights
-        written into the parameters after loading would not reach it (nothing does so today)."""
-        ex, shared = self.experts, self.shared_experts
-        hint = getattr(self.ops.moe_experts, "shared_expert_max_tokens", {})
+    @staticmethod
+    def _shared_max_tokens(config: ModelConfig, ops: OpTable, alloc: Alloc) -> int:
+        """What the backend's ``moe_experts`` asks for these experts' weight dtype (its callable's
+        ``shared_expert_max_tokens``, see ``deepinfer_core.ops.moe.moe_experts``); 0 in a
+        batch-invariant table (a row's arithmetic would follow the batch size), without shared
+        experts, under expert parallelism (the routed experts are this rank's slots) and where
+        FP8 blocks would straddle the shared chunks."""
+        hint = getattr(ops.moe_experts, "shared_expert_max_tokens", {})
         if not isinstance(hint, dict):
             raise TypeError(f"moe_experts.shared_expert_max_tokens must be a dict {{expert weight dtype: max tokens}}, "
                             f"not {hint!r} (see deepinfer_core.ops.moe.moe_experts)")
-        max_tokens = hint.get(ex.gate_up_proj.dtype, 0)
-        if self.ops.batch_invariant:  # a row's arithmetic would follow the batch size
-            return
-        if not max_tokens or shared is None or ex.slots is not None or self.with_shared is not None:
+        block, inter = alloc.fp8_block, config.moe_intermediate_size
+        if ops.batch_invariant or not config.n_shared_experts or alloc.expert_slots is not None:
+            return 0
+        if block is not None and (inter % block[0] or inter % block[1]):
+            return 0
+        return int(hint.get(alloc.dtype if block is None else FP8_DTYPE, 0))
+
+    @torch.no_grad()
+    def fuse_shared(self) -> None:
+        """After loading, where ``shared_max_tokens`` allows: append the shared experts to the
+        routed ones as ``n_shared_experts`` more experts, so that a batch of up to that many tokens
+        runs them in the routed experts' grouped pass, with weight 1 (one call instead of the
+        shared MLP's GEMMs, its SwiGLU and the add). They go into the rows ``Experts`` kept free
+        past the routed ones (the routed weights are not copied); the shared MLP keeps its own
+        weights for larger batches, a copy of n_shared / n_routed of the expert weights (V2-Lite
+        2/64, V3 1/256). The appended shared weights are a copy made here: weights written into
+        the parameters after loading would not reach it (nothing does so today)."""
+        ex, shared = self.experts, self.shared_experts
+        if not self.shared_max_tokens or self.with_shared is not None:
             return
         if shared.gate_up_proj is not None:
             raise RuntimeError("fuse_shared reads the shared MLP's gate_proj / up_proj: call it before MLP.fuse")
-        inter = self.config.moe_intermediate_size
-        if ex.block is not None and (inter % ex.block[0] or inter % ex.block[1]):
-            return
-        gate, up, down = shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight
-        scales = None if ex.block is None else tuple(p.weight_scale_inv for p in (shared.gate_proj, shared.up_proj, shared.down_proj))
+        gate, up, down = shared.gate_proj, shared.up_proj, shared.down_proj
         # Shared chunk j is an expert of its own: gate and up rows j*I..(j+1)*I, down columns j*I..(j+1)*I
         # (the same split of the weights' row / column blocks for the FP8 scales).
         n = self.config.n_shared_experts
         w13 = lambda g, u: torch.cat([g.view(n, -1, g.shape[1]), u.view(n, -1, u.shape[1])], dim=1)  # noqa: E731
         w2 = lambda d: d.view(d.shape[0], n, -1).transpose(0, 1)  # noqa: E731
-        e, device = ex.gate_up_proj.shape[0], ex.gate_up_proj.device
-        fused = SharedInGroupedPass(
-            max_tokens,
-            torch.cat([ex.gate_up_proj, w13(gate, up)]),
-            torch.cat([ex.down_proj, w2(down)]),
-            None if scales is None else torch.cat([ex.gate_up_proj_scale_inv, w13(*scales[:2])]),
-            None if scales is None else torch.cat([ex.down_proj_scale_inv, w2(scales[2])]),
-            torch.arange(e, e + n, device=device).repeat(max_tokens, 1),
-            torch.ones((max_tokens, n), dtype=torch.float32, device=device),
+        appended = {"gate_up_proj": w13(gate.weight, up.weight), "down_proj": w2(down.weight)}
+        if ex.block is not None:
+            appended["gate_up_proj_scale_inv"] = w13(gate.weight_scale_inv, up.weight_scale_inv)
+            appended["down_proj_scale_inv"] = w2(down.weight_scale_inv)
+        e, whole = ex.gate_up_proj.shape[0], {}
+        for name, rows in appended.items():
+            param, full = getattr(ex, name), ex.whole.get(name)
+            if full is None or full.data_ptr() != param.data_ptr():  # no room behind the parameter: one copy
+                full = torch.cat([param, rows])
+                param.data = full[:e]
+            else:
+                full[e:] = rows
+            whole[name] = full
+        ex.whole = {}
+        device = ex.gate_up_proj.device
+        self.with_shared = SharedInGroupedPass(
+            self.shared_max_tokens, whole["gate_up_proj"], whole["down_proj"], whole.get("gate_up_proj_scale_inv"),
+            whole.get("down_proj_scale_inv"), torch.arange(e, e + n, device=device).repeat(self.shared_max_tokens, 1),
+            torch.ones((self.shared_max_tokens, n), dtype=torch.float32, device=device),
         )
-        routed = (ex.gate_up_proj, ex.down_proj, ex.gate_up_proj_scale_inv, ex.down_proj_scale_inv)
-        for param, whole in zip(routed, (fused.w13, fused.w2, fused.w13_scale, fused.w2_scale)):
-            if param is not None:
-                param.data = whole[:e]  # the routed experts live on in the larger tensor
-        self.with_shared = fused
 
     def experts_op(self, x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, block=None) -> torch.Tensor:
         """The routed experts over the given expert weights (all of them, or one rank's slots)."""

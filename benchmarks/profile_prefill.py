@@ -14,12 +14,10 @@ import argparse
 import json
 import random
 import tempfile
-from collections import defaultdict
 from pathlib import Path
 
-import torch
-
 from benchmarks.generate import params, prompts, timed, write_model
+from benchmarks.profile_step import kernel_ms
 
 OPS_SHOWN = ("fp8_block_linear", "moe_experts", "mla_prefill_attention")
 
@@ -38,16 +36,12 @@ def profile(name: str, batch: int, length: int) -> dict:
     unprofiled = [timed(llm, group, params(1))[0] for _ in range(2)]
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         wall = timed(llm, group, params(1))[0]
-    kernels: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[event.name[:100]] += event.device_time_total / 1e3  # us -> ms
-    rows = sorted(kernels.items(), key=lambda r: -r[1])
+    rows = sorted(kernel_ms(prof).items(), key=lambda r: -r[1])
     gpu_ms = sum(v for _, v in rows)
     print(f"[{name}] prefill {batch}x{length}: unprofiled {[round(batch * length / t) for t in unprofiled]} tok/s; "
           f"profiled wall {wall * 1e3:.1f} ms, GPU kernels {gpu_ms:.1f} ms", flush=True)
     for kname, ms in rows[:25]:
-        print(f"  {ms:8.2f} ms {ms / gpu_ms:6.1%}  {kname}", flush=True)
+        print(f"  {ms:8.2f} ms {ms / gpu_ms:6.1%}  {kname[:100]}", flush=True)
     return {"model": name, "batch": batch, "length": length, "implementations": implementations,
             "unprofiled_s": unprofiled, "wall_ms": wall * 1e3, "gpu_ms": gpu_ms, "kernels_ms": dict(rows)}
 

@@ -17,6 +17,16 @@ from benchmarks.e2e import decode_point
 from benchmarks.models import write_config
 
 
+def kernel_ms(prof) -> dict[str, float]:
+    """GPU time (ms) per kernel of a torch.profiler run, summed by whole kernel name (templated
+    kernels share long prefixes: a cut name would merge them)."""
+    kernels: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name] += event.device_time_total / 1e3  # us -> ms
+    return kernels
+
+
 def profile(name: str, points: list[tuple[int, int]], steps: int = 8, batch_invariant: bool = False) -> dict:
     import tempfile
 
@@ -38,13 +48,8 @@ def profile(name: str, points: list[tuple[int, int]], steps: int = 8, batch_inva
         decode_point(llm, batch, context, steps=2)  # capture this point's graph
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
             point = decode_point(llm, batch, context, steps=steps)
-        kernels: dict[str, float] = defaultdict(float)
-        for event in prof.events():
-            if event.device_type == torch.autograd.DeviceType.CUDA:
-                kernels[event.name] += event.device_time_total / 1e3  # us -> ms
         total_steps = steps + 3  # decode_point's warm-up steps ran under the profiler too
-        # Whole names: templated kernels share long prefixes (a cut name merged them and kept one's time).
-        rows = sorted(((k, v / total_steps) for k, v in kernels.items()), key=lambda r: -r[1])
+        rows = sorted(((k, v / total_steps) for k, v in kernel_ms(prof).items()), key=lambda r: -r[1])
         gpu_ms = sum(v for _, v in rows)
         print(f"[{name}{' batch-invariant' if batch_invariant else ''}] B={batch} L={context}: wall step {point['step_s'] * 1e3:.2f} ms, GPU kernels {gpu_ms:.2f} ms/step", flush=True)
         for kname, ms in rows[:18]:

@@ -77,3 +77,22 @@ def test_profile_bookkeeping_on_cpu(tmp_path):
     assert 0 < busy["decode_wall_s"] < busy["call_wall_s"] and 0 < busy["decode_wall_unprofiled_s"] < busy["call_wall_unprofiled_s"]
     assert busy["call_busy_share"] == 0 and busy["top_kernels"] == []  # no CUDA events on a CPU
     assert "step" not in vars(llm.engine)  # the wrapper is gone
+
+
+def test_kernel_times_keep_kernels_with_a_long_common_prefix_apart():
+    """benchmarks.profile_step.kernel_ms (also profile_prefill's): GPU events summed by whole
+    name, CPU events left out; two template instances that share 95 characters stay two rows."""
+    import types
+
+    import torch
+
+    from benchmarks.profile_step import kernel_ms
+
+    def event(name, us, cuda=True):
+        kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+        return types.SimpleNamespace(name=name, device_time_total=us, device_type=kind)
+
+    stem = "void at::native::unrolled_elementwise_kernel<" + "x" * 50
+    prof = types.SimpleNamespace(events=lambda: [event(stem + "A", 1000.0), event(stem + "B", 2000.0),
+                                                 event(stem + "A", 500.0), event("aten::copy_", 9.0, cuda=False)])
+    assert dict(kernel_ms(prof)) == {stem + "A": 1.5, stem + "B": 2.0}

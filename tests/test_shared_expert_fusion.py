@@ -123,3 +123,16 @@ def test_the_transformers_peer_gets_the_checkpoints_weights_back(tmp_path, name)
     assert set(got) == set(want)
     for key in want:
         torch.testing.assert_close(got[key].float(), want[key].float(), atol=0, rtol=0, msg=key)
+
+
+def test_a_replaced_expert_parameter_is_refused_not_appended_to(tmp_path):
+    """The shared experts go into rows allocated behind the routed parameters; a parameter replaced
+    after construction (not loaded in place) no longer has them, and fuse_shared says so."""
+    path = tmp_path / "ckpt"
+    write_checkpoint("v3_shared2", path)
+    config = ModelConfig.from_dir(path)
+    model = get_model_class(config.model_type)(config, hinted_table([]), torch.float32, torch.device("cpu"))
+    moe = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "with_shared"))
+    moe.experts.down_proj.data = moe.experts.down_proj.data.clone()
+    with pytest.raises(RuntimeError, match="experts.down_proj no longer lies in the rows"):
+        moe.fuse_shared()

@@ -259,16 +259,13 @@ class MoE(nn.Module):
         if ex.block is not None:
             appended["gate_up_proj_scale_inv"] = w13(gate.weight_scale_inv, up.weight_scale_inv)
             appended["down_proj_scale_inv"] = w2(down.weight_scale_inv)
-        e, whole = ex.gate_up_proj.shape[0], {}
+        e, whole = ex.gate_up_proj.shape[0], ex.whole
         for name, rows in appended.items():
-            param, full = getattr(ex, name), ex.whole.get(name)
-            if full is None or full.data_ptr() != param.data_ptr():  # no room behind the parameter: one copy
-                full = torch.cat([param, rows])
-                param.data = full[:e]
-            else:
-                full[e:] = rows
-            whole[name] = full
-        ex.whole = {}
+            if whole[name].data_ptr() != getattr(ex, name).data_ptr():
+                raise RuntimeError(f"experts.{name} no longer lies in the rows Experts allocated for it (was the "
+                                   "parameter replaced instead of loaded in place?): the shared experts cannot be appended")
+            whole[name][e:] = rows
+        ex.whole = {}  # now the fused pass's
         device = ex.gate_up_proj.device
         self.with_shared = SharedInGroupedPass(
             self.shared_max_tokens, whole["gate_up_proj"], whole["down_proj"], whole.get("gate_up_proj_scale_inv"),

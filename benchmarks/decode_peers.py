@@ -164,18 +164,23 @@ def plot(report: dict, out: Path) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(doc: str, argv=None, batches: str = "1,8,32,64", contexts: str = "1024,4096", max_tokens: int = 33):
+    """The options of a side-by-side run of ``points`` (this module's and benchmarks/shared_fusion.py's)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("bench_results"))
     p.add_argument("--models", default="v2-lite,v3-slice")
-    p.add_argument("--batches", default="1,8,32,64")
-    p.add_argument("--contexts", default="1024,4096")
-    p.add_argument("--max-tokens", type=int, default=33)
+    p.add_argument("--batches", default=batches)
+    p.add_argument("--contexts", default=contexts)
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args(argv)
     args.models = args.models.split(",")
     args.batches, args.contexts = ([int(v) for v in s.split(",")] for s in (args.batches, args.contexts))
-    run(args)
+    return args
+
+
+def main(argv=None) -> None:
+    run(parse_args(__doc__, argv))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.decode_peers import BLOCK_SIZE, MEMORY_SHARE, build, points
+from benchmarks.decode_peers import BLOCK_SIZE, MEMORY_SHARE, build, parse_args, points
 from benchmarks.generate import metadata, write_model
 
 
@@ -74,19 +74,8 @@ def run(args) -> dict:
     return report
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path("bench_results"))
-    p.add_argument("--models", default="v2-lite,v3-slice")
-    p.add_argument("--batches", default="1,4,8,16,32,64")
-    p.add_argument("--contexts", default="1024")
-    p.add_argument("--max-tokens", type=int, default=17)
-    p.add_argument("--repeats", type=int, default=2)
-    args = p.parse_args()
-    args.models = args.models.split(",")
-    args.batches = [int(b) for b in args.batches.split(",")]
-    args.contexts = [int(c) for c in args.contexts.split(",")]
-    run(args)
+def main(argv=None) -> None:
+    run(parse_args(__doc__, argv, batches="1,4,8,16,32,64", contexts="1024", max_tokens=17))
 
 
 if __name__ == "__main__":

@@ -57,13 +57,19 @@ def assert_same_greedy(expected, got) -> None:
             assert la.keys() == lb.keys() and all(abs(la[t] - lb[t]) <= LOGPROB_ATOL for t in la), (la, lb)
 
 
-def test_greedy_generation_matches_reference(tmp_path, use_kernels):
+def reference_then_kernels(tmp_path, use_kernels, name: str, params: SamplingParams):
+    """(the CPU reference's outputs of PROMPTS on checkpoint ``name``, an LLM on the kernels with a
+    16-token budget: chunked prefill beside decodes)."""
     path = tmp_path / "ckpt"
-    write_checkpoint("v3_grouped", path)
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    write_checkpoint(name, path)
     expected = LLM(model=str(path), accelerator="cpu", dtype="float32", progress=False).generate(PROMPTS, params, use_tqdm=False)
     use_kernels()
-    llm = LLM(model=str(path), accelerator="cpu", dtype="float32", max_num_batched_tokens=16, progress=False)
+    return expected, LLM(model=str(path), accelerator="cpu", dtype="float32", max_num_batched_tokens=16, progress=False)
+
+
+def test_greedy_generation_matches_reference(tmp_path, use_kernels):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    expected, llm = reference_then_kernels(tmp_path, use_kernels, "v3_grouped", params)
     assert {p for op, p in llm.engine.ops.providers.items() if op not in V4_OP_NAMES} == {"nvidia"}
     got = llm.generate(PROMPTS, params, use_tqdm=False)  # 16-token budget: chunked prefill beside decodes
     assert_same_greedy(expected, got)
@@ -115,12 +121,8 @@ def test_shared_experts_in_the_grouped_pass_drive_the_engine(tmp_path, use_kerne
     from deepinfer_nvidia_sm100.kernels import moe as kmoe
 
     monkeypatch.setattr(kmoe.moe_experts, "shared_expert_max_tokens", {torch.float32: 16})
-    path = tmp_path / "ckpt"
-    write_checkpoint("v3_shared2", path)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
-    expected = LLM(model=str(path), accelerator="cpu", dtype="float32", progress=False).generate(PROMPTS, params, use_tqdm=False)
-    use_kernels()
-    llm = LLM(model=str(path), accelerator="cpu", dtype="float32", max_num_batched_tokens=16, progress=False)
+    expected, llm = reference_then_kernels(tmp_path, use_kernels, "v3_shared2", params)
     moe = [layer.mlp for layer in llm.engine.model.model.layers if hasattr(layer.mlp, "with_shared")]
     assert moe and all(m.with_shared is not None for m in moe)
     got = llm.generate(PROMPTS, params, use_tqdm=False)

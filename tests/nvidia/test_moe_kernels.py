@@ -105,6 +105,46 @@ def test_moe_route_matches_reference(case, device, dtype):
     check_route(weights, ids, x, gate, bias, params, dtype)
 
 
+@pytest.mark.parametrize("tokens,hidden,experts", [
+    (1, 48, 8),  # one token, D not a multiple of the channel block
+    (37, 64, 10),  # several token blocks, experts not a multiple of the expert block
+    pytest.param(16, 7168, 256, marks=pytest.mark.gpu, id="V3-gate"),
+    pytest.param(64, 2048, 64, marks=pytest.mark.gpu, id="V2-Lite-gate"),
+])
+def test_gate_partials_add_up_to_the_float32_logits(tokens, hidden, experts, device, dtype, monkeypatch):
+    """The Triton gate GEMV reads x in its own dtype (here a column slice of wider rows); its
+    partials, added in order as the routing kernel adds them, are the float32 logits of the widened
+    x within float32 rounding. Past ROUTE_GEMV_MAX_PRODUCTS or ROUTE_GEMV_MAX_TOKENS torch's float32
+    GEMM gives them, one partial, bit for bit as the reference."""
+    monkeypatch.setattr(kmoe, "GATE_BLOCK_D", 16)  # several channel blocks even at tiny hidden
+    g = _generator(device, 3)
+    x = torch.randn(tokens, hidden + 5, generator=g, device=device).to(dtype)[:, 5:]
+    gate = torch.randn(experts, hidden, generator=g, device=device) / math.sqrt(hidden)
+    expected = F.linear(x.float(), gate)
+    parts = kmoe.gate_partials(x, gate)
+    assert parts.dtype == torch.float32 and parts.shape == (-(-hidden // 16), tokens, experts)
+    logits = parts[0].clone()
+    for part in parts[1:]:
+        logits += part
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    for cap, below in (("ROUTE_GEMV_MAX_PRODUCTS", tokens * experts * hidden - 1), ("ROUTE_GEMV_MAX_TOKENS", tokens - 1)):
+        monkeypatch.setattr(kmoe, cap, below)
+        parts = kmoe.gate_partials(x, gate)
+        assert parts.shape == (1, tokens, experts) and torch.equal(parts[0], expected), cap
+
+
+@pytest.mark.parametrize("case", ROUTE_EXTRA[:9],
+                         ids=lambda c: f"{c['scoring_func']}-{c['topk_method']}-{c['norm_topk_prob']}-E{c['experts']}")
+def test_moe_route_adds_several_gate_partials(case, device, dtype, monkeypatch):
+    """The routing kernel adds the GEMV's partials (here 2 to 4 channel blocks) before scoring."""
+    monkeypatch.setattr(kmoe, "GATE_BLOCK_D", 16)
+    x, gate, bias = _route_inputs(case, dtype, device, seed=5)
+    assert kmoe.gate_partials(x, gate).shape[0] == -(-case["hidden"] // 16) > 1
+    params = _route_params(case)
+    weights, ids = kmoe.moe_route(x, gate, bias, **params)
+    check_route(weights, ids, x, gate, bias, params, dtype)
+
+
 @pytest.mark.parametrize("method", ["noaux_tc", "greedy", "group_limited_greedy"])
 def test_moe_route_ties_go_to_the_lowest_expert(method, device):
     """All experts (and groups) score the same (zero gate): the spec accepts any top-k; the kernel

@@ -1,11 +1,17 @@
 """Mixture-of-experts kernels: fused routing and grouped-GEMM experts (Triton, sm_90 / sm_100).
 
-``moe_route``: the gate logits are one float32 GEMM (torch, bit-identical to the reference);
-everything after them is ONE Triton program per token. The row is held as a [groups, experts per
-group] tile: scoring (sigmoid / softmax), correction bias, group scores (sum of the top-2 biased
-scores for noaux_tc, max score for group_limited_greedy), the topk_group best groups, top-k by
-iterative argmax (ties: lowest expert id), the gather of the unbiased weights, renormalisation and
-scaling.
+``moe_route``: two launches. The float32 gate logits: up to ROUTE_GEMV_MAX_TOKENS tokens a Triton
+GEMV that reads x in its own dtype (widened in registers) and writes partial sums over blocks of
+channels, one load step per program, so that the whole weight is in flight at once (decode: one
+launch where torch took a cast of x and cuBLAS's float32 GEMV, two or three). Beyond that,
+torch's float32 GEMM, as the reference computes them (bit-identical). Both accumulate in float32;
+the GEMV sums in another order, so its logits can differ from the reference's in the last bits (a
+routing decision can then differ only at a near-tie, which the contract leaves free). Then ONE
+Triton program per token does everything else: it adds the partials in order, and holds the row
+as a [groups, experts per group] tile: scoring (sigmoid / softmax), correction bias, group scores
+(sum of the top-2 biased scores for noaux_tc, max score for group_limited_greedy), the
+topk_group best groups, top-k by iterative argmax (ties: lowest expert id), the gather of the
+unbiased weights, renormalisation and scaling.
 
 ``moe_experts``: no per-expert loop and no host synchronisation (CUDA-graph safe):
 
@@ -53,10 +59,26 @@ import triton.language as tl
 
 from deepinfer_core.ops.moe import SCORING_FUNCS, TOPK_METHODS
 from deepinfer_core.conformance.checkpoints import FP8_MAX
+from deepinfer_nvidia_sm100.kernels.device import num_sms
 from deepinfer_nvidia_sm100.kernels.fp8_linear import E4M3_MAX, invariant_linear, round_to_e4m3
 
 # ---- tunables (sweep on the GPU) -------------------------------------------------------------
 ROUTE_ELEMS_PER_WARP = 256  # a routing row of BLOCK_G * BLOCK_S experts gets this many per warp
+# Gate logits: the Triton GEMV (_gate_partials_kernel) up to this many tokens and products T x E x D,
+# torch's float32 GEMM beyond. H200, graph replays with L2-cold inputs (benchmarks/kernels.py, the
+# moe_route cases beside their torch-gate peer), gate + routing kernel: V2-Lite's gate (D 2048,
+# E 64) 4.4 / 4.7 / 5.1 / 8.2 us at T = 1 / 8 / 16 / 64 against 9.9 / 14.1 / 14.6 / 15.4 us;
+# V3's (D 7168, E 256) 9.4 / 14.2 / 20.8 us at T = 1 / 8 / 16 against 13.1 / 29.6 / 29.6 us, but
+# 60.9 against 27.6 us at T = 64 (117M products; the GEMV's programs re-read the weight per 4 tokens).
+ROUTE_GEMV_MAX_TOKENS = 64
+ROUTE_GEMV_MAX_PRODUCTS = 32 << 20
+# A GEMV program: GATE_BLOCK_T tokens (fewer when there are fewer) x up to GATE_MAX_BLOCK_E experts
+# x GATE_BLOCK_D channels, products held as one float32 tile (4 x 4 x 512 = 64 registers a thread).
+GATE_BLOCK_T = 4
+GATE_MAX_BLOCK_E = 4
+GATE_BLOCK_D = 512
+GATE_NUM_WARPS = 4
+INTERPRETER_SMS = 4  # "SM count" under TRITON_INTERPRET: small, so that tests see several experts per program
 
 
 class ExpertTiles(NamedTuple):
@@ -106,8 +128,9 @@ SUM_NUM_WARPS = 4
 
 @triton.jit
 def _moe_route_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr,
-    num_experts, group_size, n_group, scaling,
+    parts_ptr, bias_ptr, weights_ptr, ids_ptr,
+    num_experts, group_size, n_group, scaling, part_stride,
+    NUM_PARTS: tl.constexpr,  # the gate logits are the sum of this many partials (gate_partials), in order
     TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr,
     SOFTMAX: tl.constexpr,  # scoring: softmax (True) or sigmoid (False)
     METHOD: tl.constexpr,  # 0 noaux_tc, 1 greedy, 2 group_limited_greedy
@@ -120,7 +143,9 @@ def _moe_route_kernel(
     jidx = tl.arange(0, BLOCK_S)
     valid = (gidx[:, None] < n_group) & (jidx[None, :] < group_size)
     expert = gidx[:, None] * group_size + jidx[None, :]  # [BLOCK_G, BLOCK_S]
-    logits = tl.load(logits_ptr + row * num_experts + expert, mask=valid, other=NEG)
+    logits = tl.load(parts_ptr + row * num_experts + expert, mask=valid, other=NEG)
+    for part in tl.static_range(1, NUM_PARTS):
+        logits += tl.load(parts_ptr + part * part_stride + row * num_experts + expert, mask=valid, other=0.0)
     if SOFTMAX:
         top = tl.max(tl.max(logits, axis=1), axis=0)
         p = tl.where(valid, tl.exp(logits - top), 0.0)
@@ -180,6 +205,49 @@ def _moe_route_kernel(
     tl.store(ids_ptr + out, ids.to(tl.int64), mask=slots < TOP_K)
 
 
+@triton.jit
+def _gate_partials_kernel(x_ptr, w_ptr, out_ptr, num_tokens, num_experts, hidden, s_xt, s_xd, s_we, s_wd,
+                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (expert block, channel block, token block): the float32 partial gate logits of its
+    BLOCK_D channels, out[channel block, t, e] = sum_d x[t, d] w[e, d] (x widened in registers):
+    one load of each operand and one reduction, no loop, so every load of the GEMV is in flight at
+    once instead of one channel step after another."""
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e_ok, d_ok, t_ok = e < num_experts, d < hidden, t < num_tokens
+    xs = tl.load(x_ptr + t.to(tl.int64)[:, None] * s_xt + d[None, :] * s_xd, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+    ws = tl.load(w_ptr + e.to(tl.int64)[:, None] * s_we + d[None, :] * s_wd, mask=e_ok[:, None] & d_ok[None, :], other=0.0)
+    part = tl.sum(xs.to(tl.float32)[:, None, :] * ws.to(tl.float32)[None, :, :], axis=2)
+    out = out_ptr + tl.program_id(1) * num_tokens * num_experts
+    tl.store(out + t[:, None] * num_experts + e[None, :], part, mask=t_ok[:, None] & e_ok[None, :])
+
+
+def gate_partials(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """The float32 gate logits x @ gate_weight^T as partial sums [P, T, E] over P channel blocks, to
+    be added in order: the Triton GEMV up to ROUTE_GEMV_MAX_TOKENS tokens and
+    ROUTE_GEMV_MAX_PRODUCTS products (x read in its own dtype), torch's float32 GEMM beyond (P = 1,
+    the reference's logits)."""
+    num_tokens, hidden = x.shape
+    num_experts = gate_weight.shape[0]
+    if num_tokens > ROUTE_GEMV_MAX_TOKENS or num_tokens * num_experts * hidden > ROUTE_GEMV_MAX_PRODUCTS:
+        return F.linear(x.float(), gate_weight.float())[None]  # as the reference: bit-identical logits
+    block_t = min(GATE_BLOCK_T, triton.next_power_of_2(num_tokens))
+    block_d = min(GATE_BLOCK_D, triton.next_power_of_2(hidden))
+    tiles = triton.cdiv(hidden, block_d) * triton.cdiv(num_tokens, block_t)
+    # the most experts per program (up to GATE_MAX_BLOCK_E) that still give every SM a program
+    block_e = GATE_MAX_BLOCK_E
+    while block_e > 1 and triton.cdiv(num_experts, block_e) * tiles < num_sms(x.device, INTERPRETER_SMS):
+        block_e //= 2
+    grid = (triton.cdiv(num_experts, block_e), triton.cdiv(hidden, block_d), triton.cdiv(num_tokens, block_t))
+    parts = torch.empty((grid[1], num_tokens, num_experts), dtype=torch.float32, device=x.device)
+    _gate_partials_kernel[grid](
+        x, gate_weight, parts, num_tokens, num_experts, hidden, *x.stride(), *gate_weight.stride(),
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_D=block_d, num_warps=GATE_NUM_WARPS,
+    )
+    return parts
+
+
 def moe_route(
     x: torch.Tensor,
     gate_weight: torch.Tensor,
@@ -198,7 +266,7 @@ def moe_route(
     Contract: deepinfer_core.ops.moe.moe_route. Ties between equal selection scores go to the
     lowest expert id; the k slots come in selection order.
     """
-    return _route(x, gate_weight, correction_bias, F.linear, top_k=top_k, scoring_func=scoring_func, topk_method=topk_method,
+    return _route(x, gate_weight, correction_bias, gate_partials, top_k=top_k, scoring_func=scoring_func, topk_method=topk_method,
                   n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
                   routed_scaling_factor=routed_scaling_factor)
 
@@ -217,14 +285,15 @@ def invariant_moe_route(
     routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``moe_route``, batch-invariant: the float32 gate logits from the batch-invariant GEMM."""
-    return _route(x, gate_weight, correction_bias, invariant_linear, top_k=top_k, scoring_func=scoring_func,
-                  topk_method=topk_method, n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
-                  routed_scaling_factor=routed_scaling_factor)
+    return _route(x, gate_weight, correction_bias, lambda a, w: invariant_linear(a.float(), w.float())[None], top_k=top_k,
+                  scoring_func=scoring_func, topk_method=topk_method, n_group=n_group, topk_group=topk_group,
+                  norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor)
 
 
-def _route(x, gate_weight, correction_bias, matmul, *, top_k: int, scoring_func: str, topk_method: str, n_group: int,
+def _route(x, gate_weight, correction_bias, parts_of, *, top_k: int, scoring_func: str, topk_method: str, n_group: int,
            topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The routing kernel after ``matmul`` (F.linear's signature) made the float32 gate logits."""
+    """The routing kernel after ``parts_of(x, gate_weight)`` made the float32 gate logits as
+    partial sums [P, T, E] (``gate_partials``; P = 1: the logits)."""
     if scoring_func not in SCORING_FUNCS:
         raise ValueError(f"scoring_func {scoring_func!r} is not supported; expected one of {SCORING_FUNCS}")
     if topk_method not in TOPK_METHODS:
@@ -242,15 +311,16 @@ def _route(x, gate_weight, correction_bias, matmul, *, top_k: int, scoring_func:
     ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=x.device)
     if num_tokens == 0:
         return weights, ids
-    logits = matmul(x.float(), gate_weight.float())  # F.linear: as the reference, bit-identical logits
+    parts = parts_of(x, gate_weight)
     groups = n_group if grouped else 1
     group_size = num_experts // groups
     has_bias = topk_method == "noaux_tc" and correction_bias is not None
-    bias = correction_bias.float().contiguous() if has_bias else logits
+    bias = correction_bias.float().contiguous() if has_bias else parts
     block_g, block_s = triton.next_power_of_2(groups), triton.next_power_of_2(group_size)
     _moe_route_kernel[(num_tokens,)](
-        logits, bias, weights, ids,
-        num_experts, group_size, groups, float(routed_scaling_factor),
+        parts, bias, weights, ids,
+        num_experts, group_size, groups, float(routed_scaling_factor), num_tokens * num_experts,
+        NUM_PARTS=parts.shape[0],
         TOP_K=top_k, TOPK_GROUP=topk_group if grouped else 1,
         SOFTMAX=scoring_func == "softmax",
         METHOD=TOPK_METHODS.index(topk_method),
@@ -261,7 +331,10 @@ def _route(x, gate_weight, correction_bias, matmul, *, top_k: int, scoring_func:
     return weights, ids
 
 
-moe_route.impl = "triton: one fused program per token (scores, bias, group top-k, top-k argmax, renorm)"
+_ROUTE_PROGRAM = "one fused program per token (scores, bias, group top-k, top-k argmax, renorm)"
+moe_route.impl = (f"triton: gate GEMV from x's own dtype up to {ROUTE_GEMV_MAX_TOKENS} tokens and "
+                  f"{ROUTE_GEMV_MAX_PRODUCTS >> 20}M products (cuBLAS float32 beyond), "
+                  f"then {_ROUTE_PROGRAM}")
 assert TOPK_METHODS == ("noaux_tc", "greedy", "group_limited_greedy")  # METHOD codes of the kernel
 
 
@@ -678,7 +751,7 @@ def invariant_moe_experts(
 
 moe_experts.impl = "triton: expert-sorted padded M-blocks, grouped GEMMs (fused SwiGLU; FP8 W8A16), slot sum"
 moe_experts.shared_expert_max_tokens = SHARED_EXPERT_MAX_TOKENS
-invariant_moe_route.impl = "triton, batch-invariant: " + moe_route.impl.removeprefix("triton: ") + "; gate logits by the invariant GEMM"
+invariant_moe_route.impl = f"triton, batch-invariant: gate logits by the invariant GEMM, then {_ROUTE_PROGRAM}"
 invariant_moe_experts.impl = "triton, batch-invariant: " + moe_experts.impl.removeprefix("triton: ") + ", one tile for every batch"
 moe_experts.impl += f"; bf16 shared experts as extra experts up to {SHARED_EXPERT_MAX_TOKENS[torch.bfloat16]} tokens"
 
@@ -688,10 +761,11 @@ moe_experts.impl += f"; bf16 shared experts as extra experts up to {SHARED_EXPER
 # ============================================================================================
 
 BENCH_TOKENS = (1, 8, 32, 64, 256, 1024, 4096)
-BENCH_ROUTE_TOKENS = (1, 64, 4096)
+BENCH_ROUTE_TOKENS = (1, 8, 16, 64, 128, 4096)
 # name -> (hidden, intermediate, experts, top_k)
 BENCH_EXPERT_MODELS = {"V3": (7168, 2048, 256, 8), "V2-Lite": (2048, 1408, 64, 6)}
-BENCH_ROUTE_MODEL = (7168, 256)  # V3 gate: hidden, experts (8 groups, top-4 groups, top-8)
+# name -> gate (hidden, experts, top_k, n_group, topk_group, scoring_func, topk_method)
+BENCH_ROUTE_MODELS = {"V3": (7168, 256, 8, 8, 4, "sigmoid", "noaux_tc"), "V2-Lite": (2048, 64, 6, 1, 1, "softmax", "greedy")}
 BENCH_DTYPE = torch.bfloat16
 
 
@@ -707,7 +781,10 @@ def _bench_weights(experts: int, rows: int, cols: int, fp8: bool, device: str):
 
 
 def bench(device: str = "cuda") -> list[dict]:
-    """Median times (ms) of moe_experts (V3 bf16 / FP8, V2-Lite bf16) and moe_route (V3).
+    """Median times (ms) of moe_experts (V3 bf16 / FP8, V2-Lite bf16) and moe_route (V3, V2-Lite
+    gates), the latter beside ``moe_route/<model>/torch-gate``: the same routing kernel after
+    torch's float32 gate GEMM (a cast of x, then cuBLAS), what ``gate_partials`` replaces up to
+    ROUTE_GEMV_MAX_TOKENS tokens.
 
     bytes = weights (and scales) of the experts actually hit + x + the output (+ ids and weights);
     flops = 2 * T * k * 3 * D * I for the experts, 2 * T * D * E for the gate GEMM.
@@ -747,21 +824,22 @@ def bench(device: str = "cuda") -> list[dict]:
             del w13, w2, s13, s2
             torch.cuda.empty_cache()
 
-    hidden, experts = BENCH_ROUTE_MODEL
-    gate = torch.randn(experts, hidden, device=device) / hidden**0.5
-    bias = 0.1 * torch.randn(experts, device=device)
-    for tokens in BENCH_ROUTE_TOKENS:
-        x = torch.randn(tokens, hidden, device=device, dtype=BENCH_DTYPE)
-        route = dict(top_k=8, scoring_func="sigmoid", topk_method="noaux_tc", n_group=8, topk_group=4,
+    torch_gate = lambda a, w: F.linear(a.float(), w.float())[None]  # noqa: E731 - the path gate_partials replaces
+    for model, (hidden, experts, top_k, n_group, topk_group, scoring, method) in BENCH_ROUTE_MODELS.items():
+        gate = torch.randn(experts, hidden, device=device) / hidden**0.5
+        bias = 0.1 * torch.randn(experts, device=device)
+        route = dict(top_k=top_k, scoring_func=scoring, topk_method=method, n_group=n_group, topk_group=topk_group,
                      norm_topk_prob=True, routed_scaling_factor=2.5)
-        ms = do_bench(lambda: moe_route(x, gate, bias, **route), return_mode="median")
-        results.append({
-            "name": "moe_route/V3",
-            "shape": {"T": tokens, "D": hidden, "E": experts, "k": 8},
-            "ms": ms,
-            "bytes": tokens * hidden * x.element_size() + experts * hidden * 4 + experts * 4 + tokens * 8 * 12,
-            "flops": 2 * tokens * hidden * experts,
-        })
+        for tokens in BENCH_ROUTE_TOKENS:
+            x = torch.randn(tokens, hidden, device=device, dtype=BENCH_DTYPE)
+            for name, parts_of in ((f"moe_route/{model}", gate_partials), (f"moe_route/{model}/torch-gate", torch_gate)):
+                results.append({
+                    "name": name,
+                    "shape": {"T": tokens, "D": hidden, "E": experts, "k": top_k},
+                    "ms": do_bench(lambda: _route(x, gate, bias, parts_of, **route), return_mode="median"),
+                    "bytes": tokens * hidden * x.element_size() + experts * hidden * 4 + experts * 4 + tokens * top_k * 12,
+                    "flops": 2 * tokens * hidden * experts,
+                })
     return results
 
 

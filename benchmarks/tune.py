@@ -82,6 +82,36 @@ def tune_mla_decode(device="cuda") -> list[dict]:
     return out
 
 
+def tune_mla_decode_small(device="cuda") -> list[dict]:
+    """Decode attention at small batches (SMALL_BATCH and below), where the kernel is latency-bound:
+    the shortest split there (ONE_ROW_MIN_SPLIT_TOKENS at one query row, SMALL_BATCH_MIN_SPLIT_TOKENS
+    above: ``min_split`` sets both), the tile length, and the combine's unrolled step."""
+    from deepinfer_nvidia_sm100.kernels import mla_decode as m
+
+    out = []
+    grid = {"min_split": (32, 64, 128), "BLOCK_N": (32, 64), "COMBINE_BLOCK_S": (1, 8, 16)}
+    for heads, batch, seq in itertools.product((16, 128), (1, 8), (1024, 4096)):
+        q, qpe, cache, tables, lens, qsl = _decode_inputs(heads, batch, seq, 64, device)
+        applies = "ONE_ROW_MIN_SPLIT_TOKENS" if batch <= 1 else "SMALL_BATCH_MIN_SPLIT_TOKENS"
+        rows = []
+        for split, block_n, combine in itertools.product(*grid.values()):
+            if heads >= 64 and block_n == 64:
+                continue  # shared memory (see tune_mla_decode)
+            cfg = {"ONE_ROW_MIN_SPLIT_TOKENS": split, "SMALL_BATCH_MIN_SPLIT_TOKENS": split, "BLOCK_N": block_n,
+                   "COMBINE_BLOCK_S": combine}
+            rows.append({"heads": heads, "batch": batch, "seq": seq, "min_split": split, "BLOCK_N": block_n,
+                         "COMBINE_BLOCK_S": combine, "current": (split, block_n, combine) == (getattr(m, applies), m.BLOCK_N, m.COMBINE_BLOCK_S),
+                         **_timed(m, cfg, lambda: m.mla_decode_attention(q, qpe, cache, tables, lens, qsl, 0.1))})
+        out += rows
+        ok = [r for r in rows if "us" in r]
+        best = min(ok, key=lambda r: r["us"])
+        current = next(r for r in ok if r["current"])
+        print(f"[tune] mla_decode small H={heads:3d} B={batch} L={seq:5d}: current {current['us']:6.1f} us, best {best['us']:6.1f} us "
+              f"{ {k: best[k] for k in grid} }", flush=True)
+        del cache
+    return out
+
+
 def tune_moe(device="cuda") -> list[dict]:
     from deepinfer_nvidia_sm100.kernels import moe as m
 
@@ -239,7 +269,7 @@ def tune_invariant_head_linear(device="cuda") -> list[dict]:
     return out
 
 
-TUNERS = {"mla_decode": tune_mla_decode, "moe": tune_moe, "fp8_linear": tune_fp8_linear, "invariant_linear": tune_invariant_linear,
+TUNERS = {"mla_decode": tune_mla_decode, "mla_decode_small": tune_mla_decode_small, "moe": tune_moe, "fp8_linear": tune_fp8_linear, "invariant_linear": tune_invariant_linear,
           "invariant_head_linear": tune_invariant_head_linear,
           "invariant_mla_decode": tune_invariant_mla_decode}
 

@@ -47,15 +47,18 @@ def _decode_inputs(seq_lens, heads, d_c, d_r, block_size, dtype, device, seed=0,
 @pytest.fixture(params=["default", "many_splits"])
 def split_mode(request, monkeypatch):
     """'many_splits' shrinks tiles and split lengths so tiny sequences span several splits
-    (including empty ones) and the combine kernel runs."""
+    (including empty ones) and the combine kernel runs, loading 2 splits at a time (so its loop
+    takes several steps, the last one part-masked where the valid splits are odd)."""
     if request.param == "many_splits":
         monkeypatch.setattr(mla_decode, "BLOCK_N", 16)
         monkeypatch.setattr(mla_decode, "FP32_BLOCK_N", 16)
         monkeypatch.setattr(mla_decode, "MIN_SPLIT_TOKENS", 16)
         monkeypatch.setattr(mla_decode, "SMALL_BATCH_MIN_SPLIT_TOKENS", 16)
+        monkeypatch.setattr(mla_decode, "ONE_ROW_MIN_SPLIT_TOKENS", 16)
         monkeypatch.setattr(mla_decode, "INTERPRETER_SMS", 64)
         monkeypatch.setattr(mla_decode, "SPLIT_WAVES", 64.0)
         monkeypatch.setattr(mla_decode, "SPLIT_WAVES_SMALL_HEAD_BLOCKS", 64.0)
+        monkeypatch.setattr(mla_decode, "COMBINE_BLOCK_S", 2)
     return request.param
 
 
@@ -166,7 +169,8 @@ def test_decode_split_count_from_shapes_only(monkeypatch):
     assert mla_decode._num_splits(128, 2, 4096, cpu) == 1          # large batch: one wave already
     assert mla_decode._num_splits(64, 2, 4096, cpu) == 1           # 128 of 132 SMs busy: no partials
     assert mla_decode._num_splits(1, 2, 16384, cpu) == 64          # one long sequence: many splits
-    assert mla_decode._num_splits(1, 2, 300, cpu) == 5             # capped by the small-batch minimum split (64)
+    assert mla_decode._num_splits(1, 2, 300, cpu) == 10            # capped by the one-row minimum split (32)
+    assert mla_decode._num_splits(2, 2, 300, cpu) == 5             # ... and the small-batch one (64)
     assert mla_decode._num_splits(32, 2, 300, cpu) == 2            # ... and by MIN_SPLIT_TOKENS (256) beyond
     assert mla_decode._num_splits(4, 2, 4096, cpu) == 16
     assert mla_decode._num_splits(64, 1, 4096, cpu, block_h=16) == 8  # light programs: four waves

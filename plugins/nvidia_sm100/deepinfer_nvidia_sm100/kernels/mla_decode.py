@@ -76,6 +76,11 @@ MIN_SPLIT_TOKENS = 256
 # benchmarks/tune.py, 2026-11-30: B=1 L=1024 H=16 took 10.7 us with 64-token splits, 20.2 with 256).
 SMALL_BATCH = 8
 SMALL_BATCH_MIN_SPLIT_TOKENS = 64
+# ... and for a single query row, shorter still (H200, benchmarks/tune.py --only mla_decode_small,
+# 2026-12-03, 64-token KV blocks: B=1 L=1024 12.2 us with 32-token splits against 14.4 with 64 at
+# 16 heads, 16.4 against 19.7 at 128 heads; the same at L=4096; at B=8 L=1024 32 lost, 16.8
+# against 16.0 us, so only one row).
+ONE_ROW_MIN_SPLIT_TOKENS = 32
 # Splits are added while (head blocks x splits x batch) stays within this many waves of SMs
 # (rounded down: a nearly full wave without splits beats a full one that pays for partials).
 SPLIT_WAVES = 1.0
@@ -101,6 +106,8 @@ INV_PARTIAL_BYTES = 256 << 20
 # Number of SMs assumed under the interpreter (no GPU there); small so tests exercise splitting.
 INTERPRETER_SMS = 4
 COMBINE_NUM_WARPS = 4
+# Splits per unrolled step of the combine's loop (their loads in flight together).
+COMBINE_BLOCK_S = 8
 # query_start_loc entries a program compares at a time to find its row's sequence
 MAX_BLOCK_B = 256
 
@@ -119,6 +126,8 @@ def _tile_config(num_heads: int, cache_dtype: torch.dtype) -> tuple[int, int, in
 
 
 def _min_split_tokens(batch: int) -> int:
+    if batch <= 1:
+        return ONE_ROW_MIN_SPLIT_TOKENS
     return SMALL_BATCH_MIN_SPLIT_TOKENS if batch <= SMALL_BATCH else MIN_SPLIT_TOKENS
 
 
@@ -241,7 +250,7 @@ def _mla_decode_combine_kernel(
     s_pab, s_pas, s_pah,
     s_lb, s_ls,
     s_ob, s_oh, s_od,
-    D_C: tl.constexpr, BLOCK_DC: tl.constexpr, SPLITS_P2: tl.constexpr,
+    D_C: tl.constexpr, BLOCK_DC: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     pid = tl.program_id(0)
     r = pid // num_heads  # the row of this launch's partials
@@ -249,8 +258,10 @@ def _mla_decode_combine_kernel(
     h = pid % num_heads
 
     # Every split wrote its lse; those with tokens (finite lse) are a prefix of the splits. The
-    # maximum is exact whatever the padding; the sums run split by split in order, so a row's
-    # result does not follow the number of splits of the call (SPLITS_P2).
+    # maximum is exact whatever the padding; the sums run split by split in order (a split past
+    # the valid ones adds exactly 0), so a row's result does not follow the number of splits of
+    # the call (SPLITS_P2). The loop is unrolled BLOCK_S splits at a time so that their loads are
+    # in flight together: one round trip to memory per BLOCK_S splits, not per split.
     splits = tl.arange(0, SPLITS_P2)
     lse = tl.load(lse_ptr + r * s_lb + splits * s_ls + h, mask=splits < num_splits, other=float("-inf"))
     n_valid = tl.sum((lse > float("-inf")).to(tl.int32), axis=0)
@@ -262,10 +273,12 @@ def _mla_decode_combine_kernel(
     acc = tl.zeros([BLOCK_DC], tl.float32)
     total = tl.full([], 0.0, tl.float32)
     base = part_ptr + r * s_pab + h * s_pah
-    for s in range(0, n_valid):
-        w = tl.math.exp2(tl.load(lse_ptr + r * s_lb + s * s_ls + h) - m)
-        total += w
-        acc += w * tl.load(base + s * s_pas + dc, mask=dc_mask, other=0.0)
+    for s0 in range(0, n_valid, BLOCK_S):
+        for i in tl.static_range(BLOCK_S):  # unrolled: the loads do not wait for the sums
+            ok = s0 + i < n_valid
+            w = tl.math.exp2(tl.load(lse_ptr + r * s_lb + (s0 + i) * s_ls + h, mask=ok, other=float("-inf")) - m)
+            total += w
+            acc += w * tl.load(base + (s0 + i) * s_pas + dc, mask=dc_mask & ok, other=0.0)
     o = acc / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + b * s_ob + h * s_oh + dc * s_od, o.to(out_ptr.dtype.element_ty), mask=dc_mask)
 
@@ -362,6 +375,7 @@ def _decode(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, s
                 num_heads, num_splits, row0,
                 *partial.stride()[:3], *lse.stride()[:2], *out.stride(),
                 D_C=d_c, BLOCK_DC=block_dc, SPLITS_P2=triton.next_power_of_2(num_splits),
+                BLOCK_S=min(COMBINE_BLOCK_S, triton.next_power_of_2(num_splits)),
                 num_warps=COMBINE_NUM_WARPS,
             )
     return out

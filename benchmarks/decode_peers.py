@@ -164,9 +164,13 @@ def plot(report: dict, out: Path) -> None:
     plt.close(fig)
 
 
-def parse_args(doc: str, argv=None, batches: str = "1,8,32,64", contexts: str = "1024,4096", max_tokens: int = 33):
-    """The options of a side-by-side run of ``points`` (this module's and benchmarks/shared_fusion.py's)."""
+def parse_args(doc: str, argv=None, batches: str = "1,8,32,64", contexts: str = "1024,4096", max_tokens: int = 33,
+               extra=None):
+    """The options of a side-by-side run of ``points`` (this module's, benchmarks/shared_fusion.py's and
+    benchmarks/constants_ab.py's); ``extra(parser)`` adds a benchmark's own."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    if extra is not None:
+        extra(p)
     p.add_argument("--out", type=Path, default=Path("bench_results"))
     p.add_argument("--models", default="v2-lite,v3-slice")
     p.add_argument("--batches", default=batches)

@@ -1,0 +1,123 @@
+"""Two LLMs side by side that differ only in module constants of the NVIDIA kernels (the tunables
+of ``deepinfer_nvidia_sm100.kernels.*``), through ``LLM.generate``, in one run: the end-to-end
+effect of a kernel change that a constant can switch off, without the 5-10% spread between two
+processes (or two trees run one after the other).
+
+    python -m benchmarks.constants_ab --out DIR --set moe.ROUTE_GEMV_MAX_TOKENS=0 \\
+        [--set mla_decode.COMBINE_BLOCK_S=1 ...] [--models v2-lite,v3-slice] [--batches 1,8,64]
+        [--contexts 1024] [--max-tokens 17] [--repeats 2]
+
+``changed`` runs with every ``--set MODULE.NAME=VALUE`` (VALUE a Python literal), ``current`` with
+the modules as they are. Each LLM is built with its constants in place (the decode graphs are
+captured at start-up, so their kernels keep them) and every ``generate`` of it runs with them in
+place again (eager steps read them at call time). Both use the backend's own kernels
+(``decode_peers.build``'s ``own``: no FlashMLA, no cuBLAS FP8), random weights, 64-token KV
+blocks, 40% of the GPU's memory each; the timing, floor and interleaving are
+``decode_peers.points``'. Writes DIR/constants_ab.json after every point, with the
+current / changed decode-step ratio per point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import gc
+import importlib
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.decode_peers import BLOCK_SIZE, MEMORY_SHARE, build, parse_args, points
+from benchmarks.generate import metadata, write_model
+
+KERNELS = "deepinfer_nvidia_sm100.kernels"
+
+
+def parse_set(text: str) -> tuple[object, str, object]:
+    """'moe.ROUTE_GEMV_MAX_TOKENS=0' -> (the kernels.moe module, 'ROUTE_GEMV_MAX_TOKENS', 0)."""
+    target, sep, value = text.partition("=")
+    module_name, _, name = target.rpartition(".")
+    if not sep or not module_name or not name:
+        raise SystemExit(f"--set {text!r}: expected MODULE.NAME=VALUE, e.g. moe.ROUTE_GEMV_MAX_TOKENS=0")
+    module = importlib.import_module(f"{KERNELS}.{module_name}")
+    if not hasattr(module, name):
+        raise SystemExit(f"--set {text!r}: {KERNELS}.{module_name} has no {name}")
+    try:
+        return module, name, ast.literal_eval(value)
+    except (ValueError, SyntaxError) as e:
+        raise SystemExit(f"--set {text!r}: the value must be a Python literal ({e})") from e
+
+
+@contextlib.contextmanager
+def constants(values: list[tuple[object, str, object]]):
+    """The module constants set to ``values`` inside, restored after."""
+    old = [(module, name, getattr(module, name)) for module, name, _ in values]
+    try:
+        for module, name, value in values:
+            setattr(module, name, value)
+        yield
+    finally:
+        for module, name, value in old:
+            setattr(module, name, value)
+
+
+class WithConstants:
+    """An LLM whose ``generate`` runs with the given module constants in place."""
+
+    def __init__(self, llm, values):
+        self.llm, self.engine, self.values = llm, llm.engine, values
+
+    def generate(self, *args, **kwargs):
+        with constants(self.values):
+            return self.llm.generate(*args, **kwargs)
+
+
+def run(args) -> dict:
+    from benchmarks.ceilings import measure
+
+    changed = [parse_set(text) for text in args.set]
+    args.out.mkdir(parents=True, exist_ok=True)
+    ceilings = measure()
+    report = {"meta": metadata(argparse.Namespace(accelerator="nvidia")), "ceilings": ceilings,
+              "args": {k: str(v) for k, v in vars(args).items()},
+              "changed": {f"{m.__name__}.{n}": repr(v) for m, n, v in changed},
+              "current": {f"{m.__name__}.{n}": repr(getattr(m, n)) for m, n, _ in changed}, "points": [], "ratios": []}
+    path = args.out / "constants_ab.json"
+    max_len = -(-(max(args.contexts) + args.max_tokens + 16) // BLOCK_SIZE) * BLOCK_SIZE
+    for name in args.models:
+        model_dir = write_model(name, None, Path(tempfile.mkdtemp(prefix="deepinfer-ab-")))
+        llms = {}
+        for i, (label, values) in enumerate((("changed", changed), ("current", []))):
+            with constants(values):
+                llms[label] = WithConstants(build(model_dir, "own", max(args.batches), max_len, MEMORY_SHARE * (i + 1)), values)
+        for context in args.contexts:
+            for batch in args.batches:
+                done = points(llms, batch, context, args.max_tokens, args.repeats, ceilings["copy_bytes_per_s"])
+                for label, p in done.items():
+                    report["points"].append({"model": name, "variant": label, **p})
+                    print(f"[ab] {name} {label:8s} B={batch:<4d} L={context:<6d} step {p['decode_step_s'] * 1e3:7.2f} ms "
+                          f"(first call {p['decode_step_first_s'] * 1e3:7.2f}) -> {p['step_over_floor']:.2f}x floor; "
+                          f"prefill {p['prefill_tokens_per_s']:8.0f} tok/s", flush=True)
+                ratio = done["current"]["decode_step_s"] / done["changed"]["decode_step_s"]
+                report["ratios"].append({"model": name, "batch": batch, "context": context, "current_over_changed_step": ratio})
+                print(f"[ab] {name} B={batch} L={context}: current / changed decode step {ratio:.3f}", flush=True)
+                path.write_text(json.dumps(report, indent=1))
+        del llms
+        gc.collect()
+        torch.cuda.empty_cache()
+    return report
+
+
+def main(argv=None) -> None:
+    def extra(p):
+        p.add_argument("--set", action="append", required=True, metavar="MODULE.NAME=VALUE",
+                       help="a constant of deepinfer_nvidia_sm100.kernels.MODULE for the 'changed' LLM (repeatable)")
+
+    run(parse_args(__doc__, argv, batches="1,8,64", contexts="1024", max_tokens=17, extra=extra))
+
+
+if __name__ == "__main__":
+    main()

@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.generate import guarded, metadata, prompts, sync, timed, write_model
+from benchmarks.generate import decode_step, guarded, metadata, prompts, sync, timed, write_model
 
 MODES = {"normal": False, "invariant": True}
 
@@ -124,7 +124,7 @@ def speed(args) -> dict:
             prefill = min(timed(llm, group, decode.model_copy(update={"max_tokens": 1}))[0] for _ in range(args.repeats))
             repeat = min(timed(llm, group, decode)[0] for _ in range(args.repeats))
             emitted = sum(len(o.outputs[0].token_ids) for o in outputs)
-            step = (repeat - prefill) / (args.max_tokens - 1)
+            step = decode_step(repeat, prefill, args.max_tokens)
             points.append({"batch": batch, "first_s": first, "prefill_s": prefill, "repeat_s": repeat, "emitted_tokens": emitted,
                            "tokens_per_s": emitted / repeat, "tokens_per_s_first": emitted / first,
                            "prefill_tokens_per_s": batch * args.context / prefill,

@@ -14,7 +14,7 @@ place again (eager steps read them at call time). Both use the backend's own ker
 (``decode_peers.build``'s ``own``: no FlashMLA, no cuBLAS FP8), random weights, 64-token KV
 blocks, 40% of the GPU's memory each; the timing, floor and interleaving are
 ``decode_peers.points``'. Writes DIR/constants_ab.json after every point, with the
-current / changed decode-step ratio per point.
+current / changed ratios of the decode step and cadence per point.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.decode_peers import BLOCK_SIZE, MEMORY_SHARE, build, parse_args, points
+from benchmarks.decode_peers import BLOCK_SIZE, MEMORY_SHARE, build, parse_args, variant_points
 from benchmarks.generate import metadata, write_model
 
 KERNELS = "deepinfer_nvidia_sm100.kernels"
@@ -93,18 +93,7 @@ def run(args) -> dict:
         for i, (label, values) in enumerate((("changed", changed), ("current", []))):
             with constants(values):
                 llms[label] = WithConstants(build(model_dir, "own", max(args.batches), max_len, MEMORY_SHARE * (i + 1)), values)
-        for context in args.contexts:
-            for batch in args.batches:
-                done = points(llms, batch, context, args.max_tokens, args.repeats, ceilings["copy_bytes_per_s"])
-                for label, p in done.items():
-                    report["points"].append({"model": name, "variant": label, **p})
-                    print(f"[ab] {name} {label:8s} B={batch:<4d} L={context:<6d} step {p['decode_step_s'] * 1e3:7.2f} ms "
-                          f"(first call {p['decode_step_first_s'] * 1e3:7.2f}) -> {p['step_over_floor']:.2f}x floor; "
-                          f"prefill {p['prefill_tokens_per_s']:8.0f} tok/s", flush=True)
-                ratio = done["current"]["decode_step_s"] / done["changed"]["decode_step_s"]
-                report["ratios"].append({"model": name, "batch": batch, "context": context, "current_over_changed_step": ratio})
-                print(f"[ab] {name} B={batch} L={context}: current / changed decode step {ratio:.3f}", flush=True)
-                path.write_text(json.dumps(report, indent=1))
+        variant_points("ab", name, llms, ("current", "changed"), args, ceilings["copy_bytes_per_s"], report, path)
         del llms
         gc.collect()
         torch.cuda.empty_cache()

@@ -16,7 +16,9 @@ max_tokens=1 (the prefill) and the M-token call again, ``--repeats`` times, the 
 LLMs built one after the other drifted apart by up to 13% on an H200, more than the kernels
 differ). Decode step = (generate time - prefill time) / (M - 1), as ``benchmarks.generate``
 measures it: the first token comes from the prefill. ``decode_step_first_s`` uses the first call
-instead; prefill tokens/s = B L / prefill time. The floor is the bytes a step must read
+instead; prefill tokens/s = B L / prefill time. ``decode_cadence_s`` (min over the repeats):
+the mean time between the ends of consecutive decode-only steps of a repeated call
+(``generate.StepClock``), which has no prefill in it; ``cadence_over_floor`` its ratio. The floor is the bytes a step must read
 (``benchmarks.e2e.step_weight_bytes``: weights, expected distinct experts; plus the cached
 latents at the steps' mean context L + M / 2) over the copy bandwidth of ``benchmarks.ceilings``.
 Writes DIR/decode_peers.json after every point and DIR/decode_peers.png.
@@ -35,7 +37,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.e2e import kv_bytes, step_weight_bytes
-from benchmarks.generate import metadata, params, prompts, timed, write_model
+from benchmarks.generate import decode_step, metadata, params, prompts, timed, timed_decode, write_model
 
 PROVIDERS = {"peers": "1", "own": "0"}  # DEEPINFER_EXTERNAL_KERNELS of each LLM
 PEER_OPS = ("mla_decode_attention", "fp8_block_linear")  # the ops a peer library may provide
@@ -65,25 +67,62 @@ def points(llms: dict, batch: int, context: int, max_tokens: int, repeats: int, 
     any_llm = next(iter(llms.values()))
     group = prompts(random.Random(batch * 100003 + context), any_llm.engine.model_config.vocab_size, batch, context)
     first = {name: timed(llm, group, params(max_tokens)) for name, llm in llms.items()}
-    prefill, repeat = {name: [] for name in llms}, {name: [] for name in llms}
+    prefill, repeat, cadence = ({name: [] for name in llms} for _ in range(3))
     for _ in range(repeats):
         for name, llm in llms.items():
             prefill[name].append(timed(llm, group, params(1))[0])
-            repeat[name].append(timed(llm, group, params(max_tokens))[0])
+            seconds, _, steady = timed_decode(llm, group, params(max_tokens))
+            repeat[name].append(seconds)
+            if steady is not None:
+                cadence[name].append(steady)
     out = {}
     for name, llm in llms.items():
         p, r, (f, outputs) = min(prefill[name]), min(repeat[name]), first[name]
-        step, step_first = ((t - p) / (max_tokens - 1) for t in (r, f))
+        step, step_first = (decode_step(t, p, max_tokens) for t in (r, f))
+        c = min(cadence[name], default=None)
         floor_bytes = step_weight_bytes(llm.engine.model, batch) + kv_bytes(llm.engine, batch, context + max_tokens / 2)
         floor = floor_bytes / bandwidth
         out[name] = {"batch": batch, "context": context, "max_tokens": max_tokens,
                      "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
                      "first_s": f, "prefill_s": p, "repeat_s": r, "prefill_runs_s": prefill[name], "repeat_runs_s": repeat[name],
                      "decode_step_s": step, "decode_step_first_s": step_first, "decode_tokens_per_s": batch / step,
+                     "decode_cadence_s": c, "decode_cadence_runs_s": cadence[name],
+                     "cadence_over_floor": None if c is None else c / floor,
                      "floor_bytes": floor_bytes, "floor_s": floor, "step_over_floor": step / floor,
                      "prefill_tokens_per_s": batch * context / p,
                      "implementations": {op: llm.engine.ops.implementations.get(op) for op in PEER_OPS}}
     return out
+
+
+def describe(p: dict) -> str:
+    """One line for a point of ``points``."""
+    cadence = "n/a" if p["decode_cadence_s"] is None else (
+        f"{p['decode_cadence_s'] * 1e3:7.2f} ms ({p['cadence_over_floor']:.2f}x)")
+    return (f"step {p['decode_step_s'] * 1e3:7.2f} ms (first call {p['decode_step_first_s'] * 1e3:7.2f}) "
+            f"floor {p['floor_s'] * 1e3:6.2f} ms -> {p['step_over_floor']:.2f}x, cadence {cadence}, "
+            f"{p['decode_tokens_per_s']:8.0f} tok/s; prefill {p['prefill_tokens_per_s']:8.0f} tok/s")
+
+
+def variant_points(tag: str, model: str, llms: dict, ratio: tuple[str, str], args, bandwidth: float, report: dict,
+                   path: Path) -> None:
+    """``points`` of two LLMs ("variants") at every (L, B) of ``args``, into ``report`` (points, and
+    the decode step's and cadence's ratio[0] / ratio[1] per point), printed, written to ``path``
+    after each point (benchmarks/shared_fusion.py, benchmarks/constants_ab.py)."""
+    top, bottom = ratio
+    for context in args.contexts:
+        for batch in args.batches:
+            done = points(llms, batch, context, args.max_tokens, args.repeats, bandwidth)
+            for label, p in done.items():
+                report["points"].append({"model": model, "variant": label, **p})
+                print(f"[{tag}] {model} {label:8s} B={batch:<4d} L={context:<6d} {describe(p)}", flush=True)
+            a, b = done[top], done[bottom]
+            row = {"model": model, "batch": batch, "context": context, f"{top}_over_{bottom}_step": a["decode_step_s"] / b["decode_step_s"],
+                   f"{top}_over_{bottom}_cadence": None if None in (a["decode_cadence_s"], b["decode_cadence_s"])
+                   else a["decode_cadence_s"] / b["decode_cadence_s"]}
+            report["ratios"].append(row)
+            print(f"[{tag}] {model} B={batch} L={context}: {top} / {bottom} decode step "
+                  f"{row[f'{top}_over_{bottom}_step']:.3f}, cadence {row[f'{top}_over_{bottom}_cadence'] or float('nan'):.3f}", flush=True)
+            path.write_text(json.dumps(report, indent=1))
 
 
 def run(args) -> dict:
@@ -108,10 +147,7 @@ def run(args) -> dict:
                     done = {p: {"batch": batch, "context": context, "error": f"{type(e).__name__}: {e}"} for p in llms}
                 for provider, p in done.items():
                     report["points"].append(p := {"model": name, "provider": provider, **p})
-                    print(f"[peers] {name} {provider:8s} B={batch:<4d} L={context:<6d} " + (p.get("error") or (
-                        f"step {p['decode_step_s'] * 1e3:7.2f} ms (first call {p['decode_step_first_s'] * 1e3:7.2f}) "
-                        f"floor {p['floor_s'] * 1e3:6.2f} ms -> {p['step_over_floor']:.2f}x, "
-                        f"{p['decode_tokens_per_s']:8.0f} tok/s; prefill {p['prefill_tokens_per_s']:8.0f} tok/s")), flush=True)
+                    print(f"[peers] {name} {provider:8s} B={batch:<4d} L={context:<6d} " + (p.get("error") or describe(p)), flush=True)
                 path.write_text(json.dumps(report, indent=1))
         del llms
         gc.collect()

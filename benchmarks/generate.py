@@ -11,7 +11,11 @@ capture). B distinct prompts of L random token ids, greedy, ignore_eos, M output
 call at B, made before any other call on that LLM, is ``first_s`` (what a user sees); then the
 same prompts with max_tokens=1 give the prefill time, then the M-token call again gives
 ``repeat_s`` (each the min of --repeats). Decode step = (generate time - prefill time) / (M - 1):
-the first token comes from the prefill, the other M - 1 from decode steps. The first call's step
+the first token comes from the prefill, the other M - 1 from decode steps. ``decode_cadence_s``
+(min over the repeats) is the mean time between the ends of consecutive decode-only steps of a
+repeated call, from the engine's step observer (``StepClock``): no prefill in it, so it does not
+move with the prefill's spread between calls as the step figure does where the prefill is most of
+the call. The first call's step
 uses the warm prefill time, so it carries all of the first call's extra cost (compilation, lazy
 graph capture, allocator growth). The first LLM of the process also pays one-time costs (kernel
 JIT caches), marked ``first_in_process``. Prefix caching is off in these runs (where the engine
@@ -173,6 +177,49 @@ def timed(llm, batch, sampling) -> tuple[float, list]:
     return time.perf_counter() - t0, outputs
 
 
+def decode_step(call_s: float, prefill_s: float, max_tokens: int) -> float:
+    """The decode step of a max_tokens call: (call - prefill) / (max_tokens - 1); the first token
+    comes from the prefill. Where the prefill is most of the call (large batches, few tokens),
+    its spread between calls moves this figure: ``StepClock.decode_cadence`` has no prefill in it."""
+    return (call_s - prefill_s) / (max_tokens - 1)
+
+
+class StepClock:
+    """Inside ``with``: the perf_counter time at which each engine step's tokens reached the host,
+    with the step's StepStats (through the engine's step observer, chained before any plugin's;
+    it builds one StepStats a step where no plugin observes)."""
+
+    def __init__(self, engine):
+        self.engine, self.marks = engine, []
+
+    def _observe(self, stats) -> None:
+        self.marks.append((time.perf_counter(), stats))
+        if self._before is not None:
+            self._before(stats)
+
+    def __enter__(self):
+        self._before, self.engine.observer = self.engine.observer, self._observe
+        return self
+
+    def __exit__(self, *exc):
+        self.engine.observer = self._before
+
+    def decode_cadence(self) -> float | None:
+        """Mean seconds between the ends of consecutive steps that decoded and took no prompt
+        tokens: the step period of steady decoding, with no prefill in it (None: fewer than two
+        such steps in a row)."""
+        decoding = [(t, s.step) for t, s in self.marks if s.num_prefill_tokens == 0 and s.num_decode_tokens > 0]
+        gaps = [t1 - t0 for (t0, a), (t1, b) in zip(decoding, decoding[1:]) if b == a + 1]
+        return sum(gaps) / len(gaps) if gaps else None
+
+
+def timed_decode(llm, batch, sampling) -> tuple[float, list, float | None]:
+    """``timed``, and the call's decode cadence (``StepClock.decode_cadence``)."""
+    with StepClock(llm.engine) as clock:
+        seconds, outputs = timed(llm, batch, sampling)
+    return seconds, outputs, clock.decode_cadence()
+
+
 def guarded(fn, *a) -> dict:
     """fn(*a), or the error it raised (the other parts still run); memory released after."""
     try:
@@ -190,14 +237,16 @@ def decode_point(args, batch: int) -> dict:
     group = prompts(random.Random(batch), args.vocab, batch, args.context)
     first, outputs = timed(llm, group, params(args.max_tokens))  # before any other call on this LLM
     prefills = [timed(llm, group, params(1))[0] for _ in range(args.repeats)]
-    repeats = [timed(llm, group, params(args.max_tokens))[0] for _ in range(args.repeats)]
+    runs = [timed_decode(llm, group, params(args.max_tokens)) for _ in range(args.repeats)]
+    repeats, cadences = [r[0] for r in runs], [r[2] for r in runs if r[2] is not None]
     prefill, repeat = min(prefills), min(repeats)
-    step_first, step = (first - prefill) / (args.max_tokens - 1), (repeat - prefill) / (args.max_tokens - 1)
+    step_first, step = (decode_step(t, prefill, args.max_tokens) for t in (first, repeat))
     point = {"context": args.context, "max_tokens": args.max_tokens, "startup_s": startup, "first_s": first,
              "prefill_s": prefill, "repeat_s": repeat, "prefill_runs_s": prefills, "repeat_runs_s": repeats,
              "first_over_repeat": first / repeat,
              "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
              "decode_step_first_s": step_first, "decode_step_s": step,
+             "decode_cadence_s": min(cadences, default=None), "decode_cadence_runs_s": cadences,
              "step_first_over_repeat": step_first / step if step > 0 else None,
              "decode_tokens_per_s": batch / step if step > 0 else None, "engine": engine_info(llm)}
     if args.profile and llm.engine.device.type == "cuda":
@@ -418,7 +467,8 @@ def run(args) -> dict:
         print(f"{tag} decode B={batch} L={args.context}: " + (point.get("error") or (
               f"start-up {point['startup_s']:.1f}s, first {point['first_s']:.3f}s, repeat {point['repeat_s']:.3f}s "
               f"({point['first_over_repeat']:.2f}x), prefill {point['prefill_s']:.3f}s, step {point['decode_step_s'] * 1e3:.2f} ms "
-              f"(first call {point['decode_step_first_s'] * 1e3:.2f} ms)")), flush=True)
+              f"(first call {point['decode_step_first_s'] * 1e3:.2f} ms), cadence "
+              + ("n/a" if point["decode_cadence_s"] is None else f"{point['decode_cadence_s'] * 1e3:.2f} ms"))), flush=True)
         save()
     busy = [p.pop("gpu_busy") for p in report["decode"] if "gpu_busy" in p]  # one warm call per decode batch
     if busy:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.decode_peers import BLOCK_SIZE, MEMORY_SHARE, build, parse_args, points
+from benchmarks.decode_peers import BLOCK_SIZE, MEMORY_SHARE, build, parse_args, variant_points
 from benchmarks.generate import metadata, write_model
 
 
@@ -56,18 +56,7 @@ def run(args) -> dict:
     max_len = -(-(max(args.contexts) + args.max_tokens + 16) // BLOCK_SIZE) * BLOCK_SIZE
     for name in args.models:
         llms = build_pair(write_model(name, None, Path(tempfile.mkdtemp(prefix="deepinfer-shared-"))), max(args.batches), max_len)
-        for context in args.contexts:
-            for batch in args.batches:
-                done = points(llms, batch, context, args.max_tokens, args.repeats, ceilings["copy_bytes_per_s"])
-                for label, p in done.items():
-                    report["points"].append({"model": name, "variant": label, **p})
-                    print(f"[shared] {name} {label:6s} B={batch:<4d} L={context:<6d} step {p['decode_step_s'] * 1e3:7.2f} ms "
-                          f"(first call {p['decode_step_first_s'] * 1e3:7.2f}) -> {p['step_over_floor']:.2f}x floor; "
-                          f"prefill {p['prefill_tokens_per_s']:8.0f} tok/s", flush=True)
-                ratio = done["fused"]["decode_step_s"] / done["apart"]["decode_step_s"]
-                report["ratios"].append({"model": name, "batch": batch, "context": context, "fused_over_apart_step": ratio})
-                print(f"[shared] {name} B={batch} L={context}: fused / apart decode step {ratio:.3f}", flush=True)
-                path.write_text(json.dumps(report, indent=1))
+        variant_points("shared", name, llms, ("fused", "apart"), args, ceilings["copy_bytes_per_s"], report, path)
         del llms
         gc.collect()
         torch.cuda.empty_cache()

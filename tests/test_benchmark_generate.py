@@ -3,6 +3,7 @@ positive times and the ratios computed. Speeds are not asserted."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -48,6 +49,7 @@ def test_quick_run_writes_every_part(tmp_path):
         assert p["output_tokens"] == p["batch"] * p["max_tokens"]
         assert p["first_over_repeat"] == pytest.approx(p["first_s"] / p["repeat_s"])
         assert p["decode_step_s"] == pytest.approx((p["repeat_s"] - p["prefill_s"]) / (p["max_tokens"] - 1))
+        assert 0 < p["decode_cadence_s"] < p["repeat_s"] and len(p["decode_cadence_runs_s"]) == args.repeats
         assert p["engine"]["device"] == "cpu"
     assert report["decode"][0]["first_in_process"] and not report["decode"][1]["first_in_process"]
     assert "skipped" in report["gpu_busy"]  # CPU: no profile
@@ -96,3 +98,48 @@ def test_kernel_times_keep_kernels_with_a_long_common_prefix_apart():
     prof = types.SimpleNamespace(events=lambda: [event(stem + "A", 1000.0), event(stem + "B", 2000.0),
                                                  event(stem + "A", 500.0), event("aten::copy_", 9.0, cuda=False)])
     assert dict(kernel_ms(prof)) == {stem + "A": 1.5, stem + "B": 2.0}
+
+
+def _stats(step: int, prefill: int, decode: int):
+    from deepinfer_core.hookspecs import StepStats
+
+    return StepStats(step=step, num_prefill_tokens=prefill, num_decode_tokens=decode, num_running=1, num_waiting=0,
+                     num_preempted=0, free_kv_blocks=1, seconds=0.0)
+
+
+def test_decode_cadence_takes_consecutive_decode_only_steps():
+    clock = generate.StepClock(engine=None)
+    # a prefill step, three decode steps, a step with a prompt chunk, one decode step, then a
+    # decode step that is not the next step number (an idle gap): only 2-3 and 3-4 count
+    for t, step, prefill, decode in ((0.0, 1, 64, 0), (1.0, 2, 0, 4), (1.5, 3, 0, 4), (2.5, 4, 0, 4), (9.0, 5, 16, 4),
+                                     (10.0, 6, 0, 4), (20.0, 8, 0, 4)):
+        clock.marks.append((t, _stats(step, prefill, decode)))
+    assert clock.decode_cadence() == pytest.approx(0.75)
+    clock.marks = clock.marks[:2]
+    assert clock.decode_cadence() is None
+
+
+def test_step_clock_and_side_by_side_points_on_cpu(tmp_path):
+    """StepClock chains before the engine's observer and puts it back; decode_peers.points gives every
+    LLM a decode step and cadence, variant_points their ratios (two CPU LLMs, tiny model)."""
+    from benchmarks import decode_peers
+
+    args = generate.parse_args([*CPU_QUICK, "--out", str(tmp_path)])
+    args.model_dir = generate.write_model(args.model, args.layers, tmp_path)
+    llms = {label: generate.build(args, max_num_seqs=2)[0] for label in ("a", "b")}
+    seen = []
+    llms["a"].engine.observer = seen.append  # a plugin's observer
+    seconds, outputs, cadence = generate.timed_decode(llms["a"], [[1, 2, 3]], generate.params(6))
+    assert llms["a"].engine.observer == seen.append and len(seen) >= 5  # still called, and restored
+    assert seconds > 0 and cadence is not None and 0 < cadence < seconds
+    llms["a"].engine.observer = None
+    side = argparse.Namespace(contexts=[8], batches=[2], max_tokens=5, repeats=1)
+    report = {"points": [], "ratios": []}
+    decode_peers.variant_points("t", "tiny", llms, ("a", "b"), side, 1e11, report, tmp_path / "r.json")
+    assert [p["variant"] for p in report["points"]] == ["a", "b"]
+    for p in report["points"]:
+        assert p["decode_step_s"] == pytest.approx(generate.decode_step(p["repeat_s"], p["prefill_s"], 5))
+        assert 0 < p["decode_cadence_s"] < p["repeat_s"] and p["cadence_over_floor"] > 0
+    (row,) = report["ratios"]
+    assert row["a_over_b_step"] > 0 and row["a_over_b_cadence"] > 0
+    assert json.loads((tmp_path / "r.json").read_text())["ratios"] == report["ratios"]

@@ -30,7 +30,6 @@ import argparse
 import json
 import math
 import random
-import re
 import tempfile
 import time
 from pathlib import Path
@@ -143,20 +142,13 @@ def prefill_point(llm, batch: int, length: int) -> dict | None:
 def hf_state_dict(model) -> dict[str, torch.Tensor]:
     """Our parameters under transformers' names (fused MLP gate/up and the stacked attention
     input projections split back into views)."""
+    from deepinfer_core.models.deepseek_v3 import checkpoint_weights
+
     out = {}
     for name, p in model.named_parameters():
         if p.numel() == 0 or name.startswith("mtp."):
             continue  # released (fused) weights
-        m = re.fullmatch(r"(.*)\.gate_up_proj\.weight", name)
-        stacked = re.fullmatch(r"(.*)\.qkv_a_proj\.weight", name)
-        if m:
-            half = p.shape[0] // 2
-            out[f"{m[1]}.gate_proj.weight"], out[f"{m[1]}.up_proj.weight"] = p[:half], p[half:]
-        elif stacked:
-            for proj, part in model.get_submodule(stacked[1]).unstacked(p).items():
-                out[f"{stacked[1]}.{proj}.weight"] = part
-        else:
-            out[name] = p
+        out.update(checkpoint_weights(model, name.removesuffix(".weight"), p) if name.endswith(".weight") else {name: p})
     return out
 
 

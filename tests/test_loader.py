@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from deepinfer_core.config import ConfigError, ModelConfig, V4ModelConfig
 from deepinfer_core.loader import CheckpointError, all_finite, init_dummy_weights, load_model
 from deepinfer_core.models import get_model_class
+from deepinfer_core.models.deepseek_v3 import checkpoint_weights
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.linear import dequantize_fp8_block
 from tests.hf_checkpoints import add_mtp_weights, hf_config, write_checkpoint
@@ -245,16 +246,7 @@ def float_weights(model) -> dict[str, torch.Tensor]:
     out = {}
     for name, module in model.named_modules():
         if hasattr(module, "dequantized_weight") and module.weight.numel():
-            w = module.dequantized_weight(torch.float32)
-            if name.endswith("gate_up_proj"):
-                base = name[: -len("gate_up_proj")]
-                out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = w.chunk(2)
-            elif name.endswith(".qkv_a_proj"):
-                base = name[: -len("qkv_a_proj")]
-                for proj, part in model.get_submodule(base[:-1]).unstacked(w).items():
-                    out[f"{base}{proj}.weight"] = part
-            else:
-                out[name + ".weight"] = w
+            out.update(checkpoint_weights(model, name, module.dequantized_weight(torch.float32)))
         elif name.endswith("mlp.experts"):
             for proj in ("gate_up_proj", "down_proj"):
                 w, s = getattr(module, proj), getattr(module, proj + "_scale_inv")

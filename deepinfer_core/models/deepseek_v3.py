@@ -107,6 +107,8 @@ class RMSNorm(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate x) * up x). Dense layers and the MoE shared experts."""
 
+    stacked_name = "gate_up_proj"  # the Linear that stacks two of the checkpoint's (see unstacked)
+
     def __init__(self, hidden: int, intermediate: int, ops: OpTable, alloc: Alloc):
         super().__init__()
         self.ops = ops
@@ -123,6 +125,11 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear.stacked(g, u)
         g.release()
         u.release()
+
+    def unstacked(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``gate_up_proj``'s weight (or a tensor of its rows) split back into gate_proj and up_proj."""
+        gate, up = weight.chunk(2)
+        return {"gate_proj": gate, "up_proj": up}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
@@ -306,6 +313,17 @@ class MoE(nn.Module):
         return out if shared_out is None else out + shared_out
 
 
+def checkpoint_weights(model: nn.Module, module_name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The weight of the model's Linear ``module_name`` (or a tensor of its rows, e.g. dequantised)
+    under the checkpoint's keys: a stacked one (``MLP.gate_up_proj``, ``Attention.qkv_a_proj``) split
+    back by its parent's ``unstacked``, any other as ``<module_name>.weight``."""
+    parent_name, _, leaf = module_name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    if leaf == getattr(parent, "stacked_name", None):
+        return {f"{parent_name}.{proj}.weight": part for proj, part in parent.unstacked(weight).items()}
+    return {f"{module_name}.weight": weight}
+
+
 def softmax_scale(config: ModelConfig) -> float:
     """qk_head_dim^-1/2, times mscale(factor, mscale_all_dim)^2 for YaRN (transformers' yarn_apply_mscale)."""
     scale = config.qk_head_dim**-0.5
@@ -318,6 +336,8 @@ def softmax_scale(config: ModelConfig) -> float:
 
 class Attention(nn.Module):
     """Multi-head latent attention: naive (expanded) form for prefill, absorbed form for decode."""
+
+    stacked_name = "qkv_a_proj"  # the Linear that stacks two of the checkpoint's (see unstacked)
 
     def __init__(self, config: ModelConfig, ops: OpTable, alloc: Alloc):
         super().__init__()

@@ -17,8 +17,8 @@ LLMs built one after the other drifted apart by up to 13% on an H200, more than 
 differ). Decode step = (generate time - prefill time) / (M - 1), as ``benchmarks.generate``
 measures it: the first token comes from the prefill. ``decode_step_first_s`` uses the first call
 instead; prefill tokens/s = B L / prefill time. ``decode_cadence_s`` (min over the repeats):
-the mean time between the ends of consecutive decode-only steps of a repeated call
-(``generate.StepClock``), which has no prefill in it; ``cadence_over_floor`` its ratio. The floor is the bytes a step must read
+the mean time between the ends of consecutive decode-only steps of a repeated call at its
+full batch (``generate.StepClock``), which has no prefill in it; ``cadence_over_floor`` its ratio. The floor is the bytes a step must read
 (``benchmarks.e2e.step_weight_bytes``: weights, expected distinct experts; plus the cached
 latents at the steps' mean context L + M / 2) over the copy bandwidth of ``benchmarks.ceilings``.
 Writes DIR/decode_peers.json after every point and DIR/decode_peers.png.

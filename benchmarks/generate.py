@@ -13,7 +13,7 @@ same prompts with max_tokens=1 give the prefill time, then the M-token call agai
 ``repeat_s`` (each the min of --repeats). Decode step = (generate time - prefill time) / (M - 1):
 the first token comes from the prefill, the other M - 1 from decode steps. ``decode_cadence_s``
 (min over the repeats) is the mean time between the ends of consecutive decode-only steps of a
-repeated call, from the engine's step observer (``StepClock``): no prefill in it, so it does not
+repeated call at its full batch (not the smaller steps after some sequences finished), from the engine's step observer (``StepClock``): no prefill in it, so it does not
 move with the prefill's spread between calls as the step figure does where the prefill is most of
 the call. The first call's step
 uses the warm prefill time, so it carries all of the first call's extra cost (compilation, lazy
@@ -205,10 +205,14 @@ class StepClock:
         self.engine.observer = self._before
 
     def decode_cadence(self) -> float | None:
-        """Mean seconds between the ends of consecutive steps that decoded and took no prompt
-        tokens: the step period of steady decoding, with no prefill in it (None: fewer than two
-        such steps in a row)."""
-        decoding = [(t, s.step) for t, s in self.marks if s.num_prefill_tokens == 0 and s.num_decode_tokens > 0]
+        """Mean seconds between the ends of consecutive steps that took no prompt tokens and
+        decoded the call's full batch (the most decode tokens any step had): the step period of
+        steady decoding, with no prefill in it and none of the smaller steps left when sequences
+        finish in waves (None: fewer than two such steps in a row)."""
+        decoding = [s for _, s in self.marks if s.num_prefill_tokens == 0 and s.num_decode_tokens > 0]
+        full = max((s.num_decode_tokens for s in decoding), default=0)
+        decoding = [(t, s.step) for t, s in self.marks
+                    if s.num_prefill_tokens == 0 and s.num_decode_tokens == full > 0]
         gaps = [t1 - t0 for (t0, a), (t1, b) in zip(decoding, decoding[1:]) if b == a + 1]
         return sum(gaps) / len(gaps) if gaps else None
 

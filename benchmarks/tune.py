@@ -97,6 +97,8 @@ def tune_mla_decode_small(device="cuda") -> list[dict]:
         for split, block_n, combine in itertools.product(*grid.values()):
             if heads >= 64 and block_n == 64:
                 continue  # shared memory (see tune_mla_decode)
+            if split < block_n:
+                continue  # a split is whole tiles: the kernel would round it up to block_n (a repeat of split = block_n)
             cfg = {"ONE_ROW_MIN_SPLIT_TOKENS": split, "SMALL_BATCH_MIN_SPLIT_TOKENS": split, "BLOCK_N": block_n,
                    "COMBINE_BLOCK_S": combine}
             rows.append({"heads": heads, "batch": batch, "seq": seq, "min_split": split, "BLOCK_N": block_n,

@@ -119,6 +119,15 @@ def test_decode_cadence_takes_consecutive_decode_only_steps():
     assert clock.decode_cadence() is None
 
 
+def test_decode_cadence_leaves_out_the_steps_after_sequences_finish():
+    """Sequences that finish in waves leave smaller, faster steps at the end of a call: only the
+    steps at the call's full batch count."""
+    clock = generate.StepClock(engine=None)
+    for t, step, decode in ((0.0, 1, 8), (1.0, 2, 8), (2.0, 3, 8), (2.2, 4, 3), (2.4, 5, 3), (2.5, 6, 1)):
+        clock.marks.append((t, _stats(step, 0, decode)))
+    assert clock.decode_cadence() == pytest.approx(1.0)
+
+
 def test_step_clock_and_side_by_side_points_on_cpu(tmp_path):
     """StepClock chains before the engine's observer and puts it back; decode_peers.points gives every
     LLM a decode step and cadence, variant_points their ratios (two CPU LLMs, tiny model)."""

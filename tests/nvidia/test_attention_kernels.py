@@ -122,6 +122,22 @@ def test_decode_query_rows_are_the_op_on_each_row_alone(split_mode, dtype, devic
             assert_close(out[row : row + 1], alone, "mla_decode_attention", dtype, f" sequence {b} row {i}")
 
 
+def test_decode_combine_step_leaves_the_bits_alone(monkeypatch, dtype, device):
+    """The combine loads COMBINE_BLOCK_S splits at a time but adds them one by one in split order:
+    1, 2 and 8 splits per step give the same bits (here 9 splits a sequence of 16-token tiles, of
+    which 8, 8 and 2 hold tokens: with 8 a step, a second, part-masked step)."""
+    for name, value in (("BLOCK_N", 16), ("FP32_BLOCK_N", 16), ("MIN_SPLIT_TOKENS", 16), ("SMALL_BATCH_MIN_SPLIT_TOKENS", 16),
+                        ("INTERPRETER_SMS", 64), ("SPLIT_WAVES", 64.0), ("SPLIT_WAVES_SMALL_HEAD_BLOCKS", 64.0)):
+        monkeypatch.setattr(mla_decode, name, value)
+    args = _decode_inputs([120, 31, 128], 4, 32, 8, 16, dtype, device, 8)
+    outs = []
+    for step in (1, 2, 8):
+        monkeypatch.setattr(mla_decode, "COMBINE_BLOCK_S", step)
+        outs.append(mla_decode.mla_decode_attention(*args, 0.2))
+    assert mla_decode._num_splits(3, 1, args[3].shape[1] * 16, args[0].device, 16) == 9
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 def test_decode_many_sequences_in_several_lookups(monkeypatch, dtype, device):
     """More sequences than one query_start_loc block (MAX_BLOCK_B) holds: a row's sequence is
     found over several blocks of the lookup."""

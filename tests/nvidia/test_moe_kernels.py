@@ -128,15 +128,22 @@ def test_gate_partials_add_up_to_the_float32_logits(tokens, hidden, experts, dev
         logits += part
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
     for cap, below in (("ROUTE_GEMV_MAX_PRODUCTS", tokens * experts * hidden - 1), ("ROUTE_GEMV_MAX_TOKENS", tokens - 1)):
-        monkeypatch.setattr(kmoe, cap, below)
-        parts = kmoe.gate_partials(x, gate)
+        with monkeypatch.context() as only_this_cap:  # each cap alone sends the GEMM to torch
+            only_this_cap.setattr(kmoe, cap, below)
+            parts = kmoe.gate_partials(x, gate)
         assert parts.shape == (1, tokens, experts) and torch.equal(parts[0], expected), cap
+
+
+def test_gate_partials_names_a_gate_of_the_wrong_width(device):
+    x = torch.randn(3, 32, device=device)
+    with pytest.raises(ValueError, match=r"gate weight is \(8, 48\).*\[num_experts, 32\]"):
+        kmoe.gate_partials(x, torch.randn(8, 48, device=device))
 
 
 @pytest.mark.parametrize("case", ROUTE_EXTRA[:9],
                          ids=lambda c: f"{c['scoring_func']}-{c['topk_method']}-{c['norm_topk_prob']}-E{c['experts']}")
 def test_moe_route_adds_several_gate_partials(case, device, dtype, monkeypatch):
-    """The routing kernel adds the GEMV's partials (here 2 to 4 channel blocks) before scoring."""
+    """The routing kernel adds the GEMV's partials (here 2 or 3 channel blocks) before scoring."""
     monkeypatch.setattr(kmoe, "GATE_BLOCK_D", 16)
     x, gate, bias = _route_inputs(case, dtype, device, seed=5)
     assert kmoe.gate_partials(x, gate).shape[0] == -(-case["hidden"] // 16) > 1

@@ -78,7 +78,8 @@ SMALL_BATCH = 8
 SMALL_BATCH_MIN_SPLIT_TOKENS = 64
 # ... and for a single query row, shorter still (H200, benchmarks/tune.py --only mla_decode_small,
 # 2026-12-03, 64-token KV blocks: B=1 L=1024 12.2 us with 32-token splits against 14.4 with 64 at
-# 16 heads, 16.4 against 19.7 at 128 heads; the same at L=4096; at B=8 L=1024 32 lost, 16.8
+# 16 heads, 16.4 against 19.7 at 128 heads; no difference at L=4096 (the 64-split cap gives
+# 64-token splits either way); at B=8 L=1024 32 lost, 16.8
 # against 16.0 us, so only one row).
 ONE_ROW_MIN_SPLIT_TOKENS = 32
 # Splits are added while (head blocks x splits x batch) stays within this many waves of SMs

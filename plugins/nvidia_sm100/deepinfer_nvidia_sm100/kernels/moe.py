@@ -205,8 +205,8 @@ def _moe_route_kernel(
     tl.store(ids_ptr + out, ids.to(tl.int64), mask=slots < TOP_K)
 
 
-@triton.jit
-def _gate_partials_kernel(x_ptr, w_ptr, out_ptr, num_tokens, num_experts, hidden, s_xt, s_xd, s_we, s_wd,
+@triton.jit(do_not_specialize=["s_op"])  # T x E: one compile, not one per value class
+def _gate_partials_kernel(x_ptr, w_ptr, out_ptr, num_tokens, num_experts, hidden, s_xt, s_xd, s_we, s_wd, s_op,
                           BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (expert block, channel block, token block): the float32 partial gate logits of its
     BLOCK_D channels, out[channel block, t, e] = sum_d x[t, d] w[e, d] (x widened in registers):
@@ -219,7 +219,7 @@ def _gate_partials_kernel(x_ptr, w_ptr, out_ptr, num_tokens, num_experts, hidden
     xs = tl.load(x_ptr + t.to(tl.int64)[:, None] * s_xt + d[None, :] * s_xd, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
     ws = tl.load(w_ptr + e.to(tl.int64)[:, None] * s_we + d[None, :] * s_wd, mask=e_ok[:, None] & d_ok[None, :], other=0.0)
     part = tl.sum(xs.to(tl.float32)[:, None, :] * ws.to(tl.float32)[None, :, :], axis=2)
-    out = out_ptr + tl.program_id(1) * num_tokens * num_experts
+    out = out_ptr + tl.program_id(1) * s_op
     tl.store(out + t[:, None] * num_experts + e[None, :], part, mask=t_ok[:, None] & e_ok[None, :])
 
 
@@ -230,6 +230,9 @@ def gate_partials(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
     the reference's logits)."""
     num_tokens, hidden = x.shape
     num_experts = gate_weight.shape[0]
+    if gate_weight.shape[1] != hidden:
+        raise ValueError(f"moe_route: the gate weight is {tuple(gate_weight.shape)} but the tokens have {hidden} "
+                         f"channels; it must be [num_experts, {hidden}]")
     if num_tokens > ROUTE_GEMV_MAX_TOKENS or num_tokens * num_experts * hidden > ROUTE_GEMV_MAX_PRODUCTS:
         return F.linear(x.float(), gate_weight.float())[None]  # as the reference: bit-identical logits
     block_t = min(GATE_BLOCK_T, triton.next_power_of_2(num_tokens))
@@ -242,7 +245,7 @@ def gate_partials(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
     grid = (triton.cdiv(num_experts, block_e), triton.cdiv(hidden, block_d), triton.cdiv(num_tokens, block_t))
     parts = torch.empty((grid[1], num_tokens, num_experts), dtype=torch.float32, device=x.device)
     _gate_partials_kernel[grid](
-        x, gate_weight, parts, num_tokens, num_experts, hidden, *x.stride(), *gate_weight.stride(),
+        x, gate_weight, parts, num_tokens, num_experts, hidden, *x.stride(), *gate_weight.stride(), parts.stride(0),
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_D=block_d, num_warps=GATE_NUM_WARPS,
     )
     return parts

@@ -1,14 +1,17 @@
 """Two LLMs side by side that differ only in module constants of the NVIDIA kernels (the tunables
-of ``deepinfer_nvidia_sm100.kernels.*``), through ``LLM.generate``, in one run: the end-to-end
-effect of a kernel change that a constant can switch off, without the 5-10% spread between two
-processes (or two trees run one after the other).
+of ``deepinfer_nvidia_sm100.kernels.*``) or in ops left out of the backend's table, through
+``LLM.generate``, in one run: the end-to-end effect of a kernel change that a constant (or leaving
+out an op) can switch off, without the 5-10% spread between two processes (or two trees run one
+after the other).
 
     python -m benchmarks.constants_ab --out DIR --set moe.ROUTE_GEMV_MAX_TOKENS=0 \\
-        [--set mla_decode.COMBINE_BLOCK_S=1 ...] [--models v2-lite,v3-slice] [--batches 1,8,64]
-        [--contexts 1024] [--max-tokens 17] [--repeats 2]
+        [--set mla_decode.COMBINE_BLOCK_S=1 ...] [--drop norm_rope_write_latent ...]
+        [--models v2-lite,v3-slice] [--batches 1,8,64] [--contexts 1024] [--max-tokens 17] [--repeats 2]
 
-``changed`` runs with every ``--set MODULE.NAME=VALUE`` (VALUE a Python literal), ``current`` with
-the modules as they are. Each LLM is built with its constants in place (the decode graphs are
+``changed`` runs with every ``--set MODULE.NAME=VALUE`` (VALUE a Python literal) and without the
+ops named by ``--drop`` (its kernel module's ``OPS`` without them: the model then does what it
+does on a backend that lacks them, e.g. three ops instead of the fused one, or the reference),
+``current`` with the modules as they are. Each LLM is built with its constants in place (the decode graphs are
 captured at start-up, so their kernels keep them) and every ``generate`` of it runs with them in
 place again (eager steps read them at call time). Both use the backend's own kernels
 (``decode_peers.build``'s ``own``: no FlashMLA, no cuBLAS FP8), random weights, 64-token KV
@@ -34,6 +37,17 @@ from benchmarks.decode_peers import BLOCK_SIZE, MEMORY_SHARE, build, parse_args,
 from benchmarks.generate import metadata, write_model
 
 KERNELS = "deepinfer_nvidia_sm100.kernels"
+
+
+def parse_drop(op: str) -> tuple[object, str, object]:
+    """'norm_rope_write_latent' -> (the kernel module that provides it, 'OPS', its OPS without it)."""
+    from deepinfer_nvidia_sm100.backend import KERNEL_MODULES
+
+    for module_name in KERNEL_MODULES:
+        module = importlib.import_module(f"{KERNELS}.{module_name}")
+        if op in module.OPS:
+            return module, "OPS", {name: fn for name, fn in module.OPS.items() if name != op}
+    raise SystemExit(f"--drop {op!r}: no NVIDIA kernel module provides it (see `deepinfer backends`)")
 
 
 def parse_set(text: str) -> tuple[object, str, object]:
@@ -75,16 +89,23 @@ class WithConstants:
             return self.llm.generate(*args, **kwargs)
 
 
+def _shown(value) -> str:
+    """A constant as the report records it (an OPS table as its op names)."""
+    return repr(sorted(value) if isinstance(value, dict) else value)
+
+
 def run(args) -> dict:
     from benchmarks.ceilings import measure
 
-    changed = [parse_set(text) for text in args.set]
+    changed = [parse_set(text) for text in args.set] + [parse_drop(op) for op in args.drop]
+    if not changed:
+        raise SystemExit("nothing to compare: give at least one --set MODULE.NAME=VALUE or --drop OP")
     args.out.mkdir(parents=True, exist_ok=True)
     ceilings = measure()
     report = {"meta": metadata(argparse.Namespace(accelerator="nvidia")), "ceilings": ceilings,
               "args": {k: str(v) for k, v in vars(args).items()},
-              "changed": {f"{m.__name__}.{n}": repr(v) for m, n, v in changed},
-              "current": {f"{m.__name__}.{n}": repr(getattr(m, n)) for m, n, _ in changed}, "points": [], "ratios": []}
+              "changed": {f"{m.__name__}.{n}": _shown(v) for m, n, v in changed},
+              "current": {f"{m.__name__}.{n}": _shown(getattr(m, n)) for m, n, _ in changed}, "points": [], "ratios": []}
     path = args.out / "constants_ab.json"
     max_len = -(-(max(args.contexts) + args.max_tokens + 16) // BLOCK_SIZE) * BLOCK_SIZE
     for name in args.models:
@@ -102,8 +123,10 @@ def run(args) -> dict:
 
 def main(argv=None) -> None:
     def extra(p):
-        p.add_argument("--set", action="append", required=True, metavar="MODULE.NAME=VALUE",
+        p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                        help="a constant of deepinfer_nvidia_sm100.kernels.MODULE for the 'changed' LLM (repeatable)")
+        p.add_argument("--drop", action="append", default=[], metavar="OP",
+                       help="an op the 'changed' LLM's backend table leaves out (repeatable)")
 
     run(parse_args(__doc__, argv, batches="1,8,64", contexts="1024", max_tokens=17, extra=extra))
 

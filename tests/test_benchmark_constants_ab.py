@@ -1,0 +1,38 @@
+"""benchmarks/constants_ab.py's arguments on the CPU: what each --set and --drop changes, and
+the errors that name a wrong one. (The A/B itself needs the GPU.)"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed: the NVIDIA kernel modules cannot be imported")
+
+from benchmarks import constants_ab  # noqa: E402
+
+
+def test_set_names_a_module_constant_and_a_literal():
+    from deepinfer_nvidia_sm100.kernels import moe
+
+    assert constants_ab.parse_set("moe.ROUTE_GEMV_MAX_TOKENS=0") == (moe, "ROUTE_GEMV_MAX_TOKENS", 0)
+    for bad, says in (("moe.ROUTE_GEMV_MAX_TOKENS", "MODULE.NAME=VALUE"), ("moe.NO_SUCH=1", "has no NO_SUCH"),
+                      ("moe.ROUTE_GEMV_MAX_TOKENS=zero", "Python literal")):
+        with pytest.raises(SystemExit, match=says):
+            constants_ab.parse_set(bad)
+
+
+def test_drop_leaves_one_op_out_of_its_module_table_for_the_changed_side_only():
+    from deepinfer_nvidia_sm100.kernels import cache
+
+    module, name, table = constants_ab.parse_drop("norm_rope_write_latent")
+    assert (module, name) == (cache, "OPS")
+    assert set(table) == set(cache.OPS) - {"norm_rope_write_latent"} and "norm_rope_write_latent" in cache.OPS
+    with constants_ab.constants([(module, name, table)]):
+        assert "norm_rope_write_latent" not in cache.OPS
+    assert "norm_rope_write_latent" in cache.OPS  # put back
+    with pytest.raises(SystemExit, match="no NVIDIA kernel module provides it"):
+        constants_ab.parse_drop("sparse_attention")
+
+
+def test_nothing_to_compare_is_an_error(tmp_path):
+    with pytest.raises(SystemExit, match="give at least one --set"):
+        constants_ab.main(["--out", str(tmp_path)])

@@ -362,6 +362,11 @@ def test_e2e_catches_the_decode_only_bug_that_keeps_perplexities(vendor, monkeyp
     assert e2e.main("vendor_example_broken", workloads=["default"], json_out=str(report)) == 1
     rows = json.loads(report.read_text())["rows"]
     assert all(r["rel_diff"] <= 5e-3 for r in rows)  # the perplexities hold: the bug is decode-only
-    on_logprobs = [r for r in rows if "greedy logprob of token" in r["reason"]]
-    assert len(on_logprobs) >= 6 and not any(r["passed"] for r in rows), [r["reason"] for r in rows]
+    failed = [r for r in rows if not r["passed"]]
+    # every sample fails on its decode steps, except where the twin's greedy token parted from the
+    # baseline's within greedy_tie_margin (a tie: the judge cannot follow two different sequences);
+    # how many tie depends on the random checkpoint's numerics (torch, transformers versions)
+    assert all(r["greedy_tie"] for r in rows if r["passed"]) and len(failed) > len(rows) / 2, [r["reason"] for r in rows]
+    assert all("greedy" in r["reason"] and "decode step" in r["reason"] or "agree on" in r["reason"] for r in failed)
+    on_logprobs = [r for r in failed if "greedy logprob of token" in r["reason"]]
     assert any(r["greedy_agreement"] == 1.0 for r in on_logprobs)  # tokens survived the bug; its logprobs did not

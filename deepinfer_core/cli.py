@@ -24,7 +24,7 @@ def _one_line(text: str) -> str:
 def _backends(args: argparse.Namespace) -> int:
     from deepinfer_core.config import settings
     from deepinfer_core.hookspecs import SPEC_VERSION
-    from deepinfer_core.ops import OP_NAMES
+    from deepinfer_core.ops import OP_NAMES, OPTIONAL_OPS
     from deepinfer_core.plugins import ENTRY_POINT_GROUP, REFERENCE_BACKEND, BackendError, PluginManager
 
     manager = PluginManager()
@@ -64,6 +64,8 @@ def _backends(args: argparse.Namespace) -> int:
     print(f"  {'OP':<{op_width}}  {'PROVIDER':<{who_width}}  IMPLEMENTATION")
     for name in OP_NAMES:
         impl = ops.implementations[name] or ("torch reference" if ops.providers[name] == REFERENCE_BACKEND else "")
+        if name in OPTIONAL_OPS and not ops.backend_provides(name):
+            impl = "optional fusion, not called: the model runs the ops it fuses"
         print(f"  {name:<{op_width}}  {who[name]:<{who_width}}  {impl}")
     return 0
 

@@ -19,7 +19,7 @@ import pluggy
 
 from deepinfer_core import hook_checks, hookspecs
 from deepinfer_core.hookspecs import SPEC_VERSION, BackendInfo, ProbeResult, SchedulerLimits, StepStats
-from deepinfer_core.ops import OP_NAMES, REFERENCE_OPS, OpTable, reference_ops
+from deepinfer_core.ops import OP_NAMES, OPTIONAL_OPS, REFERENCE_OPS, OpTable, reference_ops
 
 log = logging.getLogger("deepinfer")
 
@@ -290,10 +290,11 @@ class PluginManager:
                 raise BackendError(f"backend {backend.name!r}: deepinfer_scheduler_limits() raised {type(e).__name__}: {e}") from e
             self._require(backend, "deepinfer_scheduler_limits()", hook_checks.limits_problems(limits))
         fallback = [name for name, who in ops.providers.items() if who != backend.name]
-        if fallback and backend.name != REFERENCE_BACKEND:
+        run_by_reference = [name for name in fallback if name not in OPTIONAL_OPS]  # a missing fusion never runs
+        if run_by_reference and backend.name != REFERENCE_BACKEND:
             log.warning(
                 "backend %r does not provide ops %s; they run the reference implementations (`deepinfer backends` lists them)",
-                backend.name, ", ".join(fallback),
+                backend.name, ", ".join(run_by_reference),
             )
         return platform, ops, limits, fallback
 

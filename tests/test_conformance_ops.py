@@ -304,8 +304,8 @@ def test_wrong_expert_choice_fails_and_ties_are_allowed():
     assert report.result == "PASS", report.detail()  # slot order is unspecified
 
 
-PAGED_LENGTHS = {"write_latent_cache": "tokens", "gather_latent_cache": "slots", "mla_decode_attention": "seq_lens",
-                 "write_cache": "tokens"}
+PAGED_LENGTHS = {"write_latent_cache": "tokens", "norm_rope_write_latent": "tokens", "gather_latent_cache": "slots",
+                 "mla_decode_attention": "seq_lens", "write_cache": "tokens"}
 
 
 def test_paged_ops_declare_the_block_boundaries():
@@ -616,6 +616,19 @@ def _cache_write_without_k_pe(kv_cache, latent, k_pe, slots):
     kv_cache.view(-1, kv_cache.shape[-1])[slots[keep], : latent.shape[-1]] = latent[keep].to(kv_cache.dtype)
 
 
+def _fused_write_of_the_unrotated_key(kv_cache, kv, w, eps, q_pe, positions, cos_sin, interleaved, slots):
+    """The latent normed and q rotated, but the cache gets the rope key as projected."""
+    q_rot = REFERENCE_OPS["norm_rope_write_latent"](kv_cache, kv, w, eps, q_pe, positions, cos_sin, interleaved, slots)
+    keep = slots >= 0
+    kv_cache.view(-1, kv_cache.shape[-1])[slots[keep], w.shape[0]:] = kv[keep, w.shape[0]:].to(kv_cache.dtype)
+    return q_rot
+
+
+def _fused_write_returning_q_unrotated(kv_cache, kv, w, eps, q_pe, positions, cos_sin, interleaved, slots):
+    REFERENCE_OPS["norm_rope_write_latent"](kv_cache, kv, w, eps, q_pe, positions, cos_sin, interleaved, slots)
+    return q_pe.clone()
+
+
 def _gather_the_next_slot(kv_cache, slots):
     return REFERENCE_OPS["gather_latent_cache"](kv_cache, (slots + 1) % (kv_cache.shape[0] * kv_cache.shape[1]))
 
@@ -644,6 +657,8 @@ WRONG_V3 = [
     ("moe_experts", _experts_ignoring_route_weights, "y:"),
     ("moe_experts", _experts_first_block_scale_10pct_off, "y:"),
     ("write_latent_cache", _cache_write_without_k_pe, "in place"),
+    ("norm_rope_write_latent", _fused_write_of_the_unrotated_key, "in place"),
+    ("norm_rope_write_latent", _fused_write_returning_q_unrotated, "q_pe:"),
     ("gather_latent_cache", _gather_the_next_slot, "rows:"),
     ("mla_prefill_attention", _prefill_without_the_cached_prefix, "o:"),
 ]  # fmt: skip

@@ -228,10 +228,14 @@ def test_requested_unavailable_backend_fails_with_reason_and_fix(manager):
 
 
 # ---- op tables -----------------------------------------------------------------------------
-def test_partial_backend_falls_back_op_by_op(manager):
+def test_partial_backend_falls_back_op_by_op(manager, caplog):
     import deepinfer_fake_good.good as good
 
-    platform, ops, limits, fallback = manager.load(manager.select("fakegood"))
+    with caplog.at_level("WARNING", logger="deepinfer"):
+        platform, ops, limits, fallback = manager.load(manager.select("fakegood"))
+    warned = next(r.getMessage() for r in caplog.records if "does not provide ops" in r.getMessage())
+    assert "rms_norm_f32" in warned and "norm_rope_write_latent" not in warned  # an optional fusion left out never runs
+    assert not ops.backend_provides("norm_rope_write_latent") and ops.backend_provides("rms_norm")
     assert (platform.name, platform.backend, limits) == ("fake-good", "fakegood", None)
     assert {op for op, who in ops.providers.items() if who == "fakegood"} == FAKE_OPS
     assert fallback == [op for op in OP_NAMES if op not in FAKE_OPS]

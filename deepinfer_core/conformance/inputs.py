@@ -234,6 +234,17 @@ def _write_latent_cache(d: dict, dtype, r: _Draw):
     return (kv_cache, latent, k_pe, slots.to(r.device)), {}
 
 
+def _norm_rope_write_latent(d: dict, dtype, r: _Draw):
+    t, h, d_c, rd = d["tokens"], d["heads"], d["kv_lora_rank"], d["rope_dim"]
+    (kv_cache, _, _, slots), _ = _write_latent_cache(d, dtype, r)
+    kv = r.randn(t, 16 + d_c + rd, dtype=dtype)[:, 16:]  # [latent | k_pe] of the stacked projection's rows
+    w = (1 + r.randn(d_c, scale=0.1)).to(dtype)
+    q_pe = _head_rows(r, t, h, rd + 16, dtype)[..., 16:]
+    positions = r.integers(0, d["max_positions"], t).to(r.device)
+    cos_sin = _cos_sin_cpu(d["rope"], rd, d["max_positions"]).to(r.device)
+    return (kv_cache, kv, w, NORM_EPS, q_pe, positions, cos_sin, bool(d["interleaved"]), slots), {}
+
+
 def _gather_latent_cache(d: dict, dtype, r: _Draw):
     kv_cache = r.randn(d["num_blocks"], d["block_size"], d["entry_dim"], dtype=dtype)
     slots = r.integers(0, d["num_blocks"] * d["block_size"], d["slots"]).to(r.device)
@@ -618,6 +629,7 @@ BUILDERS: dict[str, Callable[[dict, torch.dtype, _Draw], tuple[tuple, dict]]] = 
     "moe_route": _moe_route,
     "moe_experts": _moe_experts,
     "write_latent_cache": _write_latent_cache,
+    "norm_rope_write_latent": _norm_rope_write_latent,
     "gather_latent_cache": _gather_latent_cache,
     "mla_prefill_attention": _mla_prefill_attention,
     "mla_decode_attention": _mla_decode_attention,
@@ -641,7 +653,7 @@ BUILDERS: dict[str, Callable[[dict, torch.dtype, _Draw], tuple[tuple, dict]]] = 
     "engram_hash_ids": _engram_hash_ids,
     "engram_gate": _engram_gate,
 }
-INPLACE = {"write_latent_cache": (0,), "write_cache": (0,)}
+INPLACE = {"write_latent_cache": (0,), "norm_rope_write_latent": (0,), "write_cache": (0,)}
 
 
 def make_case(op: str, dims: dict, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
@@ -671,6 +683,7 @@ COUNT_DIMS = {
     "rms_norm": ("tokens",), "add_rms_norm": ("tokens",), "rotary_embedding": ("tokens",),
     "linear": ("tokens",), "fp8_block_linear": ("tokens",), "head_linear": ("tokens",), "silu_and_mul": ("tokens",),
     "moe_route": ("tokens",), "moe_experts": ("tokens",), "write_latent_cache": ("tokens", "padding_tokens"),
+    "norm_rope_write_latent": ("tokens", "padding_tokens"),
     "gather_latent_cache": ("slots",), "sample_tokens": ("rows", "greedy_rows"),
     "apply_token_bitmask": ("rows", "free_rows", "single_rows"),
     "rms_norm_f32": ("tokens",), "rms_normalize": ("tokens",), "silu_and_mul_clamped": ("tokens",),
@@ -684,6 +697,7 @@ COUNT_DIMS = {
 }
 # a count that may not exceed another (both redrawn): the smaller one is cut to the larger
 BOUNDED_COUNTS = {"sample_tokens": ("greedy_rows", "rows"), "write_latent_cache": ("padding_tokens", "tokens"),
+                  "norm_rope_write_latent": ("padding_tokens", "tokens"),
                   "write_cache": ("padding_tokens", "tokens"), "compress_pool": ("empty_windows", "windows"),
                   "indexer_topk": ("short_queries", "tokens"), "sparse_attention": ("empty_queries", "tokens"),
                   "mhc_pre_delayed": ("one_hot_tokens", "tokens"), "mhc_collapse": ("one_hot_tokens", "tokens"),

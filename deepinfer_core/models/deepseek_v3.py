@@ -392,20 +392,23 @@ class Attention(nn.Module):
         q, kv = weight.split(self.qkv_a_split)
         return {"q_a_proj" if self.q_lora else "q_proj": q, "kv_a_proj_with_mqa": kv}
 
-    def _project(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
-        """(q_nope, q_pe, latent, k_pe) of tokens ``x`` at ``positions`` (rotary applied)."""
-        ops = self.ops
+    def _inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q_nope, q_pe before RoPE, the kv_a rows [latent | k_pe] before norm and RoPE) of tokens ``x``."""
         t = x.shape[0]
         if self.qkv_a_proj is not None:
             q, ckv = self.qkv_a_proj(x).split(self.qkv_a_split, dim=1)
         else:
             q, ckv = (self.q_a_proj if self.q_lora else self.q_proj)(x), self.kv_a_proj_with_mqa(x)
         if self.q_lora:
-            q = self.q_b_proj(ops.rms_norm(q, self.q_a_layernorm.weight, self.q_a_layernorm.eps))
+            q = self.q_b_proj(self.ops.rms_norm(q, self.q_a_layernorm.weight, self.q_a_layernorm.eps))
         q = q.view(t, self.num_heads, self.qk_dim)
-        q_nope, q_pe = q[..., : self.nope_dim], q[..., self.nope_dim :]
-        latent = ops.rms_norm(ckv[:, : self.kv_lora_rank], self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
-        q_pe, k_pe = ops.rotary_embedding(q_pe, ckv[:, self.kv_lora_rank :], positions, cos_sin, self.interleaved)
+        return q[..., : self.nope_dim], q[..., self.nope_dim :], ckv
+
+    def _project(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
+        """(q_nope, q_pe, latent, k_pe) of tokens ``x`` at ``positions`` (rotary applied)."""
+        q_nope, q_pe, ckv = self._inputs(x)
+        latent = self.ops.rms_norm(ckv[:, : self.kv_lora_rank], self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
+        q_pe, k_pe = self.ops.rotary_embedding(q_pe, ckv[:, self.kv_lora_rank :], positions, cos_sin, self.interleaved)
         return q_nope, q_pe, latent, k_pe
 
     def forward(
@@ -413,9 +416,15 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         ops = self.ops
         t = x.shape[0]
-        q_nope, q_pe, latent, k_pe = self._project(x, positions, cos_sin)
         cache = batch.groups[CACHE_GROUP]
-        ops.write_latent_cache(kv_cache, latent, k_pe, cache.slot_mapping)
+        if ops.backend_provides("norm_rope_write_latent"):  # the backend's one kernel for norm, RoPE and the write
+            q_nope, q_pe, ckv = self._inputs(x)
+            norm = self.kv_a_layernorm
+            q_pe = ops.norm_rope_write_latent(kv_cache, ckv, norm.weight, norm.eps, q_pe, positions, cos_sin,
+                                              self.interleaved, cache.slot_mapping)
+        else:
+            q_nope, q_pe, latent, k_pe = self._project(x, positions, cos_sin)
+            ops.write_latent_cache(kv_cache, latent, k_pe, cache.slot_mapping)
 
         p = batch.num_prefill_tokens
         outs = []

@@ -24,6 +24,7 @@ REFERENCE_OPS: dict[str, Callable] = {
     "moe_route": moe.moe_route,
     "moe_experts": moe.moe_experts,
     "write_latent_cache": attention.write_latent_cache,
+    "norm_rope_write_latent": attention.norm_rope_write_latent,
     "gather_latent_cache": attention.gather_latent_cache,
     "mla_prefill_attention": attention.mla_prefill_attention,
     "mla_decode_attention": attention.mla_decode_attention,
@@ -54,6 +55,9 @@ OP_NAMES: tuple[str, ...] = tuple(REFERENCE_OPS)
 # The ops only DeepSeek-V4 and V4.1 use (a V2/V3-only backend may leave them to the reference).
 V4_OP_NAMES: tuple[str, ...] = OP_NAMES[OP_NAMES.index("rms_norm_f32"):]
 V41_OP_NAMES: tuple[str, ...] = OP_NAMES[OP_NAMES.index("mhc_pre_delayed"):]  # V4.1's own
+# Fusions a model calls only where the backend provides them (the ops they fuse otherwise): left
+# out, they cost nothing and their reference never runs.
+OPTIONAL_OPS: frozenset[str] = frozenset({"norm_rope_write_latent"})
 
 
 def reference_ops(batch_invariant: bool = False) -> dict[str, Callable]:
@@ -95,3 +99,8 @@ class OpTable:
 
     def __getitem__(self, name: str) -> Callable:
         return self.__dict__[name]
+
+    def backend_provides(self, name: str) -> bool:
+        """Whether ``name`` is a backend's own callable, not the reference's: the models call an
+        optional fusion (``OPTIONAL_OPS``) only then, and the ops it fuses otherwise."""
+        return self.providers.get(name, "reference") != "reference"

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer_core.ops.norm import rms_norm
+from deepinfer_core.ops.rope import rotary_embedding
+
 
 def write_latent_cache(kv_cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store [latent | k_pe] of token t at slot slot_mapping[t] (in place).
@@ -20,6 +23,34 @@ def write_latent_cache(kv_cache: torch.Tensor, latent: torch.Tensor, k_pe: torch
     keep = slot_mapping >= 0
     entries = torch.cat([latent, k_pe], dim=-1).to(kv_cache.dtype)
     flat[slot_mapping[keep]] = entries[keep]
+
+
+def norm_rope_write_latent(
+    kv_cache: torch.Tensor,
+    kv: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    q_pe: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    interleaved: bool,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """A layer's new cache rows and rotated queries in one op: the results of
+    ``rms_norm(kv[:, :d_c], norm_weight, eps)``, then ``rotary_embedding(q_pe, kv[:, d_c:], positions,
+    cos_sin, interleaved)``, then ``write_latent_cache(kv_cache, latent, k_pe, slot_mapping)``.
+    Returns the rotated q_pe [T, H, r] (a new tensor in q_pe's dtype); kv_cache is written in place.
+
+    kv: [T, d_c + r] (the kv_a projection's rows: the latent, then the rope key; strided views
+    allowed, as q_pe), norm_weight: [d_c]. An optional fusion: the V2/V3 model calls it where
+    the backend provides it and calls the three ops otherwise (a backend that has those three
+    loses nothing by leaving this one to the reference).
+    """
+    d_c = norm_weight.shape[0]
+    latent = rms_norm(kv[:, :d_c], norm_weight, eps)
+    q_rot, k_pe = rotary_embedding(q_pe, kv[:, d_c:], positions, cos_sin, interleaved)
+    write_latent_cache(kv_cache, latent, k_pe, slot_mapping)
+    return q_rot
 
 
 def gather_latent_cache(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

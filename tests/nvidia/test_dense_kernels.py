@@ -2,7 +2,7 @@
 
 Covers fp8_block_linear / linear (kernels/fp8_linear.py), rms_norm / add_rms_norm /
 silu_and_mul / rotary_embedding (kernels/elementwise.py) and write_latent_cache /
-gather_latent_cache (kernels/cache.py). Every case draws inputs as specs/ops.toml's header says
+norm_rope_write_latent / gather_latent_cache (kernels/cache.py). Every case draws inputs as specs/ops.toml's header says
 and compares with the spec's tolerance. Small cases run everywhere (on a CPU through Triton's
 interpreter, float32); the spec's real shapes are marked ``gpu`` and run in bf16 and float32.
 """
@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from deepinfer_core.conformance.checkpoints import FP8_MAX
-from deepinfer_core.conformance.inputs import ROPE_PARAMETERS, quantize_block_fp8
+from deepinfer_core.conformance.checks import check_close
+from deepinfer_core.conformance.inputs import ROPE_PARAMETERS, make_case, quantize_block_fp8
 from deepinfer_core.conformance.spec import tolerance
 from deepinfer_core.ops import REFERENCE_OPS
 from deepinfer_core.ops.rope import rope_cos_sin_table
@@ -388,6 +389,34 @@ def test_write_latent_cache_empty(device, dtype):
     before = kv_cache.clone()
     cache.write_latent_cache(kv_cache, kv_cache.new_empty(0, 8), kv_cache.new_empty(0, 4), torch.empty(0, dtype=torch.int64, device=device))
     assert torch.equal(kv_cache, before)
+
+
+def _fused_size(c):
+    return c["tokens"] * (c["kv_lora_rank"] + c["rope_dim"] * (1 + c["heads"]))
+
+
+@pytest.mark.parametrize("case", spec_cases("norm_rope_write_latent", _fused_size))
+def test_norm_rope_write_latent_passes_the_kit(case, device, dtype):
+    """The conformance kit's own inputs (strided kv and q_pe, padding slots) and judge: the cache
+    rows and the rotated q_pe against the reference, poisoned outputs, other rows untouched."""
+    op_case = make_case("norm_rope_write_latent", case, dtype, device, seed=21)
+    outcome = check_close(cache.norm_rope_write_latent, op_case)
+    assert outcome.ok, outcome.message
+
+
+@pytest.mark.parametrize("case", spec_cases("norm_rope_write_latent", _fused_size))
+def test_norm_rope_write_latent_is_the_three_kernels_bit_for_bit(case, device, dtype):
+    """The fused launch rounds as elementwise.rms_norm, elementwise.rotary_embedding and
+    cache.write_latent_cache do one after the other: the same bits in the cache and in q."""
+    args = make_case("norm_rope_write_latent", case, dtype, device, seed=22).args
+    kv_cache, kv, w, eps, q_pe, positions, cos_sin, interleaved, slots = args
+    apart = kv_cache.clone()
+    d_c = w.shape[0]
+    latent = elementwise.rms_norm(kv[:, :d_c], w, eps)
+    q_apart, k_pe = elementwise.rotary_embedding(q_pe, kv[:, d_c:], positions, cos_sin, interleaved)
+    cache.write_latent_cache(apart, latent, k_pe, slots)
+    q_fused = cache.norm_rope_write_latent(kv_cache, kv, w, eps, q_pe, positions, cos_sin, interleaved, slots)
+    assert torch.equal(kv_cache, apart) and torch.equal(q_fused, q_apart)
 
 
 @pytest.mark.parametrize("case", spec_cases("gather_latent_cache", lambda c: c["slots"] * c["entry_dim"]) + [pytest.param({"slots": 0, "num_blocks": 2, "block_size": 4, "entry_dim": 40}, id="slots0")])

@@ -71,6 +71,7 @@ def test_greedy_generation_matches_reference(tmp_path, use_kernels):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
     expected, llm = reference_then_kernels(tmp_path, use_kernels, "v3_grouped", params)
     assert {p for op, p in llm.engine.ops.providers.items() if op not in V4_OP_NAMES} == {"nvidia"}
+    assert llm.engine.ops.backend_provides("norm_rope_write_latent")  # the attention takes the fused path
     got = llm.generate(PROMPTS, params, use_tqdm=False)  # 16-token budget: chunked prefill beside decodes
     assert_same_greedy(expected, got)
 

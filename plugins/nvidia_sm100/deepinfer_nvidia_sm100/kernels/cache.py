@@ -1,4 +1,5 @@
-"""Paged MLA latent-cache ops: store [latent | k_pe] rows at slots, and gather rows back.
+"""Paged MLA latent-cache ops: store [latent | k_pe] rows at slots (as given, or normalised and
+rotated from the kv_a projection's rows in the same launch that rotates q_pe), and gather rows back.
 
 A slot s addresses row s % block_size of block s // block_size of kv_cache [num_blocks,
 block_size, d_c + d_r]; the cache's strides are honoured, so it need not be contiguous.
@@ -11,6 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from deepinfer_nvidia_sm100.kernels.elementwise import ROPE_BLOCK_H, norm_warps
 
 # ---- tunables (sweep on the GPU) -------------------------------------------------------------
 CACHE_BLOCK_D = 256  # entry columns per program (an MLA entry is 576 wide: 3 programs per row)
@@ -61,6 +64,103 @@ def write_latent_cache(kv_cache: torch.Tensor, latent: torch.Tensor, k_pe: torch
     )
 
 
+@triton.jit
+def _norm_rope_write_kernel(
+    cache_ptr, kv_ptr, w_ptr, q_ptr, pos_ptr, cs_ptr, slot_ptr, q_out_ptr,
+    H, D_C, eps, BLOCK_SIZE,  # heads, latent width (a runtime value: the norm divides by it as rms_norm does)
+    stride_cb, stride_cs, stride_cd,
+    stride_kt, stride_kd,
+    stride_qt, stride_qh, stride_qd,
+    stride_cp, stride_cd_table,
+    HALF: tl.constexpr,  # rope_dim / 2
+    BLOCK_DC: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
+    """Program (token, j): for j < the head blocks, rotates head block j of q_pe; the last program of
+    the token normalises the latent, rotates the rope key and stores both in the token's cache row
+    (not for a negative slot), beside the heads rather than after them. Each value is rounded as
+    the three ops round it: to the activations' dtype, then to the cache's (elementwise.py's norm
+    and RoPE kernels, and write_latent_cache); launched with the norm kernel's warps, the latent's
+    sum of squares is added in its order too (the same bits)."""
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)
+    mask_i = i < HALF
+    if INTERLEAVED:  # pairs (2i, 2i + 1)
+        ia, ib = 2 * i, 2 * i + 1
+    else:  # NeoX pairs (i, i + r/2)
+        ia, ib = i, i + HALF
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cs_ptr + pos * stride_cp + i * stride_cd_table, mask=mask_i, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cp + (i + HALF) * stride_cd_table, mask=mask_i, other=0.0).to(tl.float32)
+    kv_ty = kv_ptr.dtype.element_ty
+
+    if tl.program_id(1) < tl.num_programs(1) - 1:
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        q_mask = (heads < H)[:, None] & mask_i[None, :]
+        q_row = q_ptr + t * stride_qt + heads[:, None] * stride_qh
+        qa = tl.load(q_row + ia[None, :] * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
+        qb = tl.load(q_row + ib[None, :] * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
+        q_out_row = q_out_ptr + (t * H + heads[:, None]) * (2 * HALF)
+        q_ty = q_out_ptr.dtype.element_ty
+        tl.store(q_out_row + ia[None, :], (qa * cos[None, :] - qb * sin[None, :]).to(q_ty), mask=q_mask)
+        tl.store(q_out_row + ib[None, :], (qb * cos[None, :] + qa * sin[None, :]).to(q_ty), mask=q_mask)
+    else:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        keep = slot >= 0
+        row = cache_ptr + (tl.maximum(slot, 0) // BLOCK_SIZE) * stride_cb + (tl.maximum(slot, 0) % BLOCK_SIZE) * stride_cs
+        ty = cache_ptr.dtype.element_ty
+        cols = tl.arange(0, BLOCK_DC)
+        in_latent = cols < D_C
+        kv_row = kv_ptr + t * stride_kt
+        x32 = tl.load(kv_row + cols * stride_kd, mask=in_latent, other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / D_C + eps)
+        normed = (x32 * rstd).to(kv_ty)  # rms_norm's rounding: cast, then scale
+        w = tl.load(w_ptr + cols, mask=in_latent, other=0.0).to(tl.float32)
+        latent = (w * normed.to(tl.float32)).to(kv_ty)
+        tl.store(row + cols * stride_cd, latent.to(ty), mask=in_latent & keep)
+        ka = tl.load(kv_row + (D_C + ia) * stride_kd, mask=mask_i, other=0.0).to(tl.float32)
+        kb = tl.load(kv_row + (D_C + ib) * stride_kd, mask=mask_i, other=0.0).to(tl.float32)
+        tl.store(row + (D_C + ia) * stride_cd, (ka * cos - kb * sin).to(kv_ty).to(ty), mask=mask_i & keep)
+        tl.store(row + (D_C + ib) * stride_cd, (kb * cos + ka * sin).to(kv_ty).to(ty), mask=mask_i & keep)
+
+
+def norm_rope_write_latent(
+    kv_cache: torch.Tensor,
+    kv: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    q_pe: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    interleaved: bool,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """rms_norm of the latent, RoPE of q_pe and the rope key, and the cache write in one launch
+    (contract: deepinfer_core.ops.attention.norm_rope_write_latent); returns the rotated q_pe."""
+    t, h, r = q_pe.shape
+    d_c = norm_weight.shape[0]
+    q_out = torch.empty((t, h, r), dtype=q_pe.dtype, device=q_pe.device)
+    if t == 0:
+        return q_out
+    if norm_weight.stride(0) != 1:
+        norm_weight = norm_weight.contiguous()
+    block_h = min(ROPE_BLOCK_H, triton.next_power_of_2(max(h, 1)))
+    block_dc = triton.next_power_of_2(d_c)
+    _norm_rope_write_kernel[(t, triton.cdiv(h, block_h) + 1)](  # the head blocks, then the cache row's program
+        kv_cache, kv, norm_weight, q_pe, positions, cos_sin, slot_mapping, q_out,
+        h, d_c, eps, kv_cache.shape[1],
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        kv.stride(0), kv.stride(1),
+        q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),
+        cos_sin.stride(0), cos_sin.stride(1),
+        HALF=r // 2,
+        BLOCK_DC=block_dc, BLOCK_HALF=triton.next_power_of_2(r // 2), BLOCK_H=block_h,
+        INTERLEAVED=bool(interleaved),
+        num_warps=norm_warps(block_dc),  # as rms_norm's launch: its reduction order
+    )
+    return q_out
+
+
 @triton.jit(do_not_specialize=["NUM_SLOTS"])  # per-step sizes: one compile, not one per value class
 def _gather_latent_kernel(
     cache_ptr, slot_ptr, out_ptr,
@@ -94,9 +194,12 @@ def gather_latent_cache(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Te
 
 
 write_latent_cache.impl = "triton: one program per (token, column block), padding slots skipped in-kernel"
+norm_rope_write_latent.impl = ("triton: one launch for the latent's RMSNorm, RoPE of q_pe and the rope key, and the cache "
+                               "write; programs (token, head block) and one per token for the cache row")
 gather_latent_cache.impl = "triton: one program per (slot, column block), strided cache"
 
-OPS = {"write_latent_cache": write_latent_cache, "gather_latent_cache": gather_latent_cache}
+OPS = {"write_latent_cache": write_latent_cache, "norm_rope_write_latent": norm_rope_write_latent,
+       "gather_latent_cache": gather_latent_cache}
 
 
 # ---- benchmark (the lead runs it on the GPU) --------------------------------------------------

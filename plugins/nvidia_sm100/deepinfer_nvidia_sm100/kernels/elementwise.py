@@ -20,7 +20,7 @@ ROPE_BLOCK_H = 16  # heads per RoPE program
 ROPE_NUM_WARPS = 4
 
 
-def _norm_warps(block_d: int) -> int:
+def norm_warps(block_d: int) -> int:
     return max(1, min(16, block_d // NORM_ELEMS_PER_WARP))
 
 
@@ -69,7 +69,7 @@ def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         d, d,
         ADD_RESIDUAL=residual is not None,
         BLOCK_D=block_d,
-        num_warps=_norm_warps(block_d),
+        num_warps=norm_warps(block_d),
     )
     return out, res_out
 

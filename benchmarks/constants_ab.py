@@ -8,7 +8,8 @@ after the other).
         [--set mla_decode.COMBINE_BLOCK_S=1 ...] [--drop norm_rope_write_latent ...]
         [--models v2-lite,v3-slice] [--batches 1,8,64] [--contexts 1024] [--max-tokens 17] [--repeats 2]
 
-``changed`` runs with every ``--set MODULE.NAME=VALUE`` (VALUE a Python literal) and without the
+``changed`` runs with every ``--set MODULE.NAME=VALUE`` (VALUE a Python literal; NAME may be an
+attribute of an object of the module: ``moe.moe_route.appends_shared_experts=False``) and without the
 ops named by ``--drop`` (its kernel module's ``OPS`` without them: the model then does what it
 does on a backend that lacks them, e.g. three ops instead of the fused one, or the reference),
 ``current`` with the modules as they are. Each LLM is built with its constants in place (the decode graphs are
@@ -51,16 +52,19 @@ def parse_drop(op: str) -> tuple[object, str, object]:
 
 
 def parse_set(text: str) -> tuple[object, str, object]:
-    """'moe.ROUTE_GEMV_MAX_TOKENS=0' -> (the kernels.moe module, 'ROUTE_GEMV_MAX_TOKENS', 0)."""
+    """'moe.ROUTE_GEMV_MAX_TOKENS=0' -> (the kernels.moe module, 'ROUTE_GEMV_MAX_TOKENS', 0); an
+    attribute of an object of the module too: 'moe.moe_route.appends_shared_experts=False'."""
     target, sep, value = text.partition("=")
-    module_name, _, name = target.rpartition(".")
-    if not sep or not module_name or not name:
+    module_name, *path = target.split(".")
+    if not sep or not module_name or not path or not all(path):
         raise SystemExit(f"--set {text!r}: expected MODULE.NAME=VALUE, e.g. moe.ROUTE_GEMV_MAX_TOKENS=0")
-    module = importlib.import_module(f"{KERNELS}.{module_name}")
-    if not hasattr(module, name):
-        raise SystemExit(f"--set {text!r}: {KERNELS}.{module_name} has no {name}")
+    owner = importlib.import_module(f"{KERNELS}.{module_name}")
+    for name in path:
+        if not hasattr(owner, name):
+            raise SystemExit(f"--set {text!r}: {KERNELS}.{target} does not exist ({name} is missing)")
+        owner, last = getattr(owner, name), (owner, name)
     try:
-        return module, name, ast.literal_eval(value)
+        return *last, ast.literal_eval(value)
     except (ValueError, SyntaxError) as e:
         raise SystemExit(f"--set {text!r}: the value must be a Python literal ({e})") from e
 

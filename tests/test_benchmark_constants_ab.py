@@ -14,7 +14,9 @@ def test_set_names_a_module_constant_and_a_literal():
     from deepinfer_nvidia_sm100.kernels import moe
 
     assert constants_ab.parse_set("moe.ROUTE_GEMV_MAX_TOKENS=0") == (moe, "ROUTE_GEMV_MAX_TOKENS", 0)
-    for bad, says in (("moe.ROUTE_GEMV_MAX_TOKENS", "MODULE.NAME=VALUE"), ("moe.NO_SUCH=1", "has no NO_SUCH"),
+    assert constants_ab.parse_set("moe.moe_route.appends_shared_experts=False") == (moe.moe_route, "appends_shared_experts", False)
+    for bad, says in (("moe.ROUTE_GEMV_MAX_TOKENS", "MODULE.NAME=VALUE"), ("moe.NO_SUCH=1", "NO_SUCH is missing"),
+                      ("moe.moe_route.no_such=1", "no_such is missing"), ("moe.=1", "MODULE.NAME=VALUE"),
                       ("moe.ROUTE_GEMV_MAX_TOKENS=zero", "Python literal")):
         with pytest.raises(SystemExit, match=says):
             constants_ab.parse_set(bad)

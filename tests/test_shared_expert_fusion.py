@@ -21,13 +21,24 @@ from tests.test_model_parity import full_logits, prompt
 MAX_TOKENS = 4
 
 
-def hinted_table(calls: list[int], dtypes=(torch.float32, torch.float8_e4m3fn)) -> OpTable:
+def hinted_table(calls: list[int], dtypes=(torch.float32, torch.float8_e4m3fn), routed: list[int] | None = None) -> OpTable:
+    """The reference table with a hinted moe_experts; with ``routed``, also a moe_route that
+    appends the shared slots itself (``appends_shared_experts``) and records how many it was asked for."""
     def moe_experts(x, w13, *args):
         calls.append(w13.shape[0])
         return REFERENCE_OPS["moe_experts"](x, w13, *args)
 
+    def moe_route(x, gate_weight, *args, shared_experts=0, **kwargs):
+        routed.append(shared_experts)
+        weights, ids = REFERENCE_OPS["moe_route"](x, gate_weight, *args, **kwargs)
+        e, t = gate_weight.shape[0], x.shape[0]
+        return (torch.cat([weights, weights.new_ones(t, shared_experts)], dim=1),
+                torch.cat([ids, torch.arange(e, e + shared_experts).repeat(t, 1)], dim=1))
+
     moe_experts.shared_expert_max_tokens = dict.fromkeys(dtypes, MAX_TOKENS)
-    return OpTable({**reference_ops(), "moe_experts": moe_experts}, dict.fromkeys(REFERENCE_OPS, "reference"))
+    moe_route.appends_shared_experts = True
+    own = {"moe_experts": moe_experts, **({"moe_route": moe_route} if routed is not None else {})}
+    return OpTable({**reference_ops(), **own}, dict.fromkeys(REFERENCE_OPS, "reference"))
 
 
 def build(path, ops: OpTable, keep_fp8: bool = False, expert_slots=None):
@@ -39,13 +50,16 @@ def build(path, ops: OpTable, keep_fp8: bool = False, expert_slots=None):
     return model
 
 
-@pytest.mark.parametrize("name,keep_fp8", [("v3_shared2", False), ("v2_greedy", False), ("v3_fp8", True), ("v3_no_q_lora", False)])
-def test_fused_shared_experts_give_the_plain_logits(tmp_path, name, keep_fp8):
+@pytest.mark.parametrize("name,keep_fp8,in_route", [("v3_shared2", False, False), ("v2_greedy", False, False), ("v3_fp8", True, False),
+                                                    ("v3_no_q_lora", False, False), ("v3_shared2", False, True), ("v3_fp8", True, True)])
+def test_fused_shared_experts_give_the_plain_logits(tmp_path, name, keep_fp8, in_route):
+    """``in_route``: the routing appends the shared slots (no concatenation in the model)."""
     path = tmp_path / "ckpt"
     hf = write_checkpoint(name, path)
     plain = build(path, OpTable.reference(), keep_fp8)
     calls: list[int] = []
-    fused = build(path, hinted_table(calls), keep_fp8)
+    routed: list[int] | None = [] if in_route else None
+    fused = build(path, hinted_table(calls, routed=routed), keep_fp8)
     config = fused.config
     e, n = config.n_routed_experts, config.n_shared_experts
     moe = next(layer.mlp for layer in fused.model.layers if hasattr(layer.mlp, "with_shared"))
@@ -68,8 +82,11 @@ def test_fused_shared_experts_give_the_plain_logits(tmp_path, name, keep_fp8):
     for length, path_taken in ((MAX_TOKENS, e + n), (MAX_TOKENS + 5, e)):
         tokens = prompt(hf.config.vocab_size, length, seed=length)
         calls.clear()
+        if routed is not None:
+            routed.clear()
         got, want = full_logits(fused, tokens), full_logits(plain, tokens)
         assert calls and set(calls) == {path_taken}, (length, calls)
+        assert routed is None or set(routed) == {path_taken - e}, (length, routed)  # asked for n slots only when fused
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 

@@ -286,6 +286,11 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
+        f = self.with_shared  # the shared experts in the grouped pass, for this batch?
+        if self.ep is not None or f is None or x.shape[0] > f.max_tokens:
+            f = None
+        # The shared experts' slots from the routing itself where its callable offers it, else appended below.
+        in_route = f is not None and getattr(self.ops.moe_route, "appends_shared_experts", False)
         weights, ids = self.ops.moe_route(
             x,
             self.gate.weight,
@@ -297,14 +302,15 @@ class MoE(nn.Module):
             topk_group=c.topk_group,
             norm_topk_prob=c.norm_topk_prob,
             routed_scaling_factor=c.routed_scaling_factor,
+            **({"shared_experts": c.n_shared_experts} if in_route else {}),
         )
         ex, shared = self.experts, self.shared_experts
         if self.ep is not None:  # the shared expert computes while the routed rows travel to their ranks
             out, shared_out = self.ep(x, weights, ids, None if shared is None else lambda: shared(x))
-        elif self.with_shared is not None and x.shape[0] <= self.with_shared.max_tokens:
-            f, t = self.with_shared, x.shape[0]
-            # Contiguous rows (an expanded [1, n] would cost a copy kernel per cat on a GPU).
-            weights, ids = torch.cat([weights, f.weights[:t]], dim=1), torch.cat([ids, f.ids[:t]], dim=1)
+        elif f is not None:
+            if not in_route:  # contiguous rows (an expanded [1, n] would cost a copy kernel per cat on a GPU)
+                t = x.shape[0]
+                weights, ids = torch.cat([weights, f.weights[:t]], dim=1), torch.cat([ids, f.ids[:t]], dim=1)
             out, shared_out = self.experts_op(x, f.w13, f.w2, weights, ids, f.w13_scale, f.w2_scale, ex.block), None
         else:
             out = self.experts_op(x, ex.gate_up_proj, ex.down_proj, weights, ids, ex.gate_up_proj_scale_inv,

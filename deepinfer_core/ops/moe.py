@@ -132,7 +132,10 @@ def moe_experts(
     for every token) and computes them in this call instead of through the shared MLP
     (``MoE.fuse_shared``); a dtype it does not name is never fused, and neither is a
     batch-invariant table's model. The reference carries none: it keeps transformers' order
-    (shared experts apart, added after).
+    (shared experts apart, added after). The model appends the shared slots to ``moe_route``'s
+    results by concatenation, unless that callable carries ``appends_shared_experts = True``: it
+    then passes the keyword ``shared_experts=n_shared_experts`` and the routing returns [T, k + n]
+    with those slots already in place (ids E .., weight 1).
     """
     return routed_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, silu_and_mul, F.linear)
 

@@ -140,6 +140,26 @@ def test_gate_partials_names_a_gate_of_the_wrong_width(device):
         kmoe.gate_partials(x, torch.randn(8, 48, device=device))
 
 
+@pytest.mark.parametrize("shared", [1, 2, 3])
+def test_moe_route_appends_the_shared_experts_slots(shared, device, dtype):
+    """shared_experts=n (MoE.fuse_shared's slots, appends_shared_experts): the routed slots as
+    without it, then ids E .. E + n - 1 with weight 1 on every row."""
+    case = ROUTE_EXTRA[0]
+    x, gate, bias = _route_inputs(case, dtype, device, seed=7)
+    kw = dict(top_k=case["top_k"], scoring_func=case["scoring_func"], topk_method=case["topk_method"], n_group=case["n_group"],
+              topk_group=case["topk_group"], norm_topk_prob=case["norm_topk_prob"], routed_scaling_factor=2.5)
+    assert kmoe.moe_route.appends_shared_experts
+    weights, ids = kmoe.moe_route(x, gate, bias, **kw)
+    w_all, ids_all = kmoe.moe_route(x, gate, bias, shared_experts=shared, **kw)
+    t, k, e = x.shape[0], kw["top_k"], gate.shape[0]
+    assert w_all.shape == ids_all.shape == (t, k + shared) and w_all.is_contiguous() and ids_all.dtype == torch.int64
+    assert torch.equal(w_all[:, :k], weights) and torch.equal(ids_all[:, :k], ids)
+    assert torch.equal(w_all[:, k:], torch.ones(t, shared, device=device))
+    assert torch.equal(ids_all[:, k:], torch.arange(e, e + shared, device=device).repeat(t, 1))
+    with pytest.raises(ValueError, match="shared_experts must be >= 0"):
+        kmoe.moe_route(x, gate, bias, shared_experts=-1, **kw)
+
+
 @pytest.mark.parametrize("case", ROUTE_EXTRA[:9],
                          ids=lambda c: f"{c['scoring_func']}-{c['topk_method']}-{c['norm_topk_prob']}-E{c['experts']}")
 def test_moe_route_adds_several_gate_partials(case, device, dtype, monkeypatch):

@@ -132,6 +132,7 @@ def _moe_route_kernel(
     num_experts, group_size, n_group, scaling, part_stride,
     NUM_PARTS: tl.constexpr,  # the gate logits are the sum of this many partials (gate_partials), in order
     TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    N_SHARED: tl.constexpr, BLOCK_SH: tl.constexpr,  # slots appended to each row: ids num_experts.., weight 1 (the shared experts)
     SOFTMAX: tl.constexpr,  # scoring: softmax (True) or sigmoid (False)
     METHOD: tl.constexpr,  # 0 noaux_tc, 1 greedy, 2 group_limited_greedy
     HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
@@ -200,9 +201,13 @@ def _moe_route_kernel(
         ids = tl.where(slots == i, pick, ids)
     if RENORM:
         w = w / (tl.sum(w, axis=0) + 1e-20)
-    out = row * TOP_K + slots
-    tl.store(weights_ptr + out, w * scaling, mask=slots < TOP_K)
-    tl.store(ids_ptr + out, ids.to(tl.int64), mask=slots < TOP_K)
+    base = row * (TOP_K + N_SHARED)
+    tl.store(weights_ptr + base + slots, w * scaling, mask=slots < TOP_K)
+    tl.store(ids_ptr + base + slots, ids.to(tl.int64), mask=slots < TOP_K)
+    if N_SHARED > 0:
+        j = tl.arange(0, BLOCK_SH)
+        tl.store(weights_ptr + base + TOP_K + j, tl.full([BLOCK_SH], 1.0, tl.float32), mask=j < N_SHARED)
+        tl.store(ids_ptr + base + TOP_K + j, num_experts + j.to(tl.int64), mask=j < N_SHARED)
 
 
 @triton.jit(do_not_specialize=["s_op"])  # T x E: one compile, not one per value class
@@ -263,15 +268,19 @@ def moe_route(
     topk_group: int,
     norm_topk_prob: bool,
     routed_scaling_factor: float,
+    shared_experts: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose top_k experts per token. Returns (weights [T, k] float32, ids [T, k] int64).
 
     Contract: deepinfer_core.ops.moe.moe_route. Ties between equal selection scores go to the
-    lowest expert id; the k slots come in selection order.
+    lowest expert id; the k slots come in selection order. ``shared_experts`` = n > 0 (this
+    callable's ``appends_shared_experts``): each row gets n more slots, ids E .. E + n - 1 and
+    weight 1 (E = the gate's experts), as ``MoE.fuse_shared`` appends them: [T, k + n], in the
+    same launch instead of two concatenations.
     """
     return _route(x, gate_weight, correction_bias, gate_partials, top_k=top_k, scoring_func=scoring_func, topk_method=topk_method,
                   n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
-                  routed_scaling_factor=routed_scaling_factor)
+                  routed_scaling_factor=routed_scaling_factor, shared_experts=shared_experts)
 
 
 def invariant_moe_route(
@@ -294,9 +303,13 @@ def invariant_moe_route(
 
 
 def _route(x, gate_weight, correction_bias, parts_of, *, top_k: int, scoring_func: str, topk_method: str, n_group: int,
-           topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+           topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float,
+           shared_experts: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The routing kernel after ``parts_of(x, gate_weight)`` made the float32 gate logits as
-    partial sums [P, T, E] (``gate_partials``; P = 1: the logits)."""
+    partial sums [P, T, E] (``gate_partials``; P = 1: the logits), with ``shared_experts`` slots
+    appended to each row."""
+    if shared_experts < 0:
+        raise ValueError(f"shared_experts must be >= 0, not {shared_experts}")
     if scoring_func not in SCORING_FUNCS:
         raise ValueError(f"scoring_func {scoring_func!r} is not supported; expected one of {SCORING_FUNCS}")
     if topk_method not in TOPK_METHODS:
@@ -310,8 +323,8 @@ def _route(x, gate_weight, correction_bias, parts_of, *, top_k: int, scoring_fun
         )
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k ({top_k}) must be between 1 and the number of experts ({num_experts})")
-    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=x.device)
-    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=x.device)
+    weights = torch.empty((num_tokens, top_k + shared_experts), dtype=torch.float32, device=x.device)
+    ids = torch.empty((num_tokens, top_k + shared_experts), dtype=torch.int64, device=x.device)
     if num_tokens == 0:
         return weights, ids
     parts = parts_of(x, gate_weight)
@@ -325,6 +338,7 @@ def _route(x, gate_weight, correction_bias, parts_of, *, top_k: int, scoring_fun
         num_experts, group_size, groups, float(routed_scaling_factor), num_tokens * num_experts,
         NUM_PARTS=parts.shape[0],
         TOP_K=top_k, TOPK_GROUP=topk_group if grouped else 1,
+        N_SHARED=shared_experts, BLOCK_SH=triton.next_power_of_2(max(1, shared_experts)),
         SOFTMAX=scoring_func == "softmax",
         METHOD=TOPK_METHODS.index(topk_method),
         HAS_BIAS=has_bias, RENORM=topk_method == "noaux_tc" and norm_topk_prob,
@@ -335,6 +349,7 @@ def _route(x, gate_weight, correction_bias, parts_of, *, top_k: int, scoring_fun
 
 
 _ROUTE_PROGRAM = "one fused program per token (scores, bias, group top-k, top-k argmax, renorm)"
+moe_route.appends_shared_experts = True  # accepts shared_experts=n (MoE.fuse_shared's slots, no concatenation)
 moe_route.impl = (f"triton: gate GEMV from x's own dtype up to {ROUTE_GEMV_MAX_TOKENS} tokens and "
                   f"{ROUTE_GEMV_MAX_PRODUCTS >> 20}M products (cuBLAS float32 beyond), "
                   f"then {_ROUTE_PROGRAM}")

@@ -40,15 +40,17 @@ from benchmarks.generate import metadata, write_model
 KERNELS = "deepinfer_nvidia_sm100.kernels"
 
 
-def parse_drop(op: str) -> tuple[object, str, object]:
-    """'norm_rope_write_latent' -> (the kernel module that provides it, 'OPS', its OPS without it)."""
+def parse_drops(ops: list[str]) -> list[tuple[object, str, object]]:
+    """['norm_rope_write_latent', ...] -> (kernel module, 'OPS', its OPS without the named ops) for
+    each module that provides one of them."""
     from deepinfer_nvidia_sm100.backend import KERNEL_MODULES
 
-    for module_name in KERNEL_MODULES:
-        module = importlib.import_module(f"{KERNELS}.{module_name}")
-        if op in module.OPS:
-            return module, "OPS", {name: fn for name, fn in module.OPS.items() if name != op}
-    raise SystemExit(f"--drop {op!r}: no NVIDIA kernel module provides it (see `deepinfer backends`)")
+    modules = {name: importlib.import_module(f"{KERNELS}.{name}") for name in KERNEL_MODULES}
+    for op in ops:
+        if not any(op in module.OPS for module in modules.values()):
+            raise SystemExit(f"--drop {op!r}: no NVIDIA kernel module provides it (see `deepinfer backends`)")
+    return [(module, "OPS", {name: fn for name, fn in module.OPS.items() if name not in ops})
+            for module in modules.values() if any(op in module.OPS for op in ops)]
 
 
 def parse_set(text: str) -> tuple[object, str, object]:
@@ -101,7 +103,7 @@ def _shown(value) -> str:
 def run(args) -> dict:
     from benchmarks.ceilings import measure
 
-    changed = [parse_set(text) for text in args.set] + [parse_drop(op) for op in args.drop]
+    changed = [parse_set(text) for text in args.set] + parse_drops(args.drop)
     if not changed:
         raise SystemExit("nothing to compare: give at least one --set MODULE.NAME=VALUE or --drop OP")
     args.out.mkdir(parents=True, exist_ok=True)

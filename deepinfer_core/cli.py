@@ -56,16 +56,21 @@ def _backends(args: argparse.Namespace) -> int:
         print(f"error: {_one_line(str(e))}", file=sys.stderr)
         return 1
     print(f"Platform: {platform.name} on {platform.device}" + (" (batch-invariant op table)" if args.batch_invariant else ""))
-    own = len(OP_NAMES) - len(fallback) if backend.name != REFERENCE_BACKEND else len(OP_NAMES)
-    print(f"Ops: {own} of {len(OP_NAMES)} from {backend.name}" + (f", {len(fallback)} fall back to the reference" if backend.name != REFERENCE_BACKEND else ""))
+    unused = [name for name in OPTIONAL_OPS if not ops.backend_provides(name)]  # fusions the model does not call
+    own = len(OP_NAMES) - len(fallback) if backend.name != REFERENCE_BACKEND else len(OP_NAMES) - len(unused)
+    falls_back = len([name for name in fallback if name not in unused])
+    print(f"Ops: {own} of {len(OP_NAMES)} from {backend.name}"
+          + (f", {falls_back} fall back to the reference" if backend.name != REFERENCE_BACKEND else "")
+          + (f", {len(unused)} optional fusion{'s' * (len(unused) > 1)} not provided (not called)" if unused else ""))
     op_width = max(len(name) for name in OP_NAMES)
-    who = {name: ops.providers[name] + (" (fallback)" if ops.providers[name] != backend.name else "") for name in OP_NAMES}
+    who = {name: "none (optional)" if name in unused else ops.providers[name] + (" (fallback)" if ops.providers[name] != backend.name else "")
+           for name in OP_NAMES}
     who_width = max(len("PROVIDER"), *(len(w) for w in who.values()))
     print(f"  {'OP':<{op_width}}  {'PROVIDER':<{who_width}}  IMPLEMENTATION")
     for name in OP_NAMES:
         impl = ops.implementations[name] or ("torch reference" if ops.providers[name] == REFERENCE_BACKEND else "")
-        if name in OPTIONAL_OPS and not ops.backend_provides(name):
-            impl = "optional fusion, not called: the model runs the ops it fuses"
+        if name in unused:
+            impl = "not called: the model runs the ops it fuses"
         print(f"  {name:<{op_width}}  {who[name]:<{who_width}}  {impl}")
     return 0
 

@@ -52,7 +52,9 @@ PROJECT = "deepinfer"
 #      ``Platform.batch_invariant`` says whether the backend can (no longer informational). New
 #      ops ``head_linear`` (MLA's per-head absorbed projections, which the model computed with
 #      torch.einsum) and ``apply_token_bitmask`` (grammar masks); a backend that leaves them out
-#      gets the reference's, as for any op.
+#      gets the reference's, as for any op. (Later, within 3: the optional op
+#      ``norm_rope_write_latent``, which the model calls only where a backend provides it; a
+#      core older than it refuses a table that names it as an unknown op.)
 SPEC_VERSION = 3
 
 hookspec = pluggy.HookspecMarker(PROJECT)

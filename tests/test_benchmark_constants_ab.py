@@ -22,17 +22,21 @@ def test_set_names_a_module_constant_and_a_literal():
             constants_ab.parse_set(bad)
 
 
-def test_drop_leaves_one_op_out_of_its_module_table_for_the_changed_side_only():
-    from deepinfer_nvidia_sm100.kernels import cache
+def test_drop_leaves_ops_out_of_their_module_tables_for_the_changed_side_only():
+    from deepinfer_nvidia_sm100.kernels import cache, moe
 
-    module, name, table = constants_ab.parse_drop("norm_rope_write_latent")
+    [(module, name, table)] = constants_ab.parse_drops(["norm_rope_write_latent"])
     assert (module, name) == (cache, "OPS")
     assert set(table) == set(cache.OPS) - {"norm_rope_write_latent"} and "norm_rope_write_latent" in cache.OPS
     with constants_ab.constants([(module, name, table)]):
         assert "norm_rope_write_latent" not in cache.OPS
     assert "norm_rope_write_latent" in cache.OPS  # put back
+    # two ops of one module leave one table without both; another module's op its own table
+    changed = constants_ab.parse_drops(["norm_rope_write_latent", "gather_latent_cache", "moe_route"])
+    assert {m: set(t) for m, _, t in changed} == {cache: set(cache.OPS) - {"norm_rope_write_latent", "gather_latent_cache"},
+                                                  moe: set(moe.OPS) - {"moe_route"}}
     with pytest.raises(SystemExit, match="no NVIDIA kernel module provides it"):
-        constants_ab.parse_drop("sparse_attention")
+        constants_ab.parse_drops(["sparse_attention"])
 
 
 def test_nothing_to_compare_is_an_error(tmp_path):

@@ -24,7 +24,7 @@ import torch
 
 from deepinfer_core.cli import main
 from deepinfer_core.hookspecs import SPEC_VERSION, StepStats
-from deepinfer_core.ops import OP_NAMES, REFERENCE_OPS, V4_OP_NAMES
+from deepinfer_core.ops import OP_NAMES, OPTIONAL_OPS, REFERENCE_OPS, V4_OP_NAMES
 from deepinfer_core.plugins import BackendError, PluginManager
 
 from .installing import install
@@ -462,8 +462,11 @@ def test_cli_backends_auto(with_fakes, capsys):
         table = _op_table(out)
         assert set(table) == set(OP_NAMES)
         assert {op: who for op, who in table.items() if who == "fakegood"} == dict.fromkeys(FAKE_OPS, "fakegood")
-        assert all(table[op] == "reference (fallback)" for op in OP_NAMES if op not in FAKE_OPS)
-        assert f"Ops: 2 of {len(OP_NAMES)} from fakegood, {len(OP_NAMES) - 2} fall back to the reference" in out
+        assert all(table[op] == "reference (fallback)" for op in OP_NAMES if op not in FAKE_OPS | OPTIONAL_OPS)
+        assert all(table[op] == "none (optional)" for op in OPTIONAL_OPS)  # a fusion left out is not called at all
+        n = len(OPTIONAL_OPS)
+        assert (f"Ops: 2 of {len(OP_NAMES)} from fakegood, {len(OP_NAMES) - 2 - n} fall back to the reference, "
+                f"{n} optional fusion{'s' * (n > 1)} not provided (not called)") in out
     else:  # a GPU/NPU backend (priority 100) beats fakegood (50)
         assert "(auto: the highest-priority available backend)" in out and "Selected: fakegood" not in out
 
@@ -474,7 +477,9 @@ def test_cli_backends_honours_deepinfer_accelerator(with_fakes, monkeypatch, cap
     out = capsys.readouterr().out
     assert "Selected: reference (requested by DEEPINFER_ACCELERATOR=cpu)" in out
     assert "Platform: cpu-reference on cpu" in out
-    assert set(_op_table(out).values()) == {"reference"}
+    table = _op_table(out)
+    assert {table[op] for op in OP_NAMES if op not in OPTIONAL_OPS} == {"reference"}
+    assert {table[op] for op in OPTIONAL_OPS} == {"none (optional)"}  # the reference model runs the fused ops apart
     # --accelerator wins over the environment
     assert main(["backends", "--accelerator", "fakegood"]) == 0
     out = capsys.readouterr().out
@@ -522,7 +527,8 @@ def test_cli_backends_subprocess(fake_site):
     table = _op_table(out)
     assert set(table) == set(OP_NAMES)
     selected = out.split("Selected: ")[1].split()[0]
-    assert all(table[op].split()[0] in (selected, "reference") for op in OP_NAMES)
+    assert all(table[op].split()[0] in (selected, "reference") or op in OPTIONAL_OPS and table[op] == "none (optional)"
+               for op in OP_NAMES)
 
 
 @needs_nvidia

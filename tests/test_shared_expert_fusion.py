@@ -110,6 +110,20 @@ def test_not_fused_without_the_hint_for_the_dtype_or_under_expert_parallelism(tm
     assert sharded.num_mtp_layers and all(layer.mlp.with_shared is not None for layer in sharded.mtp.layers)
 
 
+def test_a_route_that_says_it_appends_but_takes_no_keyword_is_refused_at_load(tmp_path):
+    path = tmp_path / "ckpt"
+    write_checkpoint("v3_shared2", path)
+    ops = hinted_table([])
+
+    def moe_route(*args, **kwargs):  # no shared_experts keyword
+        return REFERENCE_OPS["moe_route"](*args, **kwargs)
+
+    moe_route.appends_shared_experts = True
+    ops.moe_route = moe_route
+    with pytest.raises(TypeError, match="takes no 'shared_experts' keyword"):
+        build(path, ops)
+
+
 def test_a_hint_that_is_not_a_dict_is_refused_by_name(tmp_path):
     path = tmp_path / "ckpt"
     write_checkpoint("v3_shared2", path)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from deepinfer_core.conformance.spec import tolerance
-from deepinfer_core.ops import OP_NAMES, REFERENCE_OPS
+from deepinfer_core.ops import OP_NAMES, OPTIONAL_OPS, REFERENCE_OPS
 from deepinfer_core.plugins import PluginManager
 
 from .installing import install
@@ -310,7 +310,7 @@ def test_cli_backends_lists_the_vendor_ops(vendor_site):
         if op in VENDOR_OPS:
             assert providers[op].startswith("vendor_example torch"), providers[op]
         else:
-            assert providers[op] == "reference (fallback)"
+            assert providers[op] == ("none (optional)" if op in OPTIONAL_OPS else "reference (fallback)"), (op, providers[op])
 
 
 def test_cli_without_the_opt_in_says_why_and_how(vendor_site):
@@ -368,5 +368,6 @@ def test_e2e_catches_the_decode_only_bug_that_keeps_perplexities(vendor, monkeyp
     # how many tie depends on the random checkpoint's numerics (torch, transformers versions)
     assert all(r["greedy_tie"] for r in rows if r["passed"]) and len(failed) > len(rows) / 2, [r["reason"] for r in rows]
     assert all("greedy" in r["reason"] and "decode step" in r["reason"] or "agree on" in r["reason"] for r in failed)
+    assert all(r["greedy_agreement"] > 0 for r in failed)  # the first token (the prefill's) agreed everywhere
     on_logprobs = [r for r in failed if "greedy logprob of token" in r["reason"]]
     assert any(r["greedy_agreement"] == 1.0 for r in on_logprobs)  # tokens survived the bug; its logprobs did not

@@ -11,6 +11,7 @@ filled every parameter and called ``post_load``.
 
 from __future__ import annotations
 
+import inspect
 from typing import NamedTuple
 
 import torch
@@ -234,6 +235,10 @@ class MoE(nn.Module):
         if not isinstance(hint, dict):
             raise TypeError(f"moe_experts.shared_expert_max_tokens must be a dict {{expert weight dtype: max tokens}}, "
                             f"not {hint!r} (see deepinfer_core.ops.moe.moe_experts)")
+        appends = getattr(ops.moe_route, "appends_shared_experts", False)
+        if appends and "shared_experts" not in inspect.signature(ops.moe_route).parameters:
+            raise TypeError("moe_route.appends_shared_experts is set but the callable takes no 'shared_experts' keyword: "
+                            "add it or drop the attribute (see deepinfer_core.ops.moe.moe_route)")
         block, inter = alloc.fp8_block, config.moe_intermediate_size
         if ops.batch_invariant or not config.n_shared_experts or alloc.expert_slots is not None:
             return 0

@@ -36,6 +36,12 @@ def moe_route(
     ``group_limited_greedy`` (V2): softmax, groups ranked by their max score, others zeroed.
     V2 gates never renormalise. Weights are finally multiplied by routed_scaling_factor. The
     order of the k slots is unspecified.
+
+    A backend's callable may carry ``appends_shared_experts = True`` (not part of the contract):
+    it then accepts the keyword ``shared_experts=n`` and returns [T, k + n] with n slots appended
+    to every row, ids E .. E + n - 1 and weight 1, which the V2/V3 model asks for where the shared
+    experts run in ``moe_experts``' call (see its ``shared_expert_max_tokens``) instead of
+    concatenating them itself. The model refuses such a callable without that keyword at load.
     """
     return top_k_route(route_selection(x, gate_weight, correction_bias, scoring_func=scoring_func, topk_method=topk_method,
                                        n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
@@ -133,9 +139,7 @@ def moe_experts(
     (``MoE.fuse_shared``); a dtype it does not name is never fused, and neither is a
     batch-invariant table's model. The reference carries none: it keeps transformers' order
     (shared experts apart, added after). The model appends the shared slots to ``moe_route``'s
-    results by concatenation, unless that callable carries ``appends_shared_experts = True``: it
-    then passes the keyword ``shared_experts=n_shared_experts`` and the routing returns [T, k + n]
-    with those slots already in place (ids E .., weight 1).
+    results by concatenation, unless that callable appends them (its ``appends_shared_experts``).
     """
     return routed_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, silu_and_mul, F.linear)
 

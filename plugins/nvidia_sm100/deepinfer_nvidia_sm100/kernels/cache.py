@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_nvidia_sm100.kernels.elementwise import ROPE_BLOCK_H, norm_warps
+from deepinfer_nvidia_sm100.kernels.elementwise import ROPE_BLOCK_H, norm_warps, rms_norm_row, rotate
 
 # ---- tunables (sweep on the GPU) -------------------------------------------------------------
 CACHE_BLOCK_D = 256  # entry columns per program (an MLA entry is 576 wide: 3 programs per row)
@@ -92,31 +92,25 @@ def _norm_rope_write_kernel(
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cos = tl.load(cs_ptr + pos * stride_cp + i * stride_cd_table, mask=mask_i, other=0.0).to(tl.float32)
     sin = tl.load(cs_ptr + pos * stride_cp + (i + HALF) * stride_cd_table, mask=mask_i, other=0.0).to(tl.float32)
-    kv_ty = kv_ptr.dtype.element_ty
 
     if tl.program_id(1) < tl.num_programs(1) - 1:
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         q_mask = (heads < H)[:, None] & mask_i[None, :]
         q_row = q_ptr + t * stride_qt + heads[:, None] * stride_qh
-        qa = tl.load(q_row + ia[None, :] * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
-        qb = tl.load(q_row + ib[None, :] * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
         q_out_row = q_out_ptr + (t * H + heads[:, None]) * (2 * HALF)
-        q_ty = q_out_ptr.dtype.element_ty
-        tl.store(q_out_row + ia[None, :], (qa * cos[None, :] - qb * sin[None, :]).to(q_ty), mask=q_mask)
-        tl.store(q_out_row + ib[None, :], (qb * cos[None, :] + qa * sin[None, :]).to(q_ty), mask=q_mask)
+        rotate(q_row + ia[None, :] * stride_qd, q_row + ib[None, :] * stride_qd, q_out_row + ia[None, :], q_out_row + ib[None, :],
+               q_mask, cos[None, :], sin[None, :])
     else:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         keep = slot >= 0
         row = cache_ptr + (tl.maximum(slot, 0) // BLOCK_SIZE) * stride_cb + (tl.maximum(slot, 0) % BLOCK_SIZE) * stride_cs
         ty = cache_ptr.dtype.element_ty
+        kv_ty = kv_ptr.dtype.element_ty
         cols = tl.arange(0, BLOCK_DC)
         in_latent = cols < D_C
         kv_row = kv_ptr + t * stride_kt
         x32 = tl.load(kv_row + cols * stride_kd, mask=in_latent, other=0.0).to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / D_C + eps)
-        normed = (x32 * rstd).to(kv_ty)  # rms_norm's rounding: cast, then scale
-        w = tl.load(w_ptr + cols, mask=in_latent, other=0.0).to(tl.float32)
-        latent = (w * normed.to(tl.float32)).to(kv_ty)
+        latent = rms_norm_row(x32, w_ptr, cols, in_latent, D_C, eps, kv_ptr)  # in kv's dtype, as rms_norm returns it
         tl.store(row + cols * stride_cd, latent.to(ty), mask=in_latent & keep)
         ka = tl.load(kv_row + (D_C + ia) * stride_kd, mask=mask_i, other=0.0).to(tl.float32)
         kb = tl.load(kv_row + (D_C + ib) * stride_kd, mask=mask_i, other=0.0).to(tl.float32)

@@ -41,11 +41,17 @@ def _rms_norm_kernel(
         r = tl.load(res_ptr + row * stride_rm + cols * stride_rd, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)  # x + residual in x's dtype
         tl.store(res_out_ptr + row * stride_rom + cols, x, mask=mask)
-    x32 = x.to(tl.float32)
+    tl.store(out_ptr + row * stride_om + cols, rms_norm_row(x.to(tl.float32), w_ptr, cols, mask, D, eps, out_ptr), mask=mask)
+
+
+@triton.jit
+def rms_norm_row(x32, w_ptr, cols, mask, D, eps, out_ptr):
+    """One row's RMSNorm, x32 [BLOCK_D] float32 (zeros past D) -> w * x / rms(x), rounded as the
+    reference rounds it: to out_ptr's element type before the scale and after."""
     rstd = tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / D + eps)
     normed = (x32 * rstd).to(out_ptr.dtype.element_ty)  # the reference casts before scaling
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + cols, (w * normed.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+    return (w * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -123,7 +129,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotate(a_ptrs, b_ptrs, out_a_ptrs, out_b_ptrs, mask, cos, sin):
+def rotate(a_ptrs, b_ptrs, out_a_ptrs, out_b_ptrs, mask, cos, sin):
     a = tl.load(a_ptrs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(b_ptrs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_a_ptrs, (a * cos - b * sin).to(out_a_ptrs.dtype.element_ty), mask=mask)
@@ -158,7 +164,7 @@ def _rope_kernel(
 
     q_row = q_ptr + t * stride_qt + heads[:, None] * stride_qh
     q_out_row = q_out_ptr + (t * H + heads[:, None]) * (2 * HALF)
-    _rotate(
+    rotate(
         q_row + ia[None, :] * stride_qd, q_row + ib[None, :] * stride_qd,
         q_out_row + ia[None, :], q_out_row + ib[None, :],
         (heads < H)[:, None] & mask_i[None, :], cos[None, :], sin[None, :],
@@ -166,7 +172,7 @@ def _rope_kernel(
     if tl.program_id(1) == 0:  # the first head block also rotates k
         k_row = k_ptr + t * stride_kt
         k_out_row = k_out_ptr + t * (2 * HALF)
-        _rotate(k_row + ia * stride_kd, k_row + ib * stride_kd, k_out_row + ia, k_out_row + ib, mask_i, cos, sin)
+        rotate(k_row + ia * stride_kd, k_row + ib * stride_kd, k_out_row + ia, k_out_row + ib, mask_i, cos, sin)
 
 
 def rotary_embedding(

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_nvidia_sm100.kernels.elementwise import ROPE_BLOCK_H, norm_warps, rms_norm_row, rotate
+from deepinfer_nvidia_sm100.kernels.elementwise import ROPE_BLOCK_H, norm_warps, rms_norm_row, rope_pairs, rotate_heads
 
 # ---- tunables (sweep on the GPU) -------------------------------------------------------------
 CACHE_BLOCK_D = 256  # entry columns per program (an MLA entry is 576 wide: 3 programs per row)
@@ -83,23 +83,10 @@ def _norm_rope_write_kernel(
     and RoPE kernels, and write_latent_cache); launched with the norm kernel's warps, the latent's
     sum of squares is added in its order too (the same bits)."""
     t = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, BLOCK_HALF)
-    mask_i = i < HALF
-    if INTERLEAVED:  # pairs (2i, 2i + 1)
-        ia, ib = 2 * i, 2 * i + 1
-    else:  # NeoX pairs (i, i + r/2)
-        ia, ib = i, i + HALF
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    cos = tl.load(cs_ptr + pos * stride_cp + i * stride_cd_table, mask=mask_i, other=0.0).to(tl.float32)
-    sin = tl.load(cs_ptr + pos * stride_cp + (i + HALF) * stride_cd_table, mask=mask_i, other=0.0).to(tl.float32)
-
+    ia, ib, mask_i, cos, sin = rope_pairs(pos_ptr, cs_ptr, t, stride_cp, stride_cd_table, HALF, BLOCK_HALF, INTERLEAVED)
     if tl.program_id(1) < tl.num_programs(1) - 1:
-        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        q_mask = (heads < H)[:, None] & mask_i[None, :]
-        q_row = q_ptr + t * stride_qt + heads[:, None] * stride_qh
-        q_out_row = q_out_ptr + (t * H + heads[:, None]) * (2 * HALF)
-        rotate(q_row + ia[None, :] * stride_qd, q_row + ib[None, :] * stride_qd, q_out_row + ia[None, :], q_out_row + ib[None, :],
-               q_mask, cos[None, :], sin[None, :])
+        rotate_heads(q_ptr, q_out_ptr, t, tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H), H, stride_qt, stride_qh, stride_qd,
+                     ia, ib, mask_i, cos, sin, HALF)
     else:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         keep = slot >= 0

@@ -137,6 +137,36 @@ def rotate(a_ptrs, b_ptrs, out_a_ptrs, out_b_ptrs, mask, cos, sin):
 
 
 @triton.jit
+def rope_pairs(pos_ptr, cs_ptr, t, stride_cp, stride_cd, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Token t's rotation: the columns (ia, ib) of each pair, their mask, and cos / sin [BLOCK_HALF]
+    float32 from the table's row at the token's position."""
+    i = tl.arange(0, BLOCK_HALF)
+    mask_i = i < HALF
+    if INTERLEAVED:  # pairs (2i, 2i + 1)
+        ia = 2 * i
+        ib = 2 * i + 1
+    else:  # NeoX pairs (i, i + r/2)
+        ia = i
+        ib = i + HALF
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cs_ptr + pos * stride_cp + i * stride_cd, mask=mask_i, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cp + (i + HALF) * stride_cd, mask=mask_i, other=0.0).to(tl.float32)
+    return ia, ib, mask_i, cos, sin
+
+
+@triton.jit
+def rotate_heads(q_ptr, q_out_ptr, t, heads, H, stride_qt, stride_qh, stride_qd, ia, ib, mask_i, cos, sin, HALF: tl.constexpr):
+    """Rotates token t's ``heads`` of q (strided) into q_out [T, H, 2 HALF] (contiguous)."""
+    q_row = q_ptr + t * stride_qt + heads[:, None] * stride_qh
+    q_out_row = q_out_ptr + (t * H + heads[:, None]) * (2 * HALF)
+    rotate(
+        q_row + ia[None, :] * stride_qd, q_row + ib[None, :] * stride_qd,
+        q_out_row + ia[None, :], q_out_row + ib[None, :],
+        (heads < H)[:, None] & mask_i[None, :], cos[None, :], sin[None, :],
+    )
+
+
+@triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, pos_ptr, cs_ptr, q_out_ptr, k_out_ptr,
     H,
@@ -149,26 +179,9 @@ def _rope_kernel(
     INTERLEAVED: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    i = tl.arange(0, BLOCK_HALF)
-    mask_i = i < HALF
-    if INTERLEAVED:  # pairs (2i, 2i + 1)
-        ia = 2 * i
-        ib = 2 * i + 1
-    else:  # NeoX pairs (i, i + r/2)
-        ia = i
-        ib = i + HALF
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    cos = tl.load(cs_ptr + pos * stride_cp + i * stride_cd, mask=mask_i, other=0.0).to(tl.float32)
-    sin = tl.load(cs_ptr + pos * stride_cp + (i + HALF) * stride_cd, mask=mask_i, other=0.0).to(tl.float32)
-
-    q_row = q_ptr + t * stride_qt + heads[:, None] * stride_qh
-    q_out_row = q_out_ptr + (t * H + heads[:, None]) * (2 * HALF)
-    rotate(
-        q_row + ia[None, :] * stride_qd, q_row + ib[None, :] * stride_qd,
-        q_out_row + ia[None, :], q_out_row + ib[None, :],
-        (heads < H)[:, None] & mask_i[None, :], cos[None, :], sin[None, :],
-    )
+    ia, ib, mask_i, cos, sin = rope_pairs(pos_ptr, cs_ptr, t, stride_cp, stride_cd, HALF, BLOCK_HALF, INTERLEAVED)
+    rotate_heads(q_ptr, q_out_ptr, t, tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H), H, stride_qt, stride_qh, stride_qd,
+                 ia, ib, mask_i, cos, sin, HALF)
     if tl.program_id(1) == 0:  # the first head block also rotates k
         k_row = k_ptr + t * stride_kt
         k_out_row = k_out_ptr + t * (2 * HALF)

@@ -209,11 +209,10 @@ class StepClock:
         decoded the call's full batch (the most decode tokens any step had): the step period of
         steady decoding, with no prefill in it and none of the smaller steps left when sequences
         finish in waves (None: fewer than two such steps in a row)."""
-        decoding = [s for _, s in self.marks if s.num_prefill_tokens == 0 and s.num_decode_tokens > 0]
-        full = max((s.num_decode_tokens for s in decoding), default=0)
-        decoding = [(t, s.step) for t, s in self.marks
-                    if s.num_prefill_tokens == 0 and s.num_decode_tokens == full > 0]
-        gaps = [t1 - t0 for (t0, a), (t1, b) in zip(decoding, decoding[1:]) if b == a + 1]
+        decoding = [(t, s) for t, s in self.marks if s.num_prefill_tokens == 0 and s.num_decode_tokens > 0]
+        full = max((s.num_decode_tokens for _, s in decoding), default=0)
+        steps = [(t, s.step) for t, s in decoding if s.num_decode_tokens == full]
+        gaps = [t1 - t0 for (t0, a), (t1, b) in zip(steps, steps[1:]) if b == a + 1]
         return sum(gaps) / len(gaps) if gaps else None
 
 

@@ -57,8 +57,8 @@ def _backends(args: argparse.Namespace) -> int:
         return 1
     print(f"Platform: {platform.name} on {platform.device}" + (" (batch-invariant op table)" if args.batch_invariant else ""))
     unused = [name for name in OPTIONAL_OPS if not ops.backend_provides(name)]  # fusions the model does not call
-    own = len(OP_NAMES) - len(fallback) if backend.name != REFERENCE_BACKEND else len(OP_NAMES) - len(unused)
     falls_back = len([name for name in fallback if name not in unused])
+    own = len(OP_NAMES) - falls_back - len(unused)
     print(f"Ops: {own} of {len(OP_NAMES)} from {backend.name}"
           + (f", {falls_back} fall back to the reference" if backend.name != REFERENCE_BACKEND else "")
           + (f", {len(unused)} optional fusion{'s' * (len(unused) > 1)} not provided (not called)" if unused else ""))

@@ -145,43 +145,65 @@ def round_to_e4m3(v):
     return steps * spacing
 
 
-@triton.jit(do_not_specialize=["M", "M_STORE", "stride_sk"])  # per-step sizes: one compile, not one per value class
+@triton.jit(do_not_specialize=["M", "M_STORE", "stride_sk", "ROW_DIV"])  # per-step sizes: one compile, not one per value class
 def _quantize_activations_kernel(
-    x_ptr, q_ptr, s_ptr,
-    M, M_STORE, K,
+    x_ptr, q_ptr, s_ptr, rows_ptr,
+    M, M_STORE, K, ROW_DIV,
     stride_xm, stride_xk, stride_qm, stride_sm, stride_sk,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATHER: tl.constexpr, GATED: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """q = e4m3(x / s), s = amax / 448 per row and per BLOCK_K (= bk) columns, for rows
-    [0, M_STORE) (M_STORE >= M: rows from M on are padding, written as zeros of the floor scale)."""
+    """q = e4m3(a / s), s = amax / 448 per row and per BLOCK_K (= bk) columns, for rows
+    [0, M_STORE) (M_STORE >= M: rows from M on are padding, written as zeros of the floor scale).
+    a is x's row, or with GATHER x's row rows[r] // ROW_DIV where rows[r] < M (else padding); with
+    GATED a = silu(gate) * up of x = [gate | up] (K columns each), rounded as silu_and_mul rounds."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.program_id(1)
     k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_k = (k < K)[None, :]
+    stored = rows < M_STORE
     rows64 = rows.to(tl.int64)
-    a = tl.load(x_ptr + rows64[:, None] * stride_xm + k[None, :] * stride_xk, mask=(rows < M)[:, None] & mask_k,
-                other=0.0).to(tl.float32)
+    if GATHER:
+        src = tl.load(rows_ptr + rows, mask=stored, other=M)
+        valid = src < M
+        src = (src // ROW_DIV).to(tl.int64)
+    else:
+        src = rows64
+        valid = rows < M
+    a_ptrs = x_ptr + src[:, None] * stride_xm + k[None, :] * stride_xk
+    a = tl.load(a_ptrs, mask=valid[:, None] & mask_k, other=0.0)
+    if GATED:
+        gate = a.to(tl.float32)
+        up = tl.load(a_ptrs + K * stride_xk, mask=valid[:, None] & mask_k, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
+        a = (act * up).to(x_ptr.dtype.element_ty)
+    a = a.to(tl.float32)
     a_scale = tl.maximum(tl.max(tl.abs(a), axis=1), _AMAX_FLOOR) / E4M3_MAX
     q = a * (1.0 / a_scale)[:, None]
     if INTERPRET:
         q = round_to_e4m3(q)
-    stored = rows < M_STORE
     tl.store(q_ptr + rows64[:, None] * stride_qm + k[None, :], q.to(tl.float8e4nv), mask=stored[:, None] & mask_k)
     tl.store(s_ptr + rows64 * stride_sm + kb * stride_sk, a_scale, mask=stored)
 
 
-def quantize_activations(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bk: int) -> None:
+def quantize_activations(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bk: int, *,
+                         rows: torch.Tensor | None = None, num_valid: int = 0, row_div: int = 1,
+                         gated: bool = False) -> None:
     """Fill q [m_store, k] (float8_e4m3fn) and scales [m_store, k blocks] (float32, any strides)
-    from x [m, k], m <= m_store: per row and per bk channels, s = amax / 448, q = e4m3(x / s)
-    (DeepSeek's dynamic activation quantisation); rows from m on are padding (zeros)."""
-    m, k = x.shape
-    m_store = q.shape[0]
+    per row and per bk channels: s = amax / 448, q = e4m3(a / s) (DeepSeek's dynamic activation
+    quantisation). a is x [m, k]'s row, rows from m on padding (zeros); or, given ``rows``
+    [m_store] int32, x's row rows[r] // row_div where rows[r] < num_valid, padding elsewhere (the
+    expert-sorted rows of ``moe.align_pairs``). ``gated``: x is [.., 2k] = [gate | up] and a is
+    silu(gate) * up rounded to x's dtype (``silu_and_mul``), quantised in the same pass."""
+    m_store, k = q.shape
+    m = num_valid if rows is not None else x.shape[0]
     _quantize_activations_kernel[(triton.cdiv(m_store, FP8_QUANT_BLOCK_M), triton.cdiv(k, bk))](
-        x, q, scales,
-        m, m_store, k,
+        x, q, scales, rows if rows is not None else q,
+        m, m_store, k, row_div,
         x.stride(0), x.stride(1), q.stride(0), scales.stride(0), scales.stride(1),
         BLOCK_M=FP8_QUANT_BLOCK_M, BLOCK_K=bk,
+        GATHER=rows is not None, GATED=gated,
         INTERPRET=not x.is_cuda,
     )
 

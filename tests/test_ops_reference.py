@@ -394,6 +394,20 @@ def test_ops_toml_covers_every_op():
         assert set(entry["tolerance"]) == {"float32", "bfloat16", "float16"}, name
         assert all({"atol", "rtol"} <= set(t) for t in entry["tolerance"].values()), name
         assert entry["shapes"] and all(isinstance(s, dict) for s in entry["shapes"]), name
+        fp8 = entry.get("tolerance_fp8", {})  # looser tolerances for block-FP8 cases (W8A8 admitted)
+        assert set(fp8) <= {"bfloat16", "float16"} and all({"atol", "rtol"} <= set(t) for t in fp8.values()), name
+        assert not fp8 or any(s.get("fp8_block") for s in entry["shapes"]), name
+
+
+def test_fp8_cases_get_the_fp8_tolerance():
+    from deepinfer_core.conformance.spec import ops_spec, tolerance
+
+    fp8, plain = {"fp8_block": [128, 128]}, {"fp8_block": []}
+    assert tolerance("moe_experts", torch.bfloat16, fp8) == {k: float(v) for k, v in ops_spec()["moe_experts"]["tolerance_fp8"]["bfloat16"].items()}
+    assert tolerance("moe_experts", torch.bfloat16, fp8)["atol"] > tolerance("moe_experts", torch.bfloat16, plain)["atol"]
+    assert tolerance("moe_experts", torch.bfloat16, plain) == tolerance("moe_experts", torch.bfloat16)
+    assert tolerance("moe_experts", torch.float32, fp8) == tolerance("moe_experts", torch.float32)  # no W8A8 in float32
+    assert tolerance("fp8_block_linear", torch.bfloat16, {"block": [128, 128]}) == tolerance("fp8_block_linear", torch.bfloat16)
 
 
 # ---- DeepSeek-V4 ops against transformers' deepseek_v4 modules -----------------------------------

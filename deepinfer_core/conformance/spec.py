@@ -67,10 +67,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise ValueError(f"{dtype} is not a compute dtype of the op spec ({', '.join(DTYPE_NAMES)})")
 
 
-def tolerance(op: str, dtype: torch.dtype) -> dict[str, float]:
-    """{'atol': .., 'rtol': ..} of ``op`` for inputs of ``dtype`` (torch.testing.assert_close's meaning)."""
+def tolerance(op: str, dtype: torch.dtype, dims: dict | None = None) -> dict[str, float]:
+    """{'atol': .., 'rtol': ..} of ``op`` for inputs of ``dtype`` (torch.testing.assert_close's
+    meaning). A case of block-FP8 weights (``dims`` names a non-empty ``fp8_block``) gets the op's
+    ``tolerance_fp8`` for that dtype where the spec has one (W8A8 admitted)."""
+    name = dtype_name(dtype)
     try:
-        tol = ops_spec()[op]["tolerance"][dtype_name(dtype)]
+        spec = ops_spec()[op]
+        fp8 = bool(dims and dims.get("fp8_block")) and name in spec.get("tolerance_fp8", {})
+        tol = spec["tolerance_fp8" if fp8 else "tolerance"][name]
     except KeyError as e:
         raise SpecError(f"specs/ops.toml has no {dtype_name(dtype)} tolerance for op {op!r}") from e
     return {"atol": float(tol["atol"]), "rtol": float(tol["rtol"])}

@@ -6,6 +6,8 @@
 #   baselines recorded and re-checked; invariant: benchmarks/batch_invariant.py; structured:
 #   benchmarks/structured.py; serve: benchmarks/serve.py (SERVE_ARGS); none: only install, for a command of your own after it).
 #   TEST_PATHS narrows the tests part (default: tests/nvidia tests/test_gpu.py).
+#   DEEPGEMM_SRC=DIR builds DeepGEMM from that source tree first (DEEPGEMM_CUTLASS: its cute/ and
+#   cutlass/ headers, default the carried sgl-deep-gemm wheel's) and puts it first on PYTHONPATH.
 set -uo pipefail
 out="${OUT:-/tmp/out}"
 mkdir -p "$out"
@@ -15,6 +17,10 @@ if [[ -d .whl ]]; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/nvidia_sm100 -e plugins/ascend_950 >/dev/null || exit 1
+if [[ -n "${DEEPGEMM_SRC:-}" ]]; then  # DeepGEMM's source, built here against this torch (tools/build_deepgemm.sh)
+  bash tools/build_deepgemm.sh "$DEEPGEMM_SRC" /tmp/dgpkg "${DEEPGEMM_CUTLASS:-/tmp/site/deep_gemm/include}" || exit 1
+  export PYTHONPATH=/tmp/dgpkg${PYTHONPATH:+:$PYTHONPATH}
+fi
 exec > >(tee -a "$out/session.log") 2>&1  # one log comes back (the tool returns at most 8 files)
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
 parts=("$@")

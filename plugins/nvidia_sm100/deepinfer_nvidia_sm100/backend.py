@@ -18,7 +18,8 @@ over the batch sizes in ``GRAPH_BATCH_SIZES``. Block-FP8 checkpoints keep their 
 on sm_90 cuBLAS's DeepSeek-scaled FP8 GEMM takes the bf16 FP8 linears that ``cublas_fp8.fits``
 (activations quantised per token and 128 channels by a Triton pre-pass); otherwise the Triton
 GEMMs widen FP8 weight tiles in registers (W8A16) up to 1023 rows and quantise activations
-(W8A8, a pre-pass) from 1024 rows; the expert GEMMs are W8A16.
+(W8A8, a pre-pass) from 1024 rows; the expert GEMMs are W8A16, except that where DeepGEMM is
+installed it takes block-FP8 experts at prefill sizes on sm_90 (``deepgemm.py``, W8A8).
 """
 
 from __future__ import annotations
@@ -188,15 +189,17 @@ def deepinfer_ops(platform, model_config, batch_invariant):
         if batch_invariant:
             ops.update(getattr(module, "INVARIANT_OPS", {}))
     if _peers_wanted(batch_invariant):
-        from deepinfer_nvidia_sm100 import cublas_fp8, flashmla
+        from deepinfer_nvidia_sm100 import cublas_fp8, deepgemm, flashmla
 
+        device = getattr(platform, "device", None)
         ops = flashmla.provide(ops)  # FlashMLA decodes where installed and the shapes fit
-        ops = cublas_fp8.provide(ops, getattr(platform, "device", None))  # cuBLAS's DeepSeek-scaled FP8 GEMM on sm_90
+        ops = cublas_fp8.provide(ops, device)  # cuBLAS's DeepSeek-scaled FP8 GEMM on sm_90
+        ops = deepgemm.provide(ops, device)  # DeepGEMM's grouped FP8 GEMMs for prefill-sized FP8 experts
     return ops
 
 
 def _peers_wanted(batch_invariant: bool) -> bool:
-    """Whether peer kernel libraries (DeepSeek's FlashMLA, cuBLAS's block-scaled FP8 GEMM) may
+    """Whether peer kernel libraries (DeepSeek's FlashMLA and DeepGEMM, cuBLAS's block-scaled FP8 GEMM) may
     provide ops: not in the batch-invariant table (they have no such mode), not when
     DEEPINFER_EXTERNAL_KERNELS=0."""
     from deepinfer_core.config import settings

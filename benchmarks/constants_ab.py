@@ -15,10 +15,12 @@ does on a backend that lacks them, e.g. three ops instead of the fused one, or t
 ``current`` with the modules as they are. Each LLM is built with its constants in place (the decode graphs are
 captured at start-up, so their kernels keep them) and every ``generate`` of it runs with them in
 place again (eager steps read them at call time). Both use the backend's own kernels
-(``decode_peers.build``'s ``own``: no FlashMLA, no cuBLAS FP8), random weights, 64-token KV
+(``decode_peers.build``'s ``own``: no FlashMLA, no cuBLAS FP8, no DeepGEMM), or with ``--provider
+peers`` the peer libraries where they fit (then MODULE may name a provider module of the plugin:
+``--provider peers --set deepgemm.MIN_PAIRS_PER_EXPERT=1000000000``), random weights, 64-token KV
 blocks, 40% of the GPU's memory each; the timing, floor and interleaving are
 ``decode_peers.points``'. Writes DIR/constants_ab.json after every point, with the
-current / changed ratios of the decode step and cadence per point.
+current / changed ratios of the decode step, cadence and prefill time per point.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ import torch
 from benchmarks.decode_peers import BLOCK_SIZE, MEMORY_SHARE, build, parse_args, variant_points
 from benchmarks.generate import metadata, write_model
 
-KERNELS = "deepinfer_nvidia_sm100.kernels"
+PLUGIN = "deepinfer_nvidia_sm100"
+KERNELS = f"{PLUGIN}.kernels"
 
 
 def parse_drops(ops: list[str]) -> list[tuple[object, str, object]]:
@@ -60,10 +63,16 @@ def parse_set(text: str) -> tuple[object, str, object]:
     module_name, *path = target.split(".")
     if not sep or not module_name or not path or not all(path):
         raise SystemExit(f"--set {text!r}: expected MODULE.NAME=VALUE, e.g. moe.ROUTE_GEMV_MAX_TOKENS=0")
-    owner = importlib.import_module(f"{KERNELS}.{module_name}")
+    try:
+        owner = importlib.import_module(f"{KERNELS}.{module_name}")
+    except ModuleNotFoundError:  # a provider module of the plugin (deepgemm, flashmla, cublas_fp8)
+        try:
+            owner = importlib.import_module(f"{PLUGIN}.{module_name}")
+        except ModuleNotFoundError:
+            raise SystemExit(f"--set {text!r}: no module {module_name} in {KERNELS} or {PLUGIN}") from None
     for name in path:
         if not hasattr(owner, name):
-            raise SystemExit(f"--set {text!r}: {KERNELS}.{target} does not exist ({name} is missing)")
+            raise SystemExit(f"--set {text!r}: {target} does not exist ({name} is missing)")
         owner, last = getattr(owner, name), (owner, name)
     try:
         return *last, ast.literal_eval(value)
@@ -119,7 +128,7 @@ def run(args) -> dict:
         llms = {}
         for i, (label, values) in enumerate((("changed", changed), ("current", []))):
             with constants(values):
-                llms[label] = WithConstants(build(model_dir, "own", max(args.batches), max_len, MEMORY_SHARE * (i + 1)), values)
+                llms[label] = WithConstants(build(model_dir, args.provider, max(args.batches), max_len, MEMORY_SHARE * (i + 1)), values)
         variant_points("ab", name, llms, ("current", "changed"), args, ceilings["copy_bytes_per_s"], report, path)
         del llms
         gc.collect()
@@ -133,6 +142,8 @@ def main(argv=None) -> None:
                        help="a constant of deepinfer_nvidia_sm100.kernels.MODULE for the 'changed' LLM (repeatable)")
         p.add_argument("--drop", action="append", default=[], metavar="OP",
                        help="an op the 'changed' LLM's backend table leaves out (repeatable)")
+        p.add_argument("--provider", choices=("own", "peers"), default="own",
+                       help="both LLMs with the backend's own kernels (default) or with the peer libraries where they fit")
 
     run(parse_args(__doc__, argv, batches="1,8,64", contexts="1024", max_tokens=17, extra=extra))
 

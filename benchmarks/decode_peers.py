@@ -40,7 +40,7 @@ from benchmarks.e2e import kv_bytes, step_weight_bytes
 from benchmarks.generate import decode_step, metadata, params, prompts, timed, timed_decode, write_model
 
 PROVIDERS = {"peers": "1", "own": "0"}  # DEEPINFER_EXTERNAL_KERNELS of each LLM
-PEER_OPS = ("mla_decode_attention", "fp8_block_linear")  # the ops a peer library may provide
+PEER_OPS = ("mla_decode_attention", "fp8_block_linear", "moe_experts")  # the ops a peer library may provide
 BLOCK_SIZE = 64  # FlashMLA's page size, used by both so that only the kernel differs
 MEMORY_SHARE = 0.4  # of the GPU's memory for each of the two LLMs, alive together
 
@@ -118,10 +118,11 @@ def variant_points(tag: str, model: str, llms: dict, ratio: tuple[str, str], arg
             a, b = done[top], done[bottom]
             row = {"model": model, "batch": batch, "context": context, f"{top}_over_{bottom}_step": a["decode_step_s"] / b["decode_step_s"],
                    f"{top}_over_{bottom}_cadence": None if None in (a["decode_cadence_s"], b["decode_cadence_s"])
-                   else a["decode_cadence_s"] / b["decode_cadence_s"]}
+                   else a["decode_cadence_s"] / b["decode_cadence_s"], f"{top}_over_{bottom}_prefill": a["prefill_s"] / b["prefill_s"]}
             report["ratios"].append(row)
             print(f"[{tag}] {model} B={batch} L={context}: {top} / {bottom} decode step "
-                  f"{row[f'{top}_over_{bottom}_step']:.3f}, cadence {row[f'{top}_over_{bottom}_cadence'] or float('nan'):.3f}", flush=True)
+                  f"{row[f'{top}_over_{bottom}_step']:.3f}, cadence {row[f'{top}_over_{bottom}_cadence'] or float('nan'):.3f}, "
+                  f"prefill time {row[f'{top}_over_{bottom}_prefill']:.3f}", flush=True)
             path.write_text(json.dumps(report, indent=1))
 
 

@@ -15,9 +15,12 @@ def test_set_names_a_module_constant_and_a_literal():
 
     assert constants_ab.parse_set("moe.ROUTE_GEMV_MAX_TOKENS=0") == (moe, "ROUTE_GEMV_MAX_TOKENS", 0)
     assert constants_ab.parse_set("moe.moe_route.appends_shared_experts=False") == (moe.moe_route, "appends_shared_experts", False)
+    from deepinfer_nvidia_sm100 import deepgemm  # a provider module of the plugin, outside kernels/
+
+    assert constants_ab.parse_set("deepgemm.MIN_PAIRS_PER_EXPERT=1000000000") == (deepgemm, "MIN_PAIRS_PER_EXPERT", 10**9)
     for bad, says in (("moe.ROUTE_GEMV_MAX_TOKENS", "MODULE.NAME=VALUE"), ("moe.NO_SUCH=1", "NO_SUCH is missing"),
                       ("moe.moe_route.no_such=1", "no_such is missing"), ("moe.=1", "MODULE.NAME=VALUE"),
-                      ("moe.ROUTE_GEMV_MAX_TOKENS=zero", "Python literal")):
+                      ("moe.ROUTE_GEMV_MAX_TOKENS=zero", "Python literal"), ("nosuchmodule.X=1", "nosuchmodule")):
         with pytest.raises(SystemExit, match=says):
             constants_ab.parse_set(bad)
 

@@ -309,11 +309,15 @@ def test_moe_experts_chunked_align(device, dtype, monkeypatch):
     assert_close(kmoe.moe_experts(*args), REFERENCE_OPS["moe_experts"](*args), "moe_experts", dtype)
 
 
-def _w8a8_emulation(x, w13, w2, weights, ids, s13, s2, block):
-    """moe_experts with W8A8 numerics in torch: per-token, per-bk activation quantisation to e4m3."""
+def w8a8_emulation(x, w13, w2, weights, ids, s13, s2, block, round_gate_up: bool = False, quantize=None):
+    """moe_experts with W8A8 numerics in torch: per-token, per-bk activation quantisation to e4m3.
+    ``round_gate_up``: gate | up and silu(gate) rounded to x's dtype before the product (as a
+    GEMM that writes gate | up out, DeepGEMM's, and then silu_and_mul round them). ``quantize``
+    (a, bk) -> the e4m3 values times their scales; default: a / scale rounded, as the expert
+    kernel's W8A8 mode divides (fp8_linear's pre-pass multiplies by 1 / scale instead)."""
     from deepinfer_core.ops.linear import dequantize_fp8_block
 
-    def quantize(a, bk):
+    def divided(a, bk):
         t, k = a.shape
         kb = -(-k // bk)
         padded = torch.zeros(t, kb * bk, device=a.device)
@@ -324,12 +328,16 @@ def _w8a8_emulation(x, w13, w2, weights, ids, s13, s2, block):
         q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
         return q.view(t, kb * bk)[:, :k]
 
+    quantize = quantize or divided
     out = torch.zeros(x.shape, device=x.device)
     inter = w13.shape[1] // 2
     for e in ids.unique().tolist():
         token, slot = torch.where(ids == e)
         gu = quantize(x[token], block[1]) @ dequantize_fp8_block(w13[e], s13[e], block, torch.float32).T
-        h = (F.silu(gu[:, :inter]) * gu[:, inter:]).to(x.dtype)
+        gate = F.silu(gu[:, :inter])
+        if round_gate_up:
+            gu, gate = gu.to(x.dtype).float(), F.silu(gu.to(x.dtype)[:, :inter]).float()
+        h = (gate * gu[:, inter:]).to(x.dtype)
         y = quantize(h, block[1]) @ dequantize_fp8_block(w2[e], s2[e], block, torch.float32).T
         out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype).float())
     return out.to(x.dtype)
@@ -344,7 +352,7 @@ def test_moe_experts_w8a8_mode(tiles, device, dtype):
     out = kmoe._run_experts(*args, tiles=tiles, act_quant=True)
     # A one-ulp difference in h (bf16) can move an e4m3 rounding: allow a few e4m3 steps.
     tol = dict(atol=1e-2, rtol=1e-2) if dtype == torch.float32 else dict(atol=6e-2, rtol=6e-2)
-    torch.testing.assert_close(out.float(), _w8a8_emulation(*args).float(), **tol)
+    torch.testing.assert_close(out.float(), w8a8_emulation(*args).float(), **tol)
 
 
 def test_round_to_e4m3_matches_torch(device):

@@ -30,7 +30,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from deepinfer_nvidia_sm100.kernels.fp8_linear import quantize_activations
+from deepinfer_nvidia_sm100.kernels.fp8_linear import empty_quantized, quantize_activations
 
 BLOCK = (128, 128)  # the only weight block cuBLAS's DeepSeek recipe takes
 M_ALIGN = 4  # rows padded to a multiple of this (see above)
@@ -88,10 +88,8 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    padded = -(-m // M_ALIGN) * M_ALIGN
     k_blocks = k // BLOCK[1]
-    q = torch.empty((padded, k), dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty((k_blocks, padded), dtype=torch.float32, device=x.device).t()  # K-block-major
+    q, scales = empty_quantized(m, k, BLOCK[1], x.device, M_ALIGN)  # scales K-block-major
     quantize_activations(x2, q, scales, BLOCK[1])
     w_scales = weight_scale_inv.contiguous()
     if k_blocks % 4:

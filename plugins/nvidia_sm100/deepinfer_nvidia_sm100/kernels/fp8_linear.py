@@ -187,8 +187,17 @@ def _quantize_activations_kernel(
     tl.store(s_ptr + rows64 * stride_sm + kb * stride_sk, a_scale, mask=stored)
 
 
+def empty_quantized(rows: int, cols: int, bk: int, device, row_align: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty e4m3 rows [padded, cols] and their float32 scales [padded, cols / bk] M-major
+    (strides (1, padded)), rows padded to a multiple of ``row_align``: the layout cuBLAS's
+    DeepSeek recipe and DeepGEMM's TMA loads read (``row_align`` 4: 16-byte scale rows)."""
+    padded = -(-rows // row_align) * row_align
+    scales = torch.empty((-(-cols // bk), padded), dtype=torch.float32, device=device).t()
+    return torch.empty((padded, cols), dtype=torch.float8_e4m3fn, device=device), scales
+
+
 def quantize_activations(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bk: int, *,
-                         rows: torch.Tensor | None = None, num_valid: int = 0, row_div: int = 1,
+                         rows: torch.Tensor | None = None, num_valid: int | None = None, row_div: int = 1,
                          gated: bool = False) -> None:
     """Fill q [m_store, k] (float8_e4m3fn) and scales [m_store, k blocks] (float32, any strides)
     per row and per bk channels: s = amax / 448, q = e4m3(a / s) (DeepSeek's dynamic activation
@@ -197,6 +206,10 @@ def quantize_activations(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
     expert-sorted rows of ``moe.align_pairs``). ``gated``: x is [.., 2k] = [gate | up] and a is
     silu(gate) * up rounded to x's dtype (``silu_and_mul``), quantised in the same pass."""
     m_store, k = q.shape
+    if x.shape[1] != (2 * k if gated else k):
+        raise ValueError(f"quantize_activations: x has {x.shape[1]} columns for {k} quantised ones (gated={gated})")
+    if (rows is None) != (num_valid is None):
+        raise ValueError("quantize_activations: rows and num_valid go together (num_valid: the indices below it are rows)")
     m = num_valid if rows is not None else x.shape[0]
     _quantize_activations_kernel[(triton.cdiv(m_store, FP8_QUANT_BLOCK_M), triton.cdiv(k, bk))](
         x, q, scales, rows if rows is not None else q,

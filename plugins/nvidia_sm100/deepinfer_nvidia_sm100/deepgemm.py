@@ -69,7 +69,8 @@ MIN_PAIRS_PER_EXPERT = 16
 
 @functools.cache
 def module():
-    """``deep_gemm`` when it imports and runs its host code here, else None."""
+    """``deep_gemm`` when it imports, else None (whether its host code reads tensors right is
+    checked per device, ``host_code_works``)."""
     try:
         import deep_gemm
 

@@ -47,7 +47,6 @@ and then every tensor's dimension count reads wrong (``layout.hpp: dim == 2 or d
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import logging
 
 import torch
@@ -83,18 +82,11 @@ def module():
 
 @functools.cache
 def version() -> str | None:
-    """The installed DeepGEMM's distribution and version when it imports, else None."""
+    """The imported DeepGEMM's own version when it imports, else None. (Both the sgl wheel and a
+    source build say it; an installed wheel's metadata may describe another copy than the one
+    imported, as when a source build comes first on the path.)"""
     dg = module()
-    if dg is None:
-        return None
-    if getattr(dg, "__version__", None):  # a source build says its own (a wheel's metadata may be another copy's)
-        return f"deep_gemm {dg.__version__}"
-    for dist in ("sgl-deep-gemm", "deep-gemm", "deep_gemm"):
-        try:
-            return f"{dist} {importlib.metadata.version(dist)}"
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "deep_gemm (version unknown)"
+    return None if dg is None else f"deep_gemm {getattr(dg, '__version__', '(version unknown)')}"
 
 
 def host_code_works(dg, device: torch.device) -> bool:

@@ -13,12 +13,16 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia_sm100.kernels.device import await_inputs, launch_options
+
 BLOCK_V = 4096  # tokens per program (a multiple of 32)
 NUM_WARPS = 4
 
 
 @triton.jit
-def _bitmask_kernel(logits_ptr, bitmask_ptr, out_ptr, vocab, stride_l, stride_b, stride_o, BLOCK: tl.constexpr):
+def _bitmask_kernel(logits_ptr, bitmask_ptr, out_ptr, vocab, stride_l, stride_b, stride_o,
+                    BLOCK: tl.constexpr, PDL: tl.constexpr):
+    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     words = tile * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
@@ -43,7 +47,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
         bitmask = bitmask.contiguous()
     grid = (rows, triton.cdiv(vocab, BLOCK_V))
     _bitmask_kernel[grid](logits, bitmask, out, vocab, logits.stride(0), bitmask.stride(0), out.stride(0),
-                          BLOCK=BLOCK_V, num_warps=NUM_WARPS)
+                          BLOCK=BLOCK_V, num_warps=NUM_WARPS, **launch_options(logits.device))
     return out
 
 

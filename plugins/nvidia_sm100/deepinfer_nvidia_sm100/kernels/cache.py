@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia_sm100.kernels.device import await_inputs, launch_options
 from deepinfer_nvidia_sm100.kernels.elementwise import ROPE_BLOCK_H, norm_warps, rms_norm_row, rope_pairs, rotate_heads
 
 # ---- tunables (sweep on the GPU) -------------------------------------------------------------
@@ -27,8 +28,9 @@ def _write_latent_kernel(
     stride_cb, stride_cs, stride_cd,
     stride_lt, stride_ld,
     stride_pt, stride_pd,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -60,7 +62,7 @@ def write_latent_cache(kv_cache: torch.Tensor, latent: torch.Tensor, k_pe: torch
         latent.stride(0), latent.stride(1),
         k_pe.stride(0), k_pe.stride(1),
         BLOCK_D=CACHE_BLOCK_D,
-        num_warps=CACHE_NUM_WARPS,
+        num_warps=CACHE_NUM_WARPS, **launch_options(kv_cache.device),
     )
 
 
@@ -74,7 +76,7 @@ def _norm_rope_write_kernel(
     stride_cp, stride_cd_table,
     HALF: tl.constexpr,  # rope_dim / 2
     BLOCK_DC: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
+    INTERLEAVED: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (token, j): for j < the head blocks, rotates head block j of q_pe; the last program of
     the token normalises the latent, rotates the rope key and stores both in the token's cache row
@@ -82,6 +84,7 @@ def _norm_rope_write_kernel(
     the three ops round it: to the activations' dtype, then to the cache's (elementwise.py's norm
     and RoPE kernels, and write_latent_cache); launched with the norm kernel's warps, the latent's
     sum of squares is added in its order too (the same bits)."""
+    await_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     ia, ib, mask_i, cos, sin = rope_pairs(pos_ptr, cs_ptr, t, stride_cp, stride_cd_table, HALF, BLOCK_HALF, INTERLEAVED)
     if tl.program_id(1) < tl.num_programs(1) - 1:
@@ -137,7 +140,7 @@ def norm_rope_write_latent(
         HALF=r // 2,
         BLOCK_DC=block_dc, BLOCK_HALF=triton.next_power_of_2(r // 2), BLOCK_H=block_h,
         INTERLEAVED=bool(interleaved),
-        num_warps=norm_warps(block_dc),  # as rms_norm's launch: its reduction order
+        num_warps=norm_warps(block_dc), **launch_options(kv_cache.device),  # as rms_norm's launch: its reduction order
     )
     return q_out
 
@@ -147,8 +150,9 @@ def _gather_latent_kernel(
     cache_ptr, slot_ptr, out_ptr,
     D, BLOCK_SIZE, NUM_SLOTS,
     stride_cb, stride_cs, stride_cd,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     s = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -169,7 +173,7 @@ def gather_latent_cache(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Te
         d, block_size, num_blocks * block_size,
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         BLOCK_D=CACHE_BLOCK_D,
-        num_warps=CACHE_NUM_WARPS,
+        num_warps=CACHE_NUM_WARPS, **launch_options(kv_cache.device),
     )
     return out
 

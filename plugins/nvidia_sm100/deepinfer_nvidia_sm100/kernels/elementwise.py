@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia_sm100.kernels.device import await_inputs, launch_options
+
 # ---- tunables (sweep on the GPU) -------------------------------------------------------------
 NORM_ELEMS_PER_WARP = 256  # a norm row of BLOCK_D elements gets BLOCK_D / this warps (1..16)
 SILU_BLOCK = 1024  # output columns per SiLU program
@@ -31,8 +33,9 @@ def _rms_norm_kernel(
     stride_xm, stride_xd, stride_rm, stride_rd,
     stride_om, stride_rom,
     ADD_RESIDUAL: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -75,7 +78,7 @@ def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         d, d,
         ADD_RESIDUAL=residual is not None,
         BLOCK_D=block_d,
-        num_warps=norm_warps(block_d),
+        num_warps=norm_warps(block_d), **launch_options(x2.device),
     )
     return out, res_out
 
@@ -99,8 +102,9 @@ def _silu_and_mul_kernel(
     x_ptr, out_ptr,
     I,
     stride_xm, stride_xd, stride_om,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -123,7 +127,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         inter,
         x2.stride(0), x2.stride(1), inter,
         BLOCK=SILU_BLOCK,
-        num_warps=SILU_NUM_WARPS,
+        num_warps=SILU_NUM_WARPS, **launch_options(x2.device),
     )
     return out
 
@@ -176,8 +180,9 @@ def _rope_kernel(
     HALF: tl.constexpr,  # rope_dim / 2
     BLOCK_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
+    INTERLEAVED: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     ia, ib, mask_i, cos, sin = rope_pairs(pos_ptr, cs_ptr, t, stride_cp, stride_cd, HALF, BLOCK_HALF, INTERLEAVED)
     rotate_heads(q_ptr, q_out_ptr, t, tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H), H, stride_qt, stride_qh, stride_qd,
@@ -213,7 +218,7 @@ def rotary_embedding(
         BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_H=block_h,
         INTERLEAVED=bool(interleaved),
-        num_warps=ROPE_NUM_WARPS,
+        num_warps=ROPE_NUM_WARPS, **launch_options(q.device),
     )
     return q_out, k_out
 

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.conformance.checkpoints import FP8_MAX, quantize_fp8_block
-from deepinfer_nvidia_sm100.kernels.device import num_sms
+from deepinfer_nvidia_sm100.kernels.device import await_inputs, launch_options, num_sms
 
 # ---- tunables (sweep on the GPU) -------------------------------------------------------------
 # Tile shapes per regime: (BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_K is always the
@@ -152,12 +152,13 @@ def _quantize_activations_kernel(
     stride_xm, stride_xk, stride_qm, stride_sm, stride_sk,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     GATHER: tl.constexpr, GATED: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """q = e4m3(a / s), s = amax / 448 per row and per BLOCK_K (= bk) columns, for rows
     [0, M_STORE) (M_STORE >= M: rows from M on are padding, written as zeros of the floor scale).
     a is x's row, or with GATHER x's row rows[r] // ROW_DIV where rows[r] < M (else padding); with
     GATED a = silu(gate) * up of x = [gate | up] (K columns each), rounded as silu_and_mul rounds."""
+    await_inputs(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.program_id(1)
     k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -217,7 +218,7 @@ def quantize_activations(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
         x.stride(0), x.stride(1), q.stride(0), scales.stride(0), scales.stride(1),
         BLOCK_M=FP8_QUANT_BLOCK_M, BLOCK_K=bk,
         GATHER=rows is not None, GATED=gated,
-        INTERPRET=not x.is_cuda,
+        INTERPRET=not x.is_cuda, **launch_options(x.device),
     )
 
 
@@ -239,8 +240,9 @@ def _fp8_block_gemm_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 activations (W8A16), as the reference computes
     SPLIT: tl.constexpr,  # True: write float32 partials [split, M, N]; False: final output
     HAS_BIAS: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     head = tl.program_id(2).to(tl.int64)
     x_ptr += head * stride_xh
     w_ptr += head * stride_wh
@@ -315,9 +317,10 @@ def _split_k_reduce_kernel(
     stride_om,
     SPLITS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[m, n] = sum over s in order of part[s, m, n] (+ bias[n]); part is [S, M, N] contiguous."""
+    await_inputs(PDL)
     m = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs_n < N
@@ -392,7 +395,7 @@ def _launch_gemm(a, a_scale, weight, weight_scale_inv, bias, target, out, mnk, b
         HAS_BIAS=has_bias,
         INTERPRET=not a.is_cuda,
         num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, **launch_options(a.device),
     )
     if splits > 1:
         _split_k_reduce_kernel[(m, triton.cdiv(n, FP8_REDUCE_BLOCK_N))](
@@ -401,7 +404,7 @@ def _launch_gemm(a, a_scale, weight, weight_scale_inv, bias, target, out, mnk, b
             out.stride(0),
             SPLITS=splits,
             HAS_BIAS=has_bias,
-            BLOCK_N=FP8_REDUCE_BLOCK_N,
+            BLOCK_N=FP8_REDUCE_BLOCK_N, **launch_options(target.device),
         )
 
 

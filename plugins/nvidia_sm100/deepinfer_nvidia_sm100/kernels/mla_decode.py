@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_nvidia_sm100.kernels.device import num_sms
+from deepinfer_nvidia_sm100.kernels.device import await_inputs, launch_options, num_sms
 
 LOG2E = 1.4426950408889634
 
@@ -177,8 +177,9 @@ def _mla_decode_split_kernel(
     D_C: tl.constexpr, D_R: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr,
     SPLIT: tl.constexpr, MIN_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_B: tl.constexpr,
-    ROW_SPLITS: tl.constexpr,
+    ROW_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     pid_h = tl.program_id(0)
     split = tl.program_id(1)
     r = tl.program_id(2)  # the row of this launch's partials
@@ -251,8 +252,9 @@ def _mla_decode_combine_kernel(
     s_pab, s_pas, s_pah,
     s_lb, s_ls,
     s_ob, s_oh, s_od,
-    D_C: tl.constexpr, BLOCK_DC: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_S: tl.constexpr,
+    D_C: tl.constexpr, BLOCK_DC: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     pid = tl.program_id(0)
     r = pid // num_heads  # the row of this launch's partials
     b = row0 + r  # the query row
@@ -368,7 +370,7 @@ def _decode(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, s
             *(lse.stride()[:2] if split else (0, 0)),
             D_C=d_c, D_R=d_r, BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DC=block_dc, BLOCK_DR=block_dr,
             SPLIT=split, MIN_SPLIT=min_split, DOT_PRECISION=precision, BLOCK_B=block_b, ROW_SPLITS=invariant,
-            num_warps=num_warps, num_stages=NUM_STAGES,
+            num_warps=num_warps, num_stages=NUM_STAGES, **launch_options(q_latent.device),
         )
         if split:
             _mla_decode_combine_kernel[(n * num_heads,)](
@@ -377,7 +379,7 @@ def _decode(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, s
                 *partial.stride()[:3], *lse.stride()[:2], *out.stride(),
                 D_C=d_c, BLOCK_DC=block_dc, SPLITS_P2=triton.next_power_of_2(num_splits),
                 BLOCK_S=min(COMBINE_BLOCK_S, triton.next_power_of_2(num_splits)),
-                num_warps=COMBINE_NUM_WARPS,
+                num_warps=COMBINE_NUM_WARPS, **launch_options(partial.device),
             )
     return out
 
@@ -388,7 +390,8 @@ mla_decode_attention.impl = ("triton: paged flash-decoding, head blocks x KV spl
 
 @triton.jit(do_not_specialize=["num_seqs", "width", "s_btb", "s_tb"])
 def _row_plan_kernel(bt_ptr, lens_ptr, qsl_ptr, tables_ptr, row_lens_ptr, empty_ptr, num_seqs, width,
-                     s_btb, s_btw, s_tb, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr):
+                     s_btb, s_btw, s_tb, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+    await_inputs(PDL)
     row = tl.program_id(0)
     b = _sequence_of_row(qsl_ptr, num_seqs, row, BLOCK_B)
     start = tl.load(qsl_ptr + b)
@@ -417,7 +420,7 @@ def row_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc
         _row_plan_kernel[(rows,)](
             block_tables, seq_lens, query_start_loc, tables, lens, empty, num_seqs, width,
             block_tables.stride(0), block_tables.stride(1), tables.stride(0),
-            BLOCK_B=MAX_BLOCK_B, BLOCK_W=128,  # one compile for every batch size
+            BLOCK_B=MAX_BLOCK_B, BLOCK_W=128, **launch_options(block_tables.device),  # one compile for every batch size
         )
     return tables, lens, empty.view(torch.bool)
 

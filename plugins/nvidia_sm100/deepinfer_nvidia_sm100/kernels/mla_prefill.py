@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia_sm100.kernels.device import await_inputs, launch_options
+
 LOG2E = 1.4426950408889634
 
 # Tunables (sweep on the GPU): 16-bit inputs, then float32 inputs (no tensor cores, twice the
@@ -92,8 +94,9 @@ def _mla_prefill_kernel(
     s_ot, s_oh, s_od,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     tile = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.load(tile_seq_ptr + tile)
@@ -185,7 +188,7 @@ def mla_prefill_attention(
         D_QK=d_qk, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D1=block_d1, BLOCK_D2=block_d2, BLOCK_DV=max(16, triton.next_power_of_2(d_v)),
         DOT_PRECISION=precision,
-        num_warps=num_warps, num_stages=NUM_STAGES,
+        num_warps=num_warps, num_stages=NUM_STAGES, **launch_options(q.device),
     )
     return out
 

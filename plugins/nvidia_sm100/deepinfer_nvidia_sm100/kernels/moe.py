@@ -62,7 +62,7 @@ import triton.language as tl
 
 from deepinfer_core.ops.moe import SCORING_FUNCS, TOPK_METHODS
 from deepinfer_core.conformance.checkpoints import FP8_MAX
-from deepinfer_nvidia_sm100.kernels.device import num_sms
+from deepinfer_nvidia_sm100.kernels.device import await_inputs, launch_options, num_sms
 from deepinfer_nvidia_sm100.kernels.fp8_linear import E4M3_MAX, invariant_linear, round_to_e4m3
 
 # ---- tunables (sweep on the GPU) -------------------------------------------------------------
@@ -139,8 +139,9 @@ def _moe_route_kernel(
     SOFTMAX: tl.constexpr,  # scoring: softmax (True) or sigmoid (False)
     METHOD: tl.constexpr,  # 0 noaux_tc, 1 greedy, 2 group_limited_greedy
     HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     NEG: tl.constexpr = float("-inf")
     row = tl.program_id(0).to(tl.int64)
     gidx = tl.arange(0, BLOCK_G)
@@ -215,11 +216,12 @@ def _moe_route_kernel(
 
 @triton.jit(do_not_specialize=["s_op"])  # T x E: one compile, not one per value class
 def _gate_partials_kernel(x_ptr, w_ptr, out_ptr, num_tokens, num_experts, hidden, s_xt, s_xd, s_we, s_wd, s_op,
-                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Program (expert block, channel block, token block): the float32 partial gate logits of its
     BLOCK_D channels, out[channel block, t, e] = sum_d x[t, d] w[e, d] (x widened in registers):
     one load of each operand and one reduction, no loop, so every load of the GEMV is in flight at
     once instead of one channel step after another."""
+    await_inputs(PDL)
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -254,7 +256,7 @@ def gate_partials(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
     parts = torch.empty((grid[1], num_tokens, num_experts), dtype=torch.float32, device=x.device)
     _gate_partials_kernel[grid](
         x, gate_weight, parts, num_tokens, num_experts, hidden, *x.stride(), *gate_weight.stride(), parts.stride(0),
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_D=block_d, num_warps=GATE_NUM_WARPS,
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_D=block_d, num_warps=GATE_NUM_WARPS, **launch_options(x.device),
     )
     return parts
 
@@ -346,7 +348,7 @@ def _route(x, gate_weight, correction_bias, parts_of, *, top_k: int, scoring_fun
         METHOD=TOPK_METHODS.index(topk_method),
         HAS_BIAS=has_bias, RENORM=topk_method == "noaux_tc" and norm_topk_prob,
         BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=triton.next_power_of_2(top_k),
-        num_warps=max(1, min(8, block_g * block_s // ROUTE_ELEMS_PER_WARP)),
+        num_warps=max(1, min(8, block_g * block_s // ROUTE_ELEMS_PER_WARP)), **launch_options(parts.device),
     )
     return weights, ids
 
@@ -409,8 +411,9 @@ def _write_layout(counts, sorted_ptr, block_expert_ptr, num_padded_ptr, num_expe
 def _align_single_kernel(
     ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, num_experts, max_blocks,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     counts = tl.zeros([BLOCK_E], tl.int32)
     n0 = 0
     while n0 < num_pairs:
@@ -435,7 +438,8 @@ def _align_single_kernel(
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # per-step sizes: one compile, not one per value class
-def _align_count_kernel(ids_ptr, chunk_counts_ptr, num_pairs, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
+def _align_count_kernel(ids_ptr, chunk_counts_ptr, num_pairs, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+    await_inputs(PDL)
     chunk = tl.program_id(0)
     offs = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = offs < num_pairs
@@ -447,8 +451,9 @@ def _align_count_kernel(ids_ptr, chunk_counts_ptr, num_pairs, BLOCK_N: tl.conste
 def _align_prefix_kernel(
     chunk_counts_ptr, chunk_base_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
     num_chunks, num_pairs, num_experts, max_blocks,
-    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     e = tl.arange(0, BLOCK_E)
     totals = tl.zeros([BLOCK_E], tl.int32)
     c0 = 0
@@ -473,7 +478,8 @@ def _align_prefix_kernel(
 
 @triton.jit(do_not_specialize=["num_pairs"])  # per-step sizes: one compile, not one per value class
 def _align_scatter_kernel(ids_ptr, chunk_base_ptr, sorted_ptr, num_pairs,
-                          BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+    await_inputs(PDL)
     chunk = tl.program_id(0)
     offs = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = offs < num_pairs
@@ -503,21 +509,22 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Exper
         _align_single_kernel[(1,)](
             ids, sorted_pairs, block_expert, num_padded, num_pairs, num_experts, max_blocks,
             BLOCK_M=block_m, BLOCK_N=max(16, min(ALIGN_SINGLE_BLOCK_N, triton.next_power_of_2(num_pairs))),
-            BLOCK_E=block_e, BLOCK_B=ALIGN_BLOCK_B, num_warps=ALIGN_NUM_WARPS,
+            BLOCK_E=block_e, BLOCK_B=ALIGN_BLOCK_B, num_warps=ALIGN_NUM_WARPS, **launch_options(ids.device),
         )
     else:
         chunks = triton.cdiv(num_pairs, ALIGN_BLOCK_N)
         chunk_counts = torch.empty((chunks, block_e), dtype=torch.int32, device=dev)
         chunk_base = torch.empty((chunks, block_e), dtype=torch.int32, device=dev)
         _align_count_kernel[(chunks,)](ids, chunk_counts, num_pairs, BLOCK_N=ALIGN_BLOCK_N, BLOCK_E=block_e,
-                                       num_warps=ALIGN_NUM_WARPS)
+                                       num_warps=ALIGN_NUM_WARPS, **launch_options(ids.device))
         _align_prefix_kernel[(1,)](
             chunk_counts, chunk_base, sorted_pairs, block_expert, num_padded,
             chunks, num_pairs, num_experts, max_blocks,
             BLOCK_M=block_m, BLOCK_C=ALIGN_BLOCK_C, BLOCK_E=block_e, BLOCK_B=ALIGN_BLOCK_B, num_warps=ALIGN_NUM_WARPS,
+            **launch_options(ids.device),
         )
         _align_scatter_kernel[(chunks,)](ids, chunk_base, sorted_pairs, num_pairs, BLOCK_N=ALIGN_BLOCK_N,
-                                         BLOCK_E=block_e, num_warps=ALIGN_NUM_WARPS)
+                                         BLOCK_E=block_e, num_warps=ALIGN_NUM_WARPS, **launch_options(ids.device))
     return ExpertLayout(sorted_pairs, block_expert, num_padded, max_blocks)
 
 
@@ -575,8 +582,9 @@ def _expert_gemm_kernel(
     GATED: tl.constexpr,  # GEMM 1: gate and up tiles, store silu(gate) * up
     WEIGHTED: tl.constexpr,  # GEMM 2: multiply each row by its pair's routing weight
     W_FP8: tl.constexpr, ACT_QUANT: tl.constexpr, INTERPRET: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     pid = tl.program_id(0)
     tiles_n: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     width = GROUP_M * tiles_n
@@ -638,7 +646,8 @@ def _expert_gemm_kernel(
 
 @triton.jit
 def _sum_slots_kernel(y_ptr, out_ptr, rows_ptr, w_ptr, hidden, stride_ym, stride_om,
-                      TOP_K: tl.constexpr, BLOCK_D: tl.constexpr, GATHER: tl.constexpr, WEIGHTED: tl.constexpr):
+                      TOP_K: tl.constexpr, BLOCK_D: tl.constexpr, GATHER: tl.constexpr, WEIGHTED: tl.constexpr, PDL: tl.constexpr):
+    await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = cols < hidden
@@ -664,7 +673,7 @@ def sum_slots(y: torch.Tensor, out: torch.Tensor, top_k: int, *, rows: torch.Ten
         y, out, rows if rows is not None else y, weights if weights is not None else y,
         hidden, y.stride(0), out.stride(0),
         TOP_K=top_k, BLOCK_D=SUM_BLOCK_D, GATHER=rows is not None, WEIGHTED=weights is not None,
-        num_warps=SUM_NUM_WARPS,
+        num_warps=SUM_NUM_WARPS, **launch_options(y.device),
     )
 
 
@@ -717,6 +726,7 @@ def _run_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block,
         BN_SCALE=bn, BK_SCALE=bk, W_FP8=fp8, ACT_QUANT=act_quant,
         INTERPRET=not x.is_cuda, IEEE=x.dtype == torch.float32,
         BLOCK_M=tiles.block_m, BLOCK_K=block_k, GROUP_M=EXPERT_GROUP_M, num_warps=tiles.num_warps,
+        **launch_options(x.device),
     )
     a_bytes, w_bytes = x.element_size(), w13.element_size()
 

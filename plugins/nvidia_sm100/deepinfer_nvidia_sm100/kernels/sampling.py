@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from deepinfer_nvidia_sm100.kernels.device import num_sms
+from deepinfer_nvidia_sm100.kernels.device import await_inputs, launch_options, num_sms
 
 # Tunables (sweep on the GPU). Logits per tile (a power of two >= 16); warps per program.
 BLOCK_V = 2048
@@ -127,8 +127,9 @@ def _sample_kernel(
     DIRECT: tl.constexpr,
     BLOCK: tl.constexpr,
     N_ROUNDS: tl.constexpr,
-    FAST_LOG: tl.constexpr,
+    FAST_LOG: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     start = split * (TILES * BLOCK)
@@ -175,7 +176,8 @@ def _sample_kernel(
 
 
 @triton.jit
-def _combine_kernel(part_key_ptr, part_id_ptr, out_ptr, num_splits, SPLITS: tl.constexpr):
+def _combine_kernel(part_key_ptr, part_id_ptr, out_ptr, num_splits, SPLITS: tl.constexpr, PDL: tl.constexpr):
+    await_inputs(PDL)
     row = tl.program_id(0)
     s = tl.arange(0, SPLITS)
     valid = s < num_splits
@@ -225,10 +227,11 @@ def _race(logits, temperature, threshold, seeds, steps, out):
         BLOCK=block,
         N_ROUNDS=PHILOX_ROUNDS,
         FAST_LOG=FAST_LOG and logits.is_cuda,  # the interpreter has no libdevice
-        num_warps=NUM_WARPS,
+        num_warps=NUM_WARPS, **launch_options(logits.device),
     )
     if not direct:
-        _combine_kernel[(rows,)](part_key, part_id, out, splits, SPLITS=max(16, triton.next_power_of_2(splits)), num_warps=1)
+        _combine_kernel[(rows,)](part_key, part_id, out, splits, SPLITS=max(16, triton.next_power_of_2(splits)), num_warps=1,
+                                 **launch_options(part_key.device))
     return out
 
 

@@ -18,7 +18,7 @@ place again (eager steps read them at call time). Both use the backend's own ker
 (``decode_peers.build``'s ``own``: no FlashMLA, no cuBLAS FP8, no DeepGEMM), or with ``--provider
 peers`` the peer libraries where they fit (then MODULE may name a provider module of the plugin:
 ``--provider peers --set deepgemm.MIN_PAIRS_PER_EXPERT=1000000000``), random weights, 64-token KV
-blocks, 40% of the GPU's memory each; the timing, floor and interleaving are
+blocks, 40% of the GPU's memory each (``--memory-share``); the timing, floor and interleaving are
 ``decode_peers.points``'. Writes DIR/constants_ab.json after every point, with the
 current / changed ratios of the decode step, cadence and prefill time per point.
 """
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.decode_peers import BLOCK_SIZE, MEMORY_SHARE, build, parse_args, variant_points
+from benchmarks.decode_peers import BLOCK_SIZE, build, parse_args, variant_points
 from benchmarks.generate import metadata, write_model
 
 PLUGIN = "deepinfer_nvidia_sm100"
@@ -128,7 +128,7 @@ def run(args) -> dict:
         llms = {}
         for i, (label, values) in enumerate((("changed", changed), ("current", []))):
             with constants(values):
-                llms[label] = WithConstants(build(model_dir, args.provider, max(args.batches), max_len, MEMORY_SHARE * (i + 1)), values)
+                llms[label] = WithConstants(build(model_dir, args.provider, max(args.batches), max_len, args.memory_share * (i + 1)), values)
         variant_points("ab", name, llms, ("current", "changed"), args, ceilings["copy_bytes_per_s"], report, path)
         del llms
         gc.collect()

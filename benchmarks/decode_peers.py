@@ -6,7 +6,7 @@ same run.
         [--contexts 1024,4096] [--max-tokens 33] [--repeats 2]
 
 For each model, two LLMs live side by side (random weights, bf16 or the model's FP8, prefix
-caching off, 40% of the GPU's memory each, the same 64-token KV blocks so that only the kernels
+caching off, 40% of the GPU's memory each (``--memory-share``), the same 64-token KV blocks so that only the kernels
 differ): ``peers`` (DEEPINFER_EXTERNAL_KERNELS=1: FlashMLA decodes where installed, cuBLAS's
 block-scaled FP8 GEMM runs the FP8 linears on sm_90, each where its shapes fit) and ``own``
 (DEEPINFER_EXTERNAL_KERNELS=0: the backend's Triton kernels). Each point records which
@@ -138,7 +138,7 @@ def run(args) -> dict:
     for name in args.models:
         model_dir = write_model(name, None, Path(tempfile.mkdtemp(prefix="deepinfer-peers-")))
         # gpu_memory_utilization counts what is in use already: the second LLM's share ends at 2 x 40%
-        llms = {provider: build(model_dir, provider, max(args.batches), max_len, MEMORY_SHARE * (i + 1))
+        llms = {provider: build(model_dir, provider, max(args.batches), max_len, args.memory_share * (i + 1))
                 for i, provider in enumerate(PROVIDERS)}
         for context in args.contexts:
             for batch in args.batches:
@@ -214,7 +214,12 @@ def parse_args(doc: str, argv=None, batches: str = "1,8,32,64", contexts: str = 
     p.add_argument("--contexts", default=contexts)
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--memory-share", type=float, default=MEMORY_SHARE,
+                   help="of the GPU's memory for each of the two LLMs (default %(default)s; two V2-Lite-shaped LLMs, "
+                        "31 GB of weights each, fit an 80 GB H100 at 0.46)")
     args = p.parse_args(argv)
+    if not 0 < args.memory_share <= 0.5:
+        p.error(f"--memory-share must be in (0, 0.5]: the two LLMs are alive together, not {args.memory_share}")
     args.models = args.models.split(",")
     args.batches, args.contexts = ([int(v) for v in s.split(",")] for s in (args.batches, args.contexts))
     return args

@@ -6,7 +6,7 @@ NVIDIA backend's ``SHARED_EXPERT_MAX_TOKENS``.
         [--contexts 1024] [--max-tokens 17] [--repeats 2]
 
 Two LLMs live side by side, built as ``benchmarks.decode_peers`` builds its ``peers`` LLM (random
-weights, 64-token KV blocks, 40% of the GPU's memory each): ``apart`` with the backend's
+weights, 64-token KV blocks, 40% of the GPU's memory each (``--memory-share``)): ``apart`` with the backend's
 ``moe_experts`` hint emptied while it loads (no fusion), ``fused`` with it set to the largest
 batch for every weight dtype (bf16 and FP8 experts alike: every decode step fused). The timing,
 floor and interleaving are ``decode_peers.points``'.
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.decode_peers import BLOCK_SIZE, MEMORY_SHARE, build, parse_args, variant_points
+from benchmarks.decode_peers import BLOCK_SIZE, build, parse_args, variant_points
 from benchmarks.generate import metadata, write_model
 
 
-def build_pair(model_dir: Path, max_batch: int, max_len: int) -> dict:
+def build_pair(model_dir: Path, max_batch: int, max_len: int, memory_share: float) -> dict:
     from deepinfer_nvidia_sm100.kernels import moe as kmoe
 
     hinted = kmoe.OPS["moe_experts"]  # the callable the op table hands the model; fuse_shared reads its hint
@@ -36,7 +36,7 @@ def build_pair(model_dir: Path, max_batch: int, max_len: int) -> dict:
         every_dtype = dict.fromkeys((torch.bfloat16, torch.float16, torch.float8_e4m3fn), max_batch)
         for i, (label, limits) in enumerate((("apart", {}), ("fused", every_dtype))):
             hinted.shared_expert_max_tokens = limits
-            llms[label] = build(model_dir, "peers", max_batch, max_len, MEMORY_SHARE * (i + 1))
+            llms[label] = build(model_dir, "peers", max_batch, max_len, memory_share * (i + 1))
     finally:
         hinted.shared_expert_max_tokens = kmoe.SHARED_EXPERT_MAX_TOKENS
     fused = [m for m in llms["fused"].engine.model.modules() if getattr(m, "with_shared", None) is not None]
@@ -55,7 +55,7 @@ def run(args) -> dict:
     path = args.out / "shared_fusion.json"
     max_len = -(-(max(args.contexts) + args.max_tokens + 16) // BLOCK_SIZE) * BLOCK_SIZE
     for name in args.models:
-        llms = build_pair(write_model(name, None, Path(tempfile.mkdtemp(prefix="deepinfer-shared-"))), max(args.batches), max_len)
+        llms = build_pair(write_model(name, None, Path(tempfile.mkdtemp(prefix="deepinfer-shared-"))), max(args.batches), max_len, args.memory_share)
         variant_points("shared", name, llms, ("fused", "apart"), args, ceilings["copy_bytes_per_s"], report, path)
         del llms
         gc.collect()

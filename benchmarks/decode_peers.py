@@ -137,7 +137,7 @@ def run(args) -> dict:
     max_len = -(-(max(args.contexts) + args.max_tokens + 16) // BLOCK_SIZE) * BLOCK_SIZE
     for name in args.models:
         model_dir = write_model(name, None, Path(tempfile.mkdtemp(prefix="deepinfer-peers-")))
-        # gpu_memory_utilization counts what is in use already: the second LLM's share ends at 2 x 40%
+        # gpu_memory_utilization counts what is in use already: the second LLM's share ends at 2 x --memory-share
         llms = {provider: build(model_dir, provider, max(args.batches), max_len, args.memory_share * (i + 1))
                 for i, provider in enumerate(PROVIDERS)}
         for context in args.contexts:

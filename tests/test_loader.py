@@ -353,6 +353,32 @@ def test_dummy_weights_are_what_the_docstring_promises(tmp_path):
         assert not torch.equal(other[key].float(), model.state_dict()[key].float()), key
 
 
+def test_dummy_weights_of_an_expert_shard_are_the_full_models(tmp_path):
+    """A rank's model holding some expert slots (expert parallelism) gets the single-process
+    model's weights: its experts' rows by logical id (a twice-held expert twice), every other
+    tensor identical; so random-weight benchmarks compute the same model at any EP size."""
+    path = tmp_path / "v3"
+    hf_config("v3_grouped").save_pretrained(str(path))
+    config = ModelConfig.from_dir(path)
+    cls = get_model_class(config.model_type)
+    slots = (5, 2, 2, config.n_routed_experts - 1)
+    full, shard = (cls(config, OpTable.reference(), torch.float32, torch.device("cpu"), expert_slots=s) for s in (None, slots))
+    for m in (full, shard):
+        _poison(m)
+        init_dummy_weights(m, seed=3, progress=False)
+    want, got = full.state_dict(), shard.state_dict()
+    assert want.keys() == got.keys()
+    sharded = [k for k in got if k.startswith("model.") and k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert len(sharded) == 2 * (config.num_hidden_layers - config.first_k_dense_replace)
+    for key, tensor in got.items():
+        if key in sharded:
+            assert tensor.shape[0] == len(slots)
+            assert torch.equal(tensor, want[key][list(slots)]), key
+        else:
+            assert torch.equal(tensor, want[key]), key
+    assert not torch.equal(got[sharded[0]][0], got[sharded[0]][1])  # experts differ from one another
+
+
 def test_dummy_weights_hash_routing_tables_and_buffers():
     """V4's tid2eid (a parameter of our model, a buffer of transformers'): uniform ids of the
     router's experts; a router bias held as a buffer is drawn too."""

@@ -171,6 +171,7 @@ class Experts(nn.Module):
         d, i = config.hidden_size, config.moe_intermediate_size
         self.block = alloc.fp8_block
         self.slots = alloc.expert_slots  # None: every routed expert, slot e = expert e
+        self.num_experts = config.n_routed_experts  # the model's logical experts (this process may hold fewer)
         self.whole: dict[str, torch.Tensor] = {}  # name -> [E + room, ...] (only with room)
 
         def param(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:

@@ -54,21 +54,29 @@ def _placement(kind: str, world: int) -> Placement:
     return rebalance(load, num_physical_experts(EXPERTS, world, extra=world), world)
 
 
-def _worker(rank: int, world: int, port: int, kind: str, empty_rank: int | None) -> None:
+def _worker(rank: int, world: int, port: int, kind: str, empty_rank: int | None, backend: str = "gloo") -> None:
+    """One rank: its tokens' routed experts across the group against ``moe_experts`` over all
+    experts. ``backend`` "nccl" (tests/nvidia/test_multi_gpu.py): rank r computes on GPU r and
+    the exchange runs over NCCL; the reference stays on the CPU."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world, **({"device_id": device} if device.type == "cuda" else {}))
     try:
         torch.set_num_threads(1)
         w13, w2 = _layer()
         placement = _placement(kind, world)
         if kind == "eplb":
             assert int(placement.replicas[0, 0]) > 1, "the hot expert should have copies"
-        shard = ExpertShard.from_full(w13, w2, placement, rank)
+        shard = ExpertShard.from_full(w13.to(device), w2.to(device), placement, rank)
         x, weights, ids = _tokens(rank, world, empty_rank)
-        got, during = moe_expert_parallel(x, weights, ids, shard, TorchCommunicator(), moe_experts, lambda: x * 2)
+        on = [t.to(device) for t in (x, weights, ids)]
+        got, during = moe_expert_parallel(*on, shard, TorchCommunicator(), moe_experts, lambda: on[0] * 2)
         want = moe_experts(x, w13, w2, weights, ids)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-        assert torch.equal(during, x * 2)
+        assert got.device == device
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5 if device.type == "cuda" else 1e-6)
+        assert torch.equal(during, on[0] * 2)
         dist.barrier()
     finally:
         dist.destroy_process_group()

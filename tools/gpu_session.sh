@@ -4,7 +4,9 @@
 #   bash tools/gpu_session.sh [tests|kernels|e2e|tune|profile|conformance|invariant|structured|all|none ...]
 #   (default: all = tests kernels e2e; conformance: the op suite per dtype, the pytest plugin, the e2e
 #   baselines recorded and re-checked; invariant: benchmarks/batch_invariant.py; structured:
-#   benchmarks/structured.py; serve: benchmarks/serve.py (SERVE_ARGS); none: only install, for a command of your own after it).
+#   benchmarks/structured.py; serve: benchmarks/serve.py (SERVE_ARGS); multi: the multi-GPU run (NCCL tests, then
+#   benchmarks/all_to_all.py and benchmarks/scale_out.py over every GPU of the host, SCALE_ARGS; NVLink multicast off);
+#   none: only install, for a command of your own after it).
 #   TEST_PATHS narrows the tests part (default: tests/nvidia tests/test_gpu.py).
 #   DEEPGEMM_SRC=DIR builds DeepGEMM from that source tree first (DEEPGEMM_CUTLASS: its cute/ and
 #   cutlass/ headers, default the carried sgl-deep-gemm wheel's) and puts it first on PYTHONPATH.
@@ -55,6 +57,16 @@ for part in "${parts[@]}"; do
       timeout "${STRUCTURED_TIMEOUT:-120}" python3 -m benchmarks.structured --out "$out" ${STRUCTURED_ARGS:-} 2>&1 ;;
     serve)
       timeout "${SERVE_TIMEOUT:-240}" python3 -m benchmarks.serve --out "$out" ${SERVE_ARGS:---model v2-lite --rates 2,8,32,128} 2>&1 ;;
+    multi)
+      export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # multicast can take a shared host's GPUs out of service
+      gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+      timeout "${MULTI_TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rfE tests/nvidia/test_multi_gpu.py \
+        >"$out/multi_tests.log" 2>&1
+      tail -20 "$out/multi_tests.log"
+      if (( gpus >= 2 )); then
+        timeout "${A2A_TIMEOUT:-200}" python3 -m benchmarks.all_to_all --ranks "$gpus" --out "$out" 2>&1
+      fi
+      timeout "${SCALE_TIMEOUT:-540}" python3 -m benchmarks.scale_out --out "$out" ${SCALE_ARGS:-} 2>&1 ;;
     e2e|all)
       timeout "${E2E_TIMEOUT:-540}" python3 -m benchmarks.e2e --model v2-lite --model v3-slice --hf-peer --out "$out" ${QUICK:+--quick} 2>&1
       python3 -m benchmarks.plots "$out" ;;

@@ -241,9 +241,12 @@ class LLM:
 
     def close(self) -> None:
         """Data-parallel LLM: stop the ranks this process started (also done at exit) and leave
-        the process group; nothing to do for a single-process one."""
+        the process group; nothing to do for a single-process one. Once closed, nothing holds
+        the LLM but its caller: dropping it frees this rank's engine (weights, KV cache) for the
+        next LLM of the process."""
         if self.parallel is not None:
             self.parallel.close()
+            atexit.unregister(self.close)  # the exit hook's reference would keep the engine alive
 
     @property
     def tokenizer(self):

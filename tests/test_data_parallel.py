@@ -9,12 +9,14 @@ hang; the launch under torchrun gives every rank the same outputs."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -115,6 +117,17 @@ def test_random_weights_are_the_same_model_at_any_ep_size(checkpoints):
         _assert_same(llm.generate(PROMPTS, GREEDY, use_tqdm=False), want)
     finally:
         llm.close()
+
+
+def test_a_closed_group_frees_rank_zeros_engine(checkpoints):
+    """After close() nothing but the caller holds a data-parallel LLM (no exit hook): dropping it
+    frees rank 0's engine, so a process can build one group after another (benchmarks.scale_out)."""
+    llm = _llm(checkpoints["v3"], data_parallel_size=2, expert_parallel=True, **SMALL_STEPS)
+    engine = weakref.ref(llm.engine)
+    llm.close()
+    del llm
+    gc.collect()
+    assert engine() is None
 
 
 LONG_PROMPTS = [[(5 * i + 3 * j) % 150 + 1 for j in range(20 + 37 * i)] for i in range(5)]  # 20..168 tokens

@@ -15,6 +15,7 @@ a shared host's GPUs out of service): the variables below are set before any pro
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -62,6 +63,11 @@ def checkpoints(tmp_path_factory):
     return {"v3": v3, "v4": v4}
 
 
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def _llm(path, **kwargs):
     from deepinfer_core import LLM
 
@@ -78,9 +84,8 @@ def _llm(path, **kwargs):
 def test_data_and_expert_parallel_over_nccl_match_one_gpu(checkpoints, monkeypatch, model, world, eplb):
     one = _llm(checkpoints[model])
     want = one.generate(PROMPTS, GREEDY, use_tqdm=False)
-    one.close()
     del one
-    torch.cuda.empty_cache()
+    _free()
     monkeypatch.setenv("DEEPINFER_EPLB_INTERVAL", str(eplb))
     llm = _llm(checkpoints[model], data_parallel_size=world, expert_parallel=True)
     try:
@@ -97,3 +102,5 @@ def test_data_and_expert_parallel_over_nccl_match_one_gpu(checkpoints, monkeypat
         _assert_same(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False), want[:2], same_ids=False, tol=1e-4)
     finally:
         llm.close()
+        del llm
+        _free()  # rank 0's engine, before the next test's LLMs take GPU 0

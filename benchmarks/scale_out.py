@@ -17,12 +17,14 @@ graphs (the exchange's sizes change every step), so one GPU is also run with ``e
 ``efficiency_vs_eager``).
 
 Random weights are the same model at every N (``init_dummy_weights``: a rank draws every expert
-in turn and keeps its own). ``same_tokens``: of the first b prompts (those one GPU ran), how many got exactly
-one GPU's greedy tokens; in bf16 a different batch composition can flip a near-tie of random
-weights' flat logits, so this is reported, not asserted (``tests/nvidia/test_multi_gpu.py``
-asserts equality in float32). EPLB runs as configured (``DEEPINFER_EPLB_INTERVAL``); the
-re-placements rank 0 saw are counted. NVLink multicast is kept off (NCCL_NVLS_ENABLE=0 and the
-like): on a shared host it can take the GPUs out of service.
+in turn and keeps its own). ``same_tokens``: of the first b prompts (those one GPU ran), how many
+got exactly one GPU's greedy tokens. In bf16 a different batch composition can flip a near-tie of
+random weights' flat logits, so this is reported, not asserted (``tests/nvidia/test_multi_gpu.py``
+asserts equality in float32). ``--batch-invariant`` runs every size in batch-invariant mode: the
+batch no longer moves a row's numbers, though the EP combine may still add a token's experts in
+another order than one GPU's expert op. EPLB runs as configured (``DEEPINFER_EPLB_INTERVAL``);
+the re-placements rank 0 saw are counted. NVLink multicast is kept off (NCCL_NVLS_ENABLE=0 and
+the like): on a shared host it can take the GPUs out of service.
 
 Writes DIR/scale_out.json after every point and DIR/scale_out.png.
 """
@@ -65,7 +67,8 @@ def point(args, model_dir: Path, size: int, eager: bool = False) -> dict:
     started = time.perf_counter()
     llm = LLM(str(model_dir), accelerator=args.accelerator, dtype=args.dtype, load_format="dummy", progress=False,
               max_model_len=args.max_model_len, max_num_seqs=batch, enforce_eager=eager,
-              gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False, **parallel)
+              gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
+              batch_invariant=args.batch_invariant, **parallel)
     try:
         sync(llm.engine.device)
         startup = time.perf_counter() - started
@@ -149,6 +152,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int)
     p.add_argument("--no-eager-baseline", dest="eager_baseline", action="store_false", help="skip one GPU under enforce_eager")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--batch-invariant", action="store_true", help="LLM(batch_invariant=True) at every size")
     p.add_argument("--accelerator", help="cpu, nvidia, ... (default: auto)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quick", action="store_true", help="tiny shapes: a CPU smoke run")

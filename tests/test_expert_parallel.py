@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from deepinfer_core.dist.communicator import TorchCommunicator, communicator_for
 from deepinfer_core.dist.eplb import Placement, num_physical_experts, rebalance
-from deepinfer_core.dist.expert_parallel import ExpertShard, moe_expert_parallel
+from deepinfer_core.dist.expert_parallel import ExpertShard, _Layer, moe_expert_parallel
 from deepinfer_core.ops.moe import moe_experts
 
 EXPERTS, TOP_K, HIDDEN, INTER = 8, 3, 16, 24
@@ -85,6 +85,36 @@ def _worker(rank: int, world: int, port: int, kind: str, empty_rank: int | None,
 @pytest.mark.parametrize("world, kind, empty_rank", [(2, "plain", None), (2, "eplb", 1), (4, "plain", 0), (4, "eplb", 2)])
 def test_expert_parallel_matches_one_process(world, kind, empty_rank):
     mp.spawn(_worker, args=(world, _free_port(), kind, empty_rank), nprocs=world, join=True)
+
+
+def _move_worker(rank: int, world: int, port: int) -> None:
+    """EPLB's weight move (``_Layer.move_to``) of FP8 experts with their block scales: after it,
+    every rank's slots hold, bit for bit, the experts the new placement gives them."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        w13, w2 = (w.to(torch.float8_e4m3fn) for w in _layer())
+        g = torch.Generator().manual_seed(7)
+        s13, s2 = torch.rand(EXPERTS, 3, 1, generator=g), torch.rand(EXPERTS, 1, 2, generator=g)
+        slots = num_physical_experts(EXPERTS, world, extra=world)
+        old = rebalance(torch.ones(1, EXPERTS), slots, world)
+        new = rebalance(torch.tensor([[40.0, 30.0] + [5.0] * (EXPERTS - 2)]), slots, world)
+        assert not torch.equal(old.phy2log, new.phy2log)
+        shard = ExpertShard.from_full(w13, w2, old, rank, w13_scale=s13, w2_scale=s2, block=(128, 128))
+        moved = _Layer(SimpleNamespace(comm=TorchCommunicator()), 0, None, shard).move_to(new)
+        want = ExpertShard.from_full(w13, w2, new, rank, w13_scale=s13, w2_scale=s2, block=(128, 128))
+        assert moved > 0 and shard.placement is new
+        for name in ("w13", "w2", "w13_scale", "w2_scale"):
+            got, expected = getattr(shard, name), getattr(want, name)
+            assert got.dtype == expected.dtype and torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), name
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_eplb_moves_fp8_experts_and_their_scales_bit_for_bit():
+    mp.spawn(_move_worker, args=(2, _free_port()), nprocs=2, join=True)
 
 
 class _OneRank:

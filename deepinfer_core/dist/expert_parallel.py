@@ -40,6 +40,7 @@ from deepinfer_core.dist.eplb import Placement, num_physical_experts, rebalance
 
 log = logging.getLogger("deepinfer")
 WEIGHTS = ("w13", "w2", "w13_scale", "w2_scale")
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass
@@ -285,7 +286,9 @@ class _Layer:
             if tensor is None:
                 continue
             rows = torch.tensor([ss for _, _, ss in sends], dtype=torch.int64, device=tensor.device)
-            received, _ = comm.all_to_all(tensor.index_select(0, rows), send_counts, recv_counts)
+            raw = tensor.view(torch.uint8) if tensor.dtype in FP8 else tensor  # gloo takes no FP8 dtype: the bytes travel
+            received, _ = comm.all_to_all(raw.index_select(0, rows), send_counts, recv_counts)
+            received = received.view(tensor.dtype)
             out = torch.empty_like(tensor)
             for ds, ss in local:
                 out[ds] = tensor[ss]

@@ -171,6 +171,44 @@ def test_context_parallel_prefill_matches_one_process(checkpoints, v41, monkeypa
         llm.close()
 
 
+@pytest.mark.parametrize("where", ["in a layer", "after the last gather"])
+def test_a_failed_context_parallel_prefill_falls_back_to_the_owner(checkpoints, monkeypatch, caplog, where):
+    """Rank 0's part of its first CP prefill raises, in the first layer's attention (rank 1 is in
+    that layer's gather) or after the last layer (rank 1 has finished its part): the group drops
+    that prefix at once, runs the pass's MoE exchanges empty, its owner prefills the prompt alone,
+    and the tokens are one process's; no collective waits for the timeout."""
+    monkeypatch.setenv("DEEPINFER_CP_MIN_TOKENS", "32")
+    steps = {"max_num_batched_tokens": 32}
+    want = _llm(checkpoints["v3"], **steps).generate(LONG_PROMPTS, GREEDY, use_tqdm=False)
+    llm = _llm(checkpoints["v3"], data_parallel_size=2, context_parallel_size=2, expert_parallel=True, **steps)
+    try:
+        model, calls = llm.engine.model, []
+        target, name = (model.model.layers[0].self_attn, "forward_context_parallel") if where == "in a layer" \
+            else (model, "prefill_context_parallel")
+        original = getattr(target, name)
+
+        def failing(*args, **kwargs):
+            calls.append(1)
+            out = original(*args, **kwargs) if where != "in a layer" else None
+            if len(calls) == 1:
+                raise RuntimeError("injected CP failure")
+            return out if out is not None else original(*args, **kwargs)
+
+        setattr(target, name, failing)
+        started = time.monotonic()
+        with caplog.at_level("WARNING", logger="deepinfer"):
+            got = llm.generate(LONG_PROMPTS, GREEDY, use_tqdm=False)
+        assert time.monotonic() - started < 30  # the test timeout is 60 s
+        _assert_same(got, want)
+        assert len(calls) > 1  # the later CP prefills ran
+        assert "injected CP failure" in caplog.text and "it is prefilled on its own rank" in caplog.text
+        assert llm.parallel.num_cp_prefills > 0  # the others still came from the group
+        delattr(target, name)
+        _assert_same(llm.generate(LONG_PROMPTS[:2], GREEDY, use_tqdm=False), want[:2], same_ids=False)
+    finally:
+        llm.close()
+
+
 @pytest.fixture(scope="module")
 def v3_with_mtp(tmp_path_factory):
     from tests.hf_checkpoints import add_mtp_weights

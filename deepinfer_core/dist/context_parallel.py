@@ -21,6 +21,10 @@ partial attention results of several ranks merge into the exact one.
   holds there: every rank gathers the KV and compressor rows, pools the prefix's entries, and
   the owner stores the entries. ``partial_attention`` / ``merge_partials`` stay the pieces for
   attention whose keys are too big to gather.
+
+  A rank whose part of the prefill raises tells its group so (``fail``): every gather, and the
+  ``finish`` after the model's pass, first exchanges each rank's status, so the other ranks
+  raise ``PeerFailed`` at their next one instead of waiting in a gather until the timeout.
 """
 
 from __future__ import annotations
@@ -66,15 +70,22 @@ def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[
     return out, lse
 
 
+class PeerFailed(RuntimeError):
+    """Another rank of this CP group failed its part of the prefill (raised at this rank's next
+    gather or ``finish``, on every rank of the group but the failed one)."""
+
+
 class ContextParallel:
     """One prompt prefix of ``length`` tokens prefilled across ``comm``'s ranks (a CP group):
     this rank computes the tokens of its zig-zag chunks (``positions``) and ``gather`` brings
-    every rank's rows of a layer together in position order."""
+    every rank's rows of a layer together in position order. Every rank ends the prefill with
+    ``finish()`` or, when its part raised, ``fail()``. ``device``: where the status flags travel
+    (the group's device: NCCL exchanges device tensors)."""
 
-    def __init__(self, comm, length: int):
+    def __init__(self, comm, length: int, device: torch.device = torch.device("cpu")):
         if length < 2 * comm.size:
             raise ValueError(f"a {length}-token prefix cannot be cut into {2 * comm.size} chunks")
-        self.comm, self.length = comm, length
+        self.comm, self.length, self.device = comm, length, device
         self.ranges = zigzag_chunks(length, comm.size)
         self.mine = self.ranges[comm.rank]
         self.width = max(sum(e - s for s, e in r) for r in self.ranges)  # rows per rank, padded to the widest
@@ -83,8 +94,26 @@ class ContextParallel:
         """This rank's token positions, chunk by chunk."""
         return torch.cat([torch.arange(s, e, device=device) for s, e in self.mine])
 
+    def _status(self, failed: bool) -> None:
+        """Exchange every rank's status (one small all-gather); raise PeerFailed where another
+        rank reports a failure. Every rank makes the same number of these calls: one per gather
+        it reached, then one in ``finish`` or ``fail``."""
+        flags = self.comm.all_gather(torch.tensor([int(failed)], dtype=torch.int64, device=self.device))
+        failed_ranks = [r for r, flag in enumerate(torch.cat(flags).tolist()) if flag and r != self.comm.rank]
+        if failed_ranks and not failed:
+            raise PeerFailed(f"CP rank(s) {failed_ranks} of this group failed during the prefill")
+
+    def finish(self) -> None:
+        """This rank's part is done: raises PeerFailed if another rank failed after the last gather."""
+        self._status(False)
+
+    def fail(self) -> None:
+        """This rank's part raised (not PeerFailed): tell the others, who raise PeerFailed."""
+        self._status(True)
+
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         """[length, D]: every rank's ``rows`` ([its tokens, D], in ``positions`` order) in position order."""
+        self._status(False)
         padded = rows.new_zeros((self.width, *rows.shape[1:]))
         padded[: rows.shape[0]] = rows
         out = rows.new_empty((self.length, *rows.shape[1:]))

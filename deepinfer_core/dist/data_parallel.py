@@ -22,6 +22,9 @@ engine (scheduler, KV cache, its share of the requests), stepping together.
    and the request's admission finds them there: it computes only its last few tokens (on V4
    also the bounded replay its rings need) and decodes on the owner. (Those tokens count as
    cached tokens in its output.)
+   A CP prefill that raises on one rank is dropped by its whole group at once (the other ranks
+   learn it at their next gather; ``ContextParallel.fail``), its MoE exchanges finished empty,
+   and the owner prefills that prompt on its own.
 4. **EPLB.** Every ``DEEPINFER_EPLB_INTERVAL`` steps (counted the same on every rank) the
    experts are re-placed for the load counted since the last time, between two steps: requests
    in flight go on with the moved weights. The imbalance before and after goes into the next
@@ -52,7 +55,7 @@ from deepinfer_core.api import GenerationError, to_output
 from deepinfer_core.config import ParallelConfig, settings
 from deepinfer_core.dist import launch
 from deepinfer_core.dist.communicator import communicator_for
-from deepinfer_core.dist.context_parallel import ContextParallel
+from deepinfer_core.dist.context_parallel import ContextParallel, PeerFailed
 from deepinfer_core.dist.expert_parallel import ExpertParallel
 from deepinfer_core.dist.launch import Group
 from deepinfer_core.sampling.params import SamplingParams
@@ -209,10 +212,23 @@ class DataParallel:
                     self.ep.idle()
                 continue
             w, length = mine[i]
-            cp = ContextParallel(self.cp_comm, length)
+            cp = ContextParallel(self.cp_comm, length, engine.device)
             positions = cp.positions(engine.device)
             ids = torch.tensor(w.prompt_token_ids[:length], dtype=torch.int64, device=engine.device)[positions]
-            rows = engine.model.prefill_context_parallel(ids, positions, cp)
+            exchanges = self.ep.exchanges if self.ep is not None else 0
+            try:
+                rows = engine.model.prefill_context_parallel(ids, positions, cp)
+                cp.finish()
+            except Exception as e:  # noqa: BLE001 - the group drops this prefix; its owner prefills it alone
+                if not isinstance(e, PeerFailed):
+                    log.exception("rank %d: the CP prefill of request %s failed", self.rank, w.request_id)
+                    cp.fail()
+                if self.ep is not None:  # the pass's MoE exchanges the other ranks still run, run empty
+                    self.ep.finish_pass(self.ep.exchanges - exchanges)
+                if w.rank == self.rank:
+                    log.warning("request %s: the CP prefill of its %d-token prefix failed (%s: %s); it is prefilled on "
+                                "its own rank", w.request_id, length, type(e).__name__, e)
+                continue
             if w.rank == self.rank:
                 block = engine.kv.block_size
                 stored = engine.kv.cache_prefix(

@@ -10,6 +10,9 @@
 #   TEST_PATHS narrows the tests part (default: tests/nvidia tests/test_gpu.py).
 #   DEEPGEMM_SRC=DIR builds DeepGEMM from that source tree first (DEEPGEMM_CUTLASS: its cute/ and
 #   cutlass/ headers, default the carried sgl-deep-gemm wheel's) and puts it first on PYTHONPATH.
+#   DEEPEP_SRC=DIR builds DeepEP from that source tree with its own setup.py (v1.2.1: the Buffer API
+#   benchmarks/all_to_all.py calls; intranode kernels only where NVSHMEM is absent; log in $OUT/deepep_build.log)
+#   and puts it first on PYTHONPATH: no DeepEP wheel loads on torch 2.11.
 set -uo pipefail
 out="${OUT:-/tmp/out}"
 mkdir -p "$out"
@@ -22,6 +25,11 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/nvidia_
 if [[ -n "${DEEPGEMM_SRC:-}" ]]; then  # DeepGEMM's source, built here against this torch (tools/build_deepgemm.sh)
   bash tools/build_deepgemm.sh "$DEEPGEMM_SRC" /tmp/dgpkg "${DEEPGEMM_CUTLASS:-/tmp/site/deep_gemm/include}" || exit 1
   export PYTHONPATH=/tmp/dgpkg${PYTHONPATH:+:$PYTHONPATH}
+fi
+if [[ -n "${DEEPEP_SRC:-}" ]]; then  # DeepEP's source, built here against this torch for sm_90
+  (cd "$DEEPEP_SRC" && TORCH_CUDA_ARCH_LIST=9.0 python3 setup.py build_ext --inplace) >"$out/deepep_build.log" 2>&1 \
+    || { tail -30 "$out/deepep_build.log"; exit 1; }
+  export PYTHONPATH=$DEEPEP_SRC${PYTHONPATH:+:$PYTHONPATH}
 fi
 exec > >(tee -a "$out/session.log") 2>&1  # one log comes back (the tool returns at most 8 files)
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv

@@ -28,7 +28,7 @@ if [[ -n "${DEEPGEMM_SRC:-}" ]]; then  # DeepGEMM's source, built here against t
 fi
 if [[ -n "${DEEPEP_SRC:-}" ]]; then  # DeepEP's source, built here against this torch for sm_90
   # it finds the image's pip NVSHMEM and builds the internode kernels too, whose headers want CUDA 13's libcu++
-  # (cuda/std/...) from include/cccl: without it the first compile stops (H100 image, 2026-12-05)
+  # (cuda/std/...) from include/cccl: without it the first compile stops; with it 50 s (H200, 2026-12-05)
   cccl="$(dirname "$(dirname "$(command -v nvcc)")")/include/cccl"
   (cd "$DEEPEP_SRC" && NVCC_APPEND_FLAGS="-I$cccl" CPLUS_INCLUDE_PATH="$cccl" TORCH_CUDA_ARCH_LIST=9.0 \
     python3 setup.py build_ext --inplace) >"$out/deepep_build.log" 2>&1 \

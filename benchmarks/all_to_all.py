@@ -46,10 +46,17 @@ from deepinfer_core.dist.communicator import TorchCommunicator
 from deepinfer_core.dist.eplb import Placement
 from deepinfer_core.dist.expert_parallel import ExpertShard, moe_expert_parallel
 
+# NVLink multicast off: on a shared host it can take the GPUs out of service (the scale-out runs and tests use these too)
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 FULL = {"hidden": 7168, "experts": 256, "top_k": 8, "tokens": "1,8,32,128,512,2048,4096", "iters": 20}
 QUICK = {"hidden": 64, "experts": 16, "top_k": 4, "tokens": "1,8,64", "iters": 3}
 DEEP_EP_NVL_BYTES = 1 << 30  # DeepEP's NVLink buffer per rank
+
+
+def keep_multicast_off() -> None:
+    """NO_MULTICAST in this process's environment (and so its children's), where not set already."""
+    for name, value in NO_MULTICAST.items():
+        os.environ.setdefault(name, value)
 
 
 def _sync(device: torch.device) -> None:

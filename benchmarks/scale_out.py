@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import random
 import tempfile
 import time
@@ -42,10 +41,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.all_to_all import keep_multicast_off
 from benchmarks.generate import (CONFIGS, StepClock, decode_step, engine_info, guarded, metadata, prompts, params, sync, timed,
                                  write_model)
 
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 FULL = {"models": ["v2-lite", "v3-slice"], "ep": "1,2,4,8", "per_gpu_batch": 32, "context": 1024, "max_tokens": 33, "repeats": 2}
 QUICK = {"models": ["tiny"], "ep": "1,2", "per_gpu_batch": 2, "context": 16, "max_tokens": 5, "repeats": 1}
 
@@ -171,8 +170,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run(args) -> dict:
-    for name, value in NO_MULTICAST.items():
-        os.environ.setdefault(name, value)
+    keep_multicast_off()
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"meta": metadata(args), "gpus_on_host": available(args),
               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "models": {}}

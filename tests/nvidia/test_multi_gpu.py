@@ -11,27 +11,26 @@ runs them alone on a lent multi-GPU host):
   every second step.
 
 Each test skips unless the host has the GPUs it names. NVLink multicast stays off (it can take
-a shared host's GPUs out of service): the variables below are set before any process group.
+a shared host's GPUs out of service): ``keep_multicast_off()`` below sets its variables before any
+process group.
 """
 
 from __future__ import annotations
 
 import gc
-import os
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from benchmarks.all_to_all import keep_multicast_off
 from tests.hf_checkpoints import write_checkpoint
 from tests.hf_checkpoints_v4 import write_checkpoint_v4
 from tests.test_data_parallel import GREEDY, PROMPTS, SMALL_STEPS, _assert_same
 from tests.test_expert_parallel import _free_port, _worker
 
 pytestmark = pytest.mark.gpu
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-for _name, _value in NO_MULTICAST.items():
-    os.environ.setdefault(_name, _value)
+keep_multicast_off()
 MEMORY = 0.3  # of each GPU: the reference LLM and rank 0 share GPU 0 in this process (one after the other)
 
 

@@ -85,13 +85,13 @@ V41_FLASH_SLICE = _v41()
 V41_FLASH_SLICE["text_config"].update(
     num_hidden_layers=6, compress_ratios=[0, 2, 2, 1, 1, 1], kv_source_layer_ids=[1, 3], index_source_layer_ids=[1, 3, 5],
     candidate_source_layer_id=3, engram_layer_ids=[1], engram_num_embeddings=[], engram_vocab_size=1000000,
-    engram_compressed_vocab_size=1420, n_routed_experts=128, num_nextn_predict_layers=0, dspark_target_layer_ids=[],
+    engram_compressed_vocab_size=1426, n_routed_experts=128, num_nextn_predict_layers=0, dspark_target_layer_ids=[],
 )
 del V41_FLASH_SLICE["image_token_id"]  # benchmarks draw random prompts over the whole vocabulary
 
 MODELS = {"v2-lite": V2_LITE, "v3-slice": V3_SLICE, "v3": V3_FULL, "v4-flash": V4_FLASH, "v4-pro": V4_PRO, "v4-flash-slice": V4_FLASH_SLICE,
           "v41-flash": V41_FLASH, "v41-flash-slice": V41_FLASH_SLICE}
-# Engram hashes read a tokenizer: V4.1 slices get the conformance tokenizer (1420 compressed ids).
+# Engram hashes read a tokenizer: V4.1 slices get the conformance tokenizer (1426 compressed ids).
 NEEDS_TOKENIZER = ("v41-flash-slice",)
 
 

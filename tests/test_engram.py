@@ -225,65 +225,74 @@ def test_gate_sign_and_floor(dtype):
 # --------------------------------------------------------------------------- compressed token ids
 
 
-class _FakeTokenizer:
-    """decode / convert_ids_to_tokens / len over a list of (decoded text, raw token string)."""
+def _byte_level_tokenizer(texts: list[str]):
+    """A byte-level BPE ``tokenizers.Tokenizer`` (GPT-2's byte alphabet, as DeepSeek's
+    tokenizers) whose token i is the UTF-8 bytes of texts[i] (a str) or the bytes themselves."""
+    from tokenizers import Tokenizer, decoders, models
 
-    def __init__(self, tokens: list[tuple[str, str]]):
-        self.tokens = tokens
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(self.tokens[i][0] for i in ids)
-
-    def convert_ids_to_tokens(self, i: int) -> str:
-        return self.tokens[i][1]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    alphabet = {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(others)}
+    raw = [t.encode() if isinstance(t, str) else t for t in texts]
+    tok = Tokenizer(models.BPE(vocab={"".join(alphabet[b] for b in r): i for i, r in enumerate(raw)}, merges=[]))
+    tok.decoder = decoders.ByteLevel()
+    return tok
 
 
-class _BatchFakeTokenizer(_FakeTokenizer):
-    def batch_decode(self, batch: list[list[int]]) -> list[str]:
-        return [self.decode(ids) for ids in batch]
-
-
-_FAKE = [
-    ("<s>", "<s>"),  # 0 -> 0
-    ("e", "e"),  # 1 -> 1
-    ("\u00e9", "é"),  # 2: precomposed é -> "e"
-    ("E\u0301", "É"),  # 3: decomposed É -> "e"
-    ("Hello  World", "Hello__World"),  # 4 -> 2
-    (" hello\t\nworld ", "_hello"),  # 5: whitespace runs collapsed, stripped -> "hello world"
-    (" ", "_"),  # 6 -> 3: a lone space is preserved
-    ("", ""),  # 7 -> 4: distinct from " "
-    ("   ", "___"),  # 8 -> " "
-    ("\ufffd", "<0xE2>"),  # 9 -> 5: undecodable, keyed by the raw string
-    ("\ufffd", "<0x80>"),  # 10 -> 6
-    ("\ufb01", "ﬁ"),  # 11 -> 7: NFKC ligature -> "fi"
-    ("FI", "FI"),  # 12 -> "fi"
-    ("\t\n", "\t"),  # 13 -> " "
-    ("\ufffd", "e"),  # 14 -> 8: raw keys never collide with text keys
-    ("\ufffd", "<0xE2>"),  # 15 -> 5
-    ("Ca\u0300fe\u0301", "Càfé"),  # 16 -> 9: "cafe"
-    ("CAFE", "CAFE"),  # 17 -> "cafe"
+# (token text or bytes, its compressed id by DeepSeek's rule: tokenizers' NFKC -> NFD ->
+# StripAccents -> Lowercase -> [ \t\r\n]+ to " " -> strip (a lone space kept); the decode itself
+# where that leaves nothing; the raw token string where the decode holds U+FFFD)
+_TOKENS = [
+    ("<s>", 0),
+    ("e", 1),
+    ("\u00e9", 1),  # precomposed é
+    ("E\u0301", 1),  # decomposed É
+    ("\uff25", 1),  # full-width E (NFKC)
+    ("\x0b", 2),  # vertical tab: stripped to nothing, so keyed by itself (not " ")
+    ("\x0c", 3),  # form feed: likewise
+    ("\x1c", 4),  # not whitespace to tokenizers: kept
+    ("\x1f", 5),
+    (" ", 6),  # a lone space is kept
+    ("  ", 6),
+    ("\t\n", 6),
+    ("\u3000", 6),  # ideographic space: NFKC " "
+    ("\u00a0", 6),  # no-break space: NFKC " "
+    ("\u2009", 6),  # thin space: NFKC " "
+    (" \x0b", 7),  # " \x0b" strips to nothing: keyed by itself
+    ("\x0b\x0b", 8),
+    ("\u0301", 9),  # a lone combining mark: nothing left, keyed by itself
+    ("\ufb01", 10),  # the fi ligature: NFKC "fi"
+    ("FI", 10),
+    (b"\xe2", 11),  # a byte piece: decodes to U+FFFD, keyed by its raw token string "\u00e2"
+    ("\u00e2", 12),  # the text "â" normalises to "a"
+    (b"\xa0", 13),  # a byte piece whose raw token string is "\u0142" ...
+    ("\u0142", 13),  # ... the same key as the text "ł": one key space
+    ("\u0141", 13),
 ]
-_FAKE_EXPECTED = [0, 1, 1, 1, 2, 2, 3, 4, 3, 5, 6, 7, 7, 3, 8, 5, 9, 9]
 
 
-@pytest.mark.parametrize("cls", [_FakeTokenizer, _BatchFakeTokenizer])
-def test_compressed_ids_fake_tokenizer(cls):
-    ids, n = et.compressed_token_ids(cls(_FAKE), len(_FAKE) + 3)
+def test_compressed_ids_follow_deepseeks_rule():
+    """Each token's compressed id as DeepSeek's build_compressed_token_map gives it: whitespace
+    other than space / tab / CR / LF is no space, accents and widths fold, byte pieces key by
+    their raw token string in the same key space as texts."""
+    tok = _byte_level_tokenizer([t for t, _ in _TOKENS])
+    assert tok.decode([20]) == "\ufffd" and tok.id_to_token(20) == "\u00e2" and tok.id_to_token(22) == "\u0142"
+    ids, n = et.compressed_token_ids(tok)
     assert ids.dtype == torch.int64
-    # padding rows beyond len(tokenizer) get fresh ids of their own, after all others
-    assert ids.tolist() == _FAKE_EXPECTED + [10, 11, 12] and n == 13
-    short, m = et.compressed_token_ids(cls(_FAKE), 5)
-    assert short.tolist() == _FAKE_EXPECTED[:5] and m == 3
+    assert ids.tolist() == [c for _, c in _TOKENS] and n == 14
 
 
-def test_normalize_token_text():
-    assert et.normalize_token_text(" \u00c9T\u00c9  \u00e0 ") == "ete a"
-    assert et.normalize_token_text("\u3000") == " "  # NFKC ideographic space -> " "
-    assert et.normalize_token_text("a\u00a0\u00a0b") == "a b"
-    assert et.normalize_token_text("\u0301") == ""  # a lone combining mark leaves nothing
+def test_compressed_ids_of_a_transformers_tokenizer_are_its_backends():
+    """A transformers fast tokenizer is read through its Rust backend (DeepSeek decodes with that,
+    without transformers' space clean-up); special tokens are decoded, not skipped."""
+    transformers = pytest.importorskip("transformers")
+    tok = _byte_level_tokenizer([t for t, _ in _TOKENS])
+    tok.add_special_tokens(["<|pad|>"])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=True)
+    ids, n = et.compressed_token_ids(fast)
+    assert ids.tolist() == [c for _, c in _TOKENS] + [14] and n == 15
+    with pytest.raises(TypeError, match="fast tokenizer"):
+        et.compressed_token_ids(object())
 
 
 def _first_appearance(ids: list[int]) -> bool:
@@ -305,19 +314,24 @@ _TOKENIZER_DIRS = [
 def test_compressed_ids_real_tokenizer(path):
     transformers = pytest.importorskip("transformers")
     tok = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    vocab = len(tok) + 7
-    ids, n = et.compressed_token_ids(tok, vocab)
-    again, n2 = et.compressed_token_ids(transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True), vocab)
+    ids, n = et.compressed_token_ids(tok)
+    again, n2 = et.compressed_token_ids(transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True))
     assert torch.equal(ids, again) and n == n2
-    assert ids.shape == (vocab,) and int(ids.min()) == 0 and int(ids.max()) == n - 1
+    assert ids.shape == (len(tok),) and int(ids.min()) == 0 and int(ids.max()) == n - 1
     assert _first_appearance(ids.tolist())
     assert n < len(tok)  # case / space variants fold together
-    assert ids[len(tok) :].tolist() == list(range(n - 7, n))
     # the special tokens 0..2 are distinct, so the pad token's compressed id is its token id
     assert ids[:3].tolist() == [0, 1, 2]
-    # every pair of tokens that share an id normalise to the same key
-    texts = tok.batch_decode([[i] for i in range(len(tok))])
-    keys: dict[int, object] = {}
-    for i, text in enumerate(texts):
-        key = ("raw", tok.convert_ids_to_tokens(i)) if "\ufffd" in text else et.normalize_token_text(text)
-        assert keys.setdefault(int(ids[i]), key) == key
+    # the control bytes that are no space to DeepSeek's normaliser keep ids of their own
+    byte_ids = [tok.convert_tokens_to_ids(chr(256 + b)) for b in (0x0B, 0x0C, 0x1C, 0x1D, 0x1E, 0x1F)]
+    space = int(ids[tok.convert_tokens_to_ids("\u0120")])  # the byte-level " "
+    assert len({int(ids[i]) for i in byte_ids} | {space}) == 7
+
+
+def test_compressed_vocabulary_of_the_conformance_tokenizer():
+    """The count the tiny V4.1 checkpoints declare (engram_compressed_vocab_size): 1426 by
+    DeepSeek's rule (a normaliser that treats \\x0b, \\x0c and \\x1c-\\x1f as spaces counts 1420)."""
+    transformers = pytest.importorskip("transformers")
+    from tests.v41_checkpoints import COMPRESSED_VOCAB, TOKENIZER
+
+    assert et.compressed_token_ids(transformers.AutoTokenizer.from_pretrained(str(TOKENIZER), local_files_only=True))[1] == COMPRESSED_VOCAB == 1426

@@ -192,3 +192,21 @@ def test_indexer_chunks_of_queries_change_nothing(checkpoint, monkeypatch):
     whole = _llm(path, enable_prefix_caching=False).generate(prompts, GREEDY, use_tqdm=False)
     monkeypatch.setattr(v41, "CANDIDATE_BYTES", 8 * 40 * 3)  # 3 queries a chunk at 40 entries
     _same(_llm(path, enable_prefix_caching=False).generate(prompts, GREEDY, use_tqdm=False), whole)
+
+
+def test_engram_pads_with_the_pad_tokens_compressed_id(tmp_path, exact):
+    """Blocked n-gram slots (before position 0) hash as the pad token's compressed id (§4.5, as
+    DeepSeek's and vLLM's token_map[pad_id]), not its token id: two checkpoints whose pad tokens
+    are different tokens with one compressed id give the same logprobs; a pad of another
+    compressed id does not."""
+    runs = {}
+    for pad in (579, 1380, 314):  # "Ġse" and "ĠSE" (compressed id 230), "Ġin" (231)
+        path = write_checkpoint_v41("v41-tiny", tmp_path / str(pad), engram_pad_token_id=pad)
+        llm = _llm(path, enable_prefix_caching=False)
+        model = llm.engine.model
+        engrams = [layer.engram for layer in model.model.layers if layer.engram is not None]
+        assert len(engrams) == 2 and {e.pad_id for e in engrams} == {int(model.compressed_ids[pad])}
+        runs[pad] = llm.generate(_prompts()[:2], GREEDY, use_tqdm=False)
+    assert engrams[0].pad_id == 231 and int(model.compressed_ids[579]) == int(model.compressed_ids[1380]) == 230
+    _same(runs[579], runs[1380])
+    assert any(torch.tensor(_chosen(a)).sub(torch.tensor(_chosen(b))).abs().max() > 1e-3 for a, b in zip(runs[579], runs[314]))

@@ -28,7 +28,7 @@ from deepinfer_core.models.deepseek_v41 import DeepseekV41ForCausalLM
 from deepinfer_core.ops import OpTable
 
 TOKENIZER = Path(__file__).parent.parent / "deepinfer_core" / "conformance" / "tokenizer"
-COMPRESSED_VOCAB = 1420  # of the conformance tokenizer (2048 tokens)
+COMPRESSED_VOCAB = 1426  # of the conformance tokenizer (2048 tokens), by DeepSeek's rule
 IMAGE_TOKEN = 2047
 
 BASE_V41 = dict(

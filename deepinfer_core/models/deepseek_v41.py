@@ -336,24 +336,35 @@ class DeepseekV41ForCausalLM(V4FamilyLM):
 
     # ---- engine hooks ---------------------------------------------------------------------------
     def set_tokenizer(self, tokenizer) -> None:
-        """Build Engram's compressed vocabulary from the tokenizer's decoded tokens (§4.5)."""
-        if not self.config.engram_layer_ids:
+        """Build Engram's compressed vocabulary from the tokenizer's decoded tokens (§4.5), and
+        its pad value: the pad token's compressed id."""
+        c = self.config
+        if not c.engram_layer_ids:
             return
         from deepinfer_core.config import ConfigError
         from deepinfer_core.models.engram_tables import compressed_token_ids
 
         if tokenizer is None:
             raise ConfigError("DeepSeek-V4.1's Engram layers need the model's tokenizer (its compressed vocabulary); none was found")
-        real = min(len(tokenizer), self.config.vocab_size)
-        ids, size = compressed_token_ids(tokenizer, real)
-        if size != self.config.engram_compressed_vocab_size:
+        try:
+            ids, size = compressed_token_ids(tokenizer)
+        except TypeError as e:
+            raise ConfigError(f"DeepSeek-V4.1's Engram layers: {e}") from None
+        if size != c.engram_compressed_vocab_size:
             raise ConfigError(
                 f"the tokenizer's compressed vocabulary has {size} entries but config.json's engram_compressed_vocab_size is "
-                f"{self.config.engram_compressed_vocab_size}: the tokenizer does not belong to this checkpoint"
+                f"{c.engram_compressed_vocab_size}: the tokenizer does not belong to this checkpoint"
             )
-        # embedding rows beyond the tokenizer (padding) hash as the pad id
-        pad = torch.full((self.config.vocab_size - real,), self.config.engram_pad_token_id, dtype=torch.int64)
-        self.compressed_ids = torch.cat([ids, pad]).to(self.device)
+        if c.engram_pad_token_id >= ids.shape[0]:
+            raise ConfigError(f"config.json's engram_pad_token_id {c.engram_pad_token_id} is not a token of the tokenizer "
+                              f"({ids.shape[0]} tokens)")
+        pad = int(ids[c.engram_pad_token_id])
+        for layer in self.model.layers:
+            if layer.engram is not None:
+                layer.engram.pad_id = pad
+        # embedding rows beyond the tokenizer (padding) hash as the pad token
+        ids = ids[: c.vocab_size]
+        self.compressed_ids = torch.cat([ids, ids.new_full((c.vocab_size - ids.shape[0],), pad)]).to(self.device)
 
     # ---- layout ---------------------------------------------------------------------------------
     @property

@@ -66,11 +66,12 @@ class Engram(nn.Module):
         self.register_buffer("multipliers", torch.tensor(mult, dtype=torch.int64, device=alloc.device), persistent=False)
         self.register_buffer("primes", torch.tensor(primes, dtype=torch.int64, device=alloc.device), persistent=False)
         self.register_buffer("offsets", torch.tensor(engram_offsets(primes), dtype=torch.int64, device=alloc.device), persistent=False)
+        self.pad_id: int | None = None  # the pad token's compressed id (the model's set_tokenizer)
 
     def forward(self, x: torch.Tensor, ngram: torch.Tensor) -> torch.Tensor:
         """x: [T, hc, D] streams; ngram: [T, n] from ``ngram_ids`` -> the streams with the memory added."""
         c = self.config
-        ids = self.ops.engram_hash_ids(ngram, self.multipliers, self.primes, self.offsets, c.engram_pad_token_id)
+        ids = self.ops.engram_hash_ids(ngram, self.multipliers, self.primes, self.offsets, self.pad_id)
         rows = self.embed.weight[ids]  # [T, cols, hd]
         if self.embed.weight_scale_inv is not None:
             scale = self.embed.weight_scale_inv[ids].repeat_interleave(SCALE_GROUP, dim=-1)[..., : rows.shape[-1]]

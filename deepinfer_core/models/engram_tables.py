@@ -14,16 +14,14 @@ Everything here is derived from the config and the tokenizer alone (no weights):
   ``r ~ numpy.random.default_rng(10007 * layer_id).integers(0, ((2**63 - 1) // C) // 2)``
   where ``C`` is the compressed vocabulary size, so that ``id * mult < 2**63`` for any id < C.
 * **Compressed token ids.** Token ids are folded onto a smaller space by normalising each
-  token's decoded text (NFKC, NFD, drop combining marks, lowercase, collapse whitespace runs
-  to one space, strip; a whitespace-only text stays a single space) and numbering the distinct
-  keys by first appearance in token-id order.
+  token's decoded text with the ``tokenizers`` normalisers DeepSeek's code runs (NFKC, NFD,
+  strip accents, lowercase, runs of space / tab / CR / LF to one space, strip, a lone space
+  kept) and numbering the distinct keys by first appearance in token-id order.
 """
 
 from __future__ import annotations
 
-import re
-import unicodedata
-from typing import Any, Hashable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -108,46 +106,46 @@ def engram_multipliers(layer_id: int, compressed_vocab_size: int, max_ngram: int
     return [2 * int(x) + 1 for x in r]
 
 
-_WS = re.compile(r"\s+")
+def _deepseek_normalizer():
+    """The normaliser DeepSeek's ``build_compressed_token_map`` runs, built from the ``tokenizers``
+    library's own normalisers (not re-implemented: their whitespace and accent rules are the
+    contract). A private-use sentinel keeps a text that is exactly one space from being stripped
+    to nothing."""
+    from tokenizers import Regex, normalizers
+
+    sentinel = "\ue000"
+    return normalizers.Sequence([
+        normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
+        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "), normalizers.Replace(Regex(r"^ $"), sentinel),
+        normalizers.Strip(), normalizers.Replace(sentinel, " "),
+    ])
 
 
-def normalize_token_text(text: str) -> str:
-    """NFKC -> NFD -> drop combining marks (category Mn) -> lowercase -> collapse whitespace
-    runs (``str.isspace`` characters) to one space -> strip. A non-empty text that is
-    whitespace only at that point becomes a single space (a lone space is preserved)."""
-    t = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
-    t = "".join(ch for ch in t if unicodedata.category(ch) != "Mn").lower()
-    if t and t.isspace():
-        return " "
-    return _WS.sub(" ", t).strip()
+def compressed_token_ids(tokenizer: Any) -> tuple[torch.Tensor, int]:
+    """Map every token id of ``tokenizer`` to its compressed id, as DeepSeek's
+    ``build_compressed_token_map`` does; returns (int64 [vocab], compressed vocabulary size).
 
-
-def compressed_token_ids(tokenizer: Any, vocab_size: int) -> tuple[torch.Tensor, int]:
-    """Map token ids 0..vocab_size-1 to compressed ids; returns (int64 [vocab_size], count).
-
-    Keys: ``normalize_token_text(tokenizer.decode([i]))``; a token whose decode contains
-    U+FFFD (an undecodable byte piece) is keyed ``("raw", tokenizer.convert_ids_to_tokens(i))``
-    instead; an id ``>= len(tokenizer)`` (an embedding padding row) is keyed ``("id", i)``, so
-    it gets its own fresh id, after those of all real tokens. Compressed ids number the
+    ``tokenizer``: a ``tokenizers.Tokenizer`` or a transformers fast tokenizer (its
+    ``backend_tokenizer``: DeepSeek decodes with the Rust tokenizer, without transformers'
+    clean-up of spaces). Every id, added and special tokens included, is decoded alone
+    (``skip_special_tokens=False``). The key of a decode holding U+FFFD (a byte piece that is no
+    UTF-8 text alone) is the raw token string; otherwise the decode normalised
+    (``_deepseek_normalizer``), or the decode itself where that leaves nothing. Keys are one
+    space: a raw token string and a text that are equal share an id. Compressed ids number the
     distinct keys 0, 1, 2, ... by first appearance in token-id order.
-
-    ``tokenizer`` needs ``decode``, ``convert_ids_to_tokens`` and ``__len__``;
-    ``batch_decode`` is used when present (much faster for fast tokenizers).
     """
-    n_real = min(len(tokenizer), vocab_size)
-    batch = [[i] for i in range(n_real)]
-    if hasattr(tokenizer, "batch_decode"):
-        texts = list(tokenizer.batch_decode(batch))
-    else:
-        texts = [tokenizer.decode(ids) for ids in batch]
-    table: dict[Hashable, int] = {}
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    if not hasattr(backend, "decode_batch"):
+        raise TypeError(f"Engram's compressed vocabulary needs a fast tokenizer (tokenizer.json), got {type(tokenizer).__name__}")
+    n = backend.get_vocab_size(with_added_tokens=True)
+    texts = backend.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+    normalizer = _deepseek_normalizer()
+    table: dict[str, int] = {}
     out: list[int] = []
-    for i in range(vocab_size):
-        if i >= n_real:
-            key: Hashable = ("id", i)
-        elif "\ufffd" in texts[i]:
-            key = ("raw", tokenizer.convert_ids_to_tokens(i))
+    for i, text in enumerate(texts):
+        if "\ufffd" in text:
+            key = backend.id_to_token(i)
         else:
-            key = normalize_token_text(texts[i])
+            key = normalizer.normalize_str(text) or text
         out.append(table.setdefault(key, len(table)))
     return torch.tensor(out, dtype=torch.int64), len(table)

@@ -25,7 +25,7 @@ import torch
 
 from deepinfer_core.cli import main
 from deepinfer_core.conformance import jsonsafe, ops_suite
-from deepinfer_core.conformance.checks import block_scores, chi_square_pvalue
+from deepinfer_core.conformance.checks import block_scores, chi_square_pvalue, indexer_scores
 from deepinfer_core.conformance.inputs import BUILDERS, CaseTooLarge, make_case
 from deepinfer_core.conformance.ops_suite import OpReport, ReplayCase, SuiteReport, format_report, replay_case, run_op, run_suite, write_json
 from deepinfer_core.conformance.spec import shapes, specs_dir, tolerance
@@ -697,6 +697,37 @@ def _indexer_padding_as_row_0(q, weights, keys, candidates, top_k, scale):
     return REFERENCE_OPS["indexer_topk"](q, weights, keys, candidates.clamp(min=0), top_k, scale)
 
 
+def _indexer_choose(q, weights, keys, candidates, top_k, scale, order, dtype=torch.float32):
+    """Top-k by the kit's scores (in ``dtype``), columns ranked by ``order(scores)`` [T, C]."""
+    scores = indexer_scores(q.to(dtype), weights.to(dtype), keys.to(dtype), candidates, scale)
+    k = min(top_k, candidates.shape[1])
+    best = order(scores)[:, :k]
+    chosen = candidates.gather(1, best)
+    return torch.where(chosen >= 0, chosen, torch.full_like(chosen, -1))
+
+
+def _indexer_torch_topk(q, weights, keys, candidates, top_k, scale):
+    """torch.topk: no tie rule (on the CPU it takes later columns at ties)."""
+    return _indexer_choose(q, weights, keys, candidates, top_k, scale, lambda s: s.topk(s.shape[1], dim=1).indices)
+
+
+def _indexer_ties_to_later(q, weights, keys, candidates, top_k, scale):
+    """A stable sort of the columns reversed: exact ties go to the later column."""
+    c = candidates.shape[1]
+    return _indexer_choose(q, weights, keys, candidates, top_k, scale,
+                           lambda s: c - 1 - s.flip(1).sort(dim=1, descending=True, stable=True).indices)
+
+
+def _indexer_float64_by_column(q, weights, keys, candidates, top_k, scale):
+    """A correct other implementation: float64 scores (near ties fall otherwise), ranked by
+    (score, column) one query at a time."""
+    def order(scores):
+        ranked = [sorted(range(scores.shape[1]), key=lambda j: (-float(s[j]), j)) for s in scores]
+        return torch.tensor(ranked, dtype=torch.int64).view(scores.shape)
+
+    return _indexer_choose(q, weights, keys, candidates, top_k, scale, order, torch.float64)
+
+
 def _attention_padding_as_row_0(q, kv, indices, sinks, scale):
     return REFERENCE_OPS["sparse_attention"](q, kv, indices.clamp(min=0), sinks, scale)
 
@@ -736,6 +767,8 @@ WRONG_V4 = [
     ("moe_route_sqrtsoftplus", _route_bias_in_weights, "weights:"),
     ("indexer_topk", _indexer_second_best, "rows differ without a tie"),
     ("indexer_topk", _indexer_padding_as_row_0, "repeats a row"),
+    ("indexer_topk", _indexer_torch_topk, "ties go to the earlier candidate"),
+    ("indexer_topk", _indexer_ties_to_later, "ties go to the earlier candidate"),
     ("sparse_attention", _attention_padding_as_row_0, "o:"),
     ("sparse_attention", _attention_without_sinks, "o:"),
     ("write_cache", _write_cache_ignoring_padding, "in place"),
@@ -749,11 +782,30 @@ WRONG_V4 = [
 
 @pytest.mark.parametrize("op, fn", [
     ("indexer_topk", _indexer_minus_ones_first),
+    ("indexer_topk", _indexer_float64_by_column),
     ("moe_route_sqrtsoftplus", lambda *a, **kw: tuple(t.flip(-1) for t in REFERENCE_OPS["moe_route_sqrtsoftplus"](*a, **kw))),
 ])  # fmt: skip
 def test_v4_selections_are_compared_as_sets(op, fn):
     report = check(op, fn, examples=2)
     assert report.result == "PASS", report.detail()
+
+
+def test_indexer_ties_treat_minus_zero_as_zero():
+    """The tie rule holds across signed zeros: the checker sees -0.0 and +0.0 as one score, and
+    the reference's scores carry no -0.0 (a bit-ordered GPU sort would rank it lower)."""
+    from deepinfer_core.conformance.checks import _earlier_tie_dropped
+    from deepinfer_core.ops.sparse import _scores
+
+    score = torch.tensor([1.0, -0.0, 0.0, -1.0])
+    valid = torch.ones(4, dtype=torch.bool)
+    assert "ties go to the earlier candidate" in _earlier_tie_dropped(torch.tensor([0, 2]), score, valid)
+    assert _earlier_tie_dropped(torch.tensor([0, 1]), score, valid) is None
+    dims = next(d for d in shapes("indexer_topk") if d["heads"] == 1 and d["tied_queries"] > 1)
+    case = make_case("indexer_topk", dims, F32, "cpu", seed=3)
+    q, weights, keys, candidates = case.args[:4]
+    s = _scores(q, weights, keys, candidates, case.args[5])
+    zeros = s == 0
+    assert zeros.any() and not (zeros & s.signbit()).any()
 
 
 def test_v4_index_inputs_are_valid():

@@ -269,10 +269,28 @@ def indexer_scores(q, weights, keys, candidates, scale) -> torch.Tensor:
     return total.masked_fill(~valid, float("-inf"))
 
 
+def _earlier_tie_dropped(cols: torch.Tensor, score: torch.Tensor, valid: torch.Tensor) -> str | None:
+    """The tie rule of ``indexer_topk``: of candidates with exactly equal scores (-0.0 equal to
+    +0.0) the earlier columns are chosen. ``cols``: the chosen columns of one query; ``score``
+    [C] its scores; ``valid`` [C] bool. None when no dropped valid column ties a chosen later one."""
+    dropped = valid.clone()
+    dropped[cols] = False
+    left = dropped.nonzero().flatten()
+    if not cols.numel() or not left.numel():
+        return None
+    same = (score[cols][:, None] == score[left][None, :]) & (left[None, :] < cols[:, None])
+    if not same.any():
+        return None
+    a, b = (int(i) for i in same.nonzero()[0])
+    return (f"chose column {int(cols[a])} but left out column {int(left[b])} of exactly the same score "
+            f"{float(score[cols[a]]):.6g}: ties go to the earlier candidate")
+
+
 def check_indexer_topk(fn: Callable, case: OpCase) -> Outcome:
     """Per query, the chosen rows as a set: the reference's, except where its k-th and (k+1)-th
     scores tie within the spec's tie_eps (then any k distinct candidates whose scores reach the
-    k-th); as many -1 as the query has fewer valid candidates than the output is wide."""
+    k-th, such that of exactly equal scores the earlier columns are chosen); as many -1 as the
+    query has fewer valid candidates than the output is wide."""
     out, untouched = _call_on_copy(fn, case)
     if not untouched.ok:
         return untouched
@@ -297,15 +315,18 @@ def check_indexer_topk(fn: Callable, case: OpCase) -> Outcome:
         valid = cand[t] >= 0
         want = min(width, int(valid.sum()))
         where = f"query {t} ({int(valid.sum())} valid candidates)"
-        # score of every pool row this query may pick (NaN: not its candidate)
+        # score and column of every pool row this query may pick (NaN / -1: not its candidate)
         row_score = torch.full((pool + 1,), float("nan"))
         row_score[cand[t][valid]] = scores[t][valid]
+        row_col = torch.full((pool + 1,), -1, dtype=torch.int64)
+        row_col[cand[t][valid]] = valid.nonzero().flatten()
         kth = ranked[t, want - 1] if want else torch.tensor(float("inf"))
         after = ranked[t, want] if want < c else torch.tensor(float("-inf"))
         tie = bool(kth == after) or bool((kth - after).abs() < tie_eps)
         ref_set = ref[t][ref[t] >= 0].sort().values
         # the kit's scores stand in for the reference's at ties: they must agree with its choice
-        if ref_set.numel() != want or not (row_score[ref_set] >= kth - tie_eps).all():
+        if (ref_set.numel() != want or not (row_score[ref_set] >= kth - tie_eps).all()
+                or _earlier_tie_dropped(row_col[ref_set], scores[t], valid)):
             return Outcome(False, float("inf"), f"conformance kit error, not the backend's: the reference's rows for {where} are not a top-{want} of the kit's scores")
         chosen = ids[t][ids[t] >= 0].sort().values
         if chosen.numel() != want:
@@ -321,6 +342,9 @@ def check_indexer_topk(fn: Callable, case: OpCase) -> Outcome:
             return Outcome(False, float("inf"), f"{where} chose rows that are not its candidates: {chosen[picked.isnan()].tolist()}")
         if not (picked >= kth - tie_eps).all():
             return Outcome(False, float("inf"), f"{where} chose a row ranked below the {want}-th")
+        error = _earlier_tie_dropped(row_col[chosen], scores[t], valid)
+        if error:
+            return Outcome(False, float("inf"), f"{where} {error}")
     return Outcome(True)
 
 

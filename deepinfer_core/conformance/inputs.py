@@ -479,7 +479,16 @@ def _indexer_topk(d: dict, dtype, r: _Draw):
         counts[i] = 0 if j == 0 else int(r.integers(0, max(width, 1)))
     q = r.randn(t, h, di, dtype=dtype)
     weights = r.randn(t, h, scale=h**-0.5)  # weights_proj(x) * n_heads^-0.5, float32
+    # exact ties: tied queries weigh every head negatively, so a candidate whose dot products the
+    # ReLU zeroes in every head scores 0 (-0.0 where a sum starts from its first term) and those
+    # are its best; duplicate key rows tie at any score
+    tied = r.perm(t)[: min(d["tied_queries"], t)]
+    weights[tied] = -weights[tied].abs()
     keys = r.randn(pool, di, dtype=dtype)
+    dup = min(d["duplicate_keys"], pool // 2)
+    if dup:
+        rows = r.perm(pool)
+        keys[rows[:dup]] = keys[rows[dup : 2 * dup]]
     candidates = _padded_rows(r, counts, c, pool)
     return (q, weights, keys, candidates.to(r.device), k, di**-0.5), {}
 

@@ -83,10 +83,12 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor, norm_weight: torch.Tens
 
 
 def _scores(q, weights, keys, cands, scale) -> torch.Tensor:
-    """The indexer's float32 scores [t, C] of candidates ``cands`` [t, C] (-inf where -1)."""
+    """The indexer's float32 scores [t, C] of candidates ``cands`` [t, C] (-inf where -1). A
+    zero score is +0.0 (adding +0.0 turns -0.0 into it): a sort that orders by bits, as GPU
+    radix sorts do, would otherwise rank -0.0 below +0.0 and break the tie rule."""
     keys_c = _gather_rows(keys, cands)  # [t, C, Di]
     dots = torch.einsum("thd,tcd->thc", q.float(), keys_c).relu() * scale
-    return (dots * weights.float()[:, :, None]).sum(dim=1).masked_fill(cands < 0, float("-inf"))
+    return (dots * weights.float()[:, :, None]).sum(dim=1).masked_fill(cands < 0, float("-inf")) + 0.0
 
 
 def indexer_topk(
@@ -100,6 +102,11 @@ def indexer_topk(
     score(t, j) = sum_h weights[t, h] * relu(q[t, h] . keys[j]) * scale, in float32. Returns
     [T, min(top_k, C)] int64: the chosen rows of keys (highest scores first is not required), -1
     where a query has fewer valid candidates than that.
+
+    Ties: of candidates with exactly equal scores (-0.0 equal to +0.0) the earlier columns are
+    chosen, as a stable sort does (§4.3: "ties to the smaller position"; the models pass
+    candidates in position order). Exact ties are common: a candidate whose dot products every
+    head's ReLU zeroes scores 0.
     """
     t_all, c = candidates.shape
     k = min(top_k, c)
@@ -112,7 +119,7 @@ def indexer_topk(
         cands = candidates[lo:hi]
         valid = cands >= 0
         scores = _scores(q[lo:hi], weights[lo:hi], keys, cands, scale)
-        best = scores.topk(k, dim=-1).indices
+        best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]  # ties: earlier column first
         chosen = cands.gather(1, best)
         out[lo:hi] = torch.where(valid.gather(1, best), chosen, torch.full_like(chosen, -1))
     return out

@@ -42,9 +42,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from deepinfer_core.dist.communicator import TorchCommunicator
-from deepinfer_core.dist.eplb import Placement
-from deepinfer_core.dist.expert_parallel import ExpertShard, moe_expert_parallel
+from deepinfer_core.parallel.communicator import TorchCommunicator
+from deepinfer_core.parallel.eplb import Placement
+from deepinfer_core.parallel.expert_parallel import ExpertShard, moe_expert_parallel
 
 # NVLink multicast off: on a shared host it can take the GPUs out of service (the scale-out runs and tests use these too)
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

@@ -24,12 +24,12 @@ CONTEXTS = (8192, 131072, 1048576)
 
 
 def group_bytes(name: str) -> dict:
-    from deepinfer_core.config import ModelConfig
+    from deepinfer_core.models.registry import read_config
     from deepinfer_core.engine.kv_cache import KVCache
     from deepinfer_core.models.registry import get_model_class
     from deepinfer_core.ops import OpTable
 
-    config = ModelConfig.from_dir(write_config(name, Path(tempfile.mkdtemp(prefix="deepinfer-bytes-"))))
+    config = read_config(write_config(name, Path(tempfile.mkdtemp(prefix="deepinfer-bytes-"))))
     model = get_model_class(config.model_type)(config, OpTable.reference(), torch.bfloat16, torch.device("meta"))
     block = model.default_block_size
     out = {"block_size": block, "groups": {}}

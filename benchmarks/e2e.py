@@ -142,7 +142,7 @@ def prefill_point(llm, batch: int, length: int) -> dict | None:
 def hf_state_dict(model) -> dict[str, torch.Tensor]:
     """Our parameters under transformers' names (fused MLP gate/up and the stacked attention
     input projections split back into views)."""
-    from deepinfer_core.models.deepseek_v3 import checkpoint_weights
+    from deepinfer_core.models.layers import checkpoint_weights
 
     out = {}
     for name, p in model.named_parameters():

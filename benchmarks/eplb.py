@@ -13,7 +13,7 @@ The router is synthetic:
 
 For each EP size G (nodes of 8 GPUs), three placements are compared:
 - `static`: experts [g*E/G, (g+1)*E/G) on GPU g, no copies.
-- `eplb`: deepinfer_core.dist.eplb's global form, with 32 extra slots rounded up to a multiple
+- `eplb`: deepinfer_core.parallel.eplb's global form, with 32 extra slots rounded up to a multiple
   of G. It is computed from `--history` earlier steps and judged on fresh ones.
 - `eplb_hier`: the hierarchical form, groups packed to nodes (V3 only, when G > 8).
 
@@ -45,7 +45,7 @@ import torch
 
 from benchmarks.generate import metadata
 from benchmarks.models import MODELS
-from deepinfer_core.dist.eplb import Placement, num_physical_experts, rebalance
+from deepinfer_core.parallel.eplb import Placement, num_physical_experts, rebalance
 
 GPUS_PER_NODE = 8
 

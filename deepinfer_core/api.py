@@ -9,7 +9,6 @@ import logging
 import os
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence as Seq
 
@@ -18,77 +17,15 @@ from pydantic import ValidationError
 from tqdm.auto import tqdm
 
 from deepinfer_core.chat import chat_prompt
-from deepinfer_core.config import (DEFAULT_MODEL_DIR, ConfigError, EngineConfig, ModelConfig, ParallelConfig, settings,
+from deepinfer_core.models.registry import read_config
+from deepinfer_core.config import (DEFAULT_MODEL_DIR, ConfigError, EngineConfig, ParallelConfig, configure_logging, settings,
                                    validation_problems)
 from deepinfer_core.engine.engine import Engine, Request, RequestError
+from deepinfer_core.engine.output import CompletionOutput, GenerationError, RequestMetrics, RequestOutput, to_output  # noqa: F401 (the public API)
 from deepinfer_core.recipe import recipe_for
 from deepinfer_core.sampling.params import SamplingParams
-from deepinfer_core.sampling.sampler import Logprob
-from deepinfer_core.sampling.spec_decode.stats import AcceptanceStats
 
 log = logging.getLogger("deepinfer")
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    cumulative_logprob: float | None
-    logprobs: list[dict[int, Logprob]] | None  # per output token: {token id: Logprob (a float, with .rank, .decoded_token)}
-    finish_reason: str | None  # "stop", "length" or "abort"
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-
-
-@dataclass
-class RequestMetrics:
-    """What the engine measured for a request, as vLLM's: wall-clock times (``time.time()``)
-    when it was added, when its first output token reached the host, and when it ended (None
-    while it runs). ``speculative``: drafts verified and accepted, by draft position, over all
-    its samples (None when speculative decoding is off)."""
-
-    arrival_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    speculative: AcceptanceStats | None = None
-
-    @property
-    def time_to_first_token(self) -> float | None:
-        return None if self.first_token_time is None or self.arrival_time is None else self.first_token_time - self.arrival_time
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    prompt_logprobs: list[dict[int, Logprob] | None] | None
-    outputs: list[CompletionOutput]
-    finished: bool
-    num_cached_tokens: int | None = None  # prompt tokens not computed thanks to the prefix cache (first sample's, at admission)
-    metrics: RequestMetrics | None = None
-
-
-class GenerationError(RuntimeError):
-    """The engine failed mid-run. ``outputs`` holds every request's result, in prompt order:
-    finished ones complete, the others with what they had produced and finish_reason "abort".
-    """
-
-    def __init__(self, message: str, outputs: list[RequestOutput]):
-        super().__init__(message)
-        self.outputs = outputs
-
-
-def _configure_logging(level: str) -> None:
-    logger = logging.getLogger("deepinfer")
-    try:
-        logger.setLevel(level.upper())
-    except ValueError as e:
-        raise ConfigError(f"DEEPINFER_LOG_LEVEL={level!r} is not a logging level (DEBUG, INFO, WARNING, ERROR)") from e
-    if not logger.handlers and not logging.getLogger().handlers:  # leave configured apps alone
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s deepinfer: %(message)s"))
-        logger.addHandler(handler)
 
 
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
@@ -158,7 +95,7 @@ class LLM:
     data_parallel_size: N ranks, one process each (this one is rank 0 and starts the others;
     under torchrun the launched processes are the ranks and None means WORLD_SIZE), each with
     its own engine and share of the requests, stepping together. expert_parallel: the MoE
-    layers' routed experts sharded over those ranks, with EPLB (``dist/``). Under torchrun every
+    layers' routed experts sharded over those ranks, with EPLB (``parallel/``). Under torchrun every
     rank calls ``generate``: rank 0's prompts run, and every rank gets all the outputs.
     context_parallel_size: C (dividing data_parallel_size) ranks prefill a long prompt together
     (DEEPINFER_CP_MIN_TOKENS tokens or more), and its own rank decodes it.
@@ -190,7 +127,7 @@ class LLM:
         **unsupported,
     ):
         env = settings()
-        _configure_logging(env.log_level)
+        configure_logging(env.log_level)
         _refuse_vllm_names(unsupported, trust_remote_code)
         self.model_dir = resolve_model_dir(model)
         _check_quantization(self.model_dir, quantization)
@@ -210,7 +147,7 @@ class LLM:
         )
         if dtype == "auto" and env.dtype:
             dtype = env.dtype
-        self.parallel = None  # dist.data_parallel.DataParallel when several ranks run this LLM
+        self.parallel = None  # parallel.data_parallel.DataParallel when several ranks run this LLM
         parallel = _parallel_config(data_parallel_size, expert_parallel, context_parallel_size)
         if parallel.data_parallel_size > 1:
             config = _parallel_engine_config(config, parallel, self.model_dir)
@@ -221,7 +158,7 @@ class LLM:
         self._generating_in: int | None = None  # the thread running generate, to refuse re-entry
 
     def _start_parallel(self, parallel: ParallelConfig, engine_args: tuple, progress: bool, log_level: str) -> None:
-        from deepinfer_core.dist import data_parallel, launch
+        from deepinfer_core.parallel import data_parallel, launch
 
         size = parallel.data_parallel_size
         if launch.under_torchrun():
@@ -360,7 +297,7 @@ class LLM:
         return [to_output(done[rid], engine.proposer is not None) for rid in order]
 
     def _generate_parallel(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
-        from deepinfer_core.dist.data_parallel import GENERATE, Work
+        from deepinfer_core.parallel.data_parallel import GENERATE, Work
 
         dp, engine = self.parallel, self.engine
         if dp.group.broken:
@@ -393,7 +330,7 @@ class LLM:
 
 
 def _parallel_config(data_parallel_size: int | None, expert_parallel: bool, context_parallel_size: int) -> ParallelConfig:
-    from deepinfer_core.dist.launch import under_torchrun
+    from deepinfer_core.parallel.launch import under_torchrun
 
     if data_parallel_size is None:
         data_parallel_size = int(os.environ.get("WORLD_SIZE", "1") or 1) if under_torchrun() else 1
@@ -420,9 +357,9 @@ def _parallel_engine_config(config: EngineConfig, parallel: ParallelConfig, mode
     rank alone. Context parallelism hands its prefixes over through the prefix cache, on the
     models that have a context-parallel prefill. Speculative decoding counts as asked for when
     DeepSeek's switches (DEEPINFER_USE_NEXTN_DECODE, ...) turn it on."""
-    from deepinfer_core.sampling.spec_decode.proposers import resolve
+    from deepinfer_core.engine.spec_decode.proposers import resolve
 
-    model_config = ModelConfig.from_dir(model_dir)
+    model_config = read_config(model_dir)
     spec = resolve(config.speculative_config, model_config)
     speculative = spec is not None
     if parallel.context_parallel_size > 1:
@@ -444,35 +381,3 @@ def _parallel_engine_config(config: EngineConfig, parallel: ParallelConfig, mode
     if not config.enforce_eager:
         log.info("expert parallelism: decode graphs are off (every step runs eagerly)")
     return config.model_copy(update={"enforce_eager": True})
-
-
-def to_output(req: Request, speculative: bool) -> RequestOutput:
-    """The user's view of an engine request (finished or not: its samples as they stand)."""
-    first = req.seqs[0]
-    spec = None
-    if speculative:  # the request's samples together
-        spec = AcceptanceStats()
-        for s in req.seqs:
-            spec = spec.merge(s.spec_stats)
-    outputs = [
-        CompletionOutput(
-            index=s.index,
-            text=s.text,
-            token_ids=list(s.output_token_ids),
-            cumulative_logprob=s.cumulative_logprob if s.output_logprobs is not None else None,
-            logprobs=s.output_logprobs,
-            finish_reason=s.finish_reason,
-            stop_reason=s.stop_reason,
-        )
-        for s in req.seqs
-    ]
-    return RequestOutput(
-        request_id=req.request_id,
-        prompt=req.prompt,
-        prompt_token_ids=list(req.prompt_token_ids),
-        prompt_logprobs=first.prompt_logprobs,
-        outputs=outputs,
-        finished=req.finished,
-        num_cached_tokens=first.num_cached_tokens,
-        metrics=RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time, spec),
-    )

@@ -80,7 +80,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     from deepinfer_core import LLM, GenerationError, SamplingParams
     from deepinfer_core.config import validation_problems
-    from deepinfer_core.dist.launch import RankFailure
+    from deepinfer_core.parallel.launch import RankFailure
     from deepinfer_core.plugins import BackendError
 
     try:  # the parameters first: a bad one is reported before minutes of loading a model

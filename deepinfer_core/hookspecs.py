@@ -11,8 +11,8 @@ Hooks are called by the core:
 * once at start-up, for the selected backend only: ``deepinfer_platform``, then
   ``deepinfer_ops`` and ``deepinfer_scheduler_limits``;
 * once per engine step, for every backend that implements it: ``deepinfer_step_observer``;
-* once per process group, by ``dist.communicator.communicator_for`` (the expert-parallel layer
-  ``dist.expert_parallel`` uses what it returns): ``deepinfer_communicator``. The engine itself
+* once per process group, by ``parallel.communicator.communicator_for`` (the expert-parallel layer
+  ``parallel.expert_parallel`` uses what it returns): ``deepinfer_communicator``. The engine itself
   runs one process yet, so it never asks.
 
 What each hook returns is checked against this contract when it is called (types and fields of
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import pluggy
 
 if TYPE_CHECKING:
-    from deepinfer_core.config import ModelConfig
+    from deepinfer_core.models.v3.config import V3ModelConfig
     from deepinfer_core.platform import Platform
 
 PROJECT = "deepinfer"
@@ -182,7 +182,7 @@ class BackendSpec:
         """
 
     @hookspec(firstresult=True)
-    def deepinfer_ops(self, platform: Platform, model_config: ModelConfig | None, batch_invariant: bool) -> dict[str, Callable]:
+    def deepinfer_ops(self, platform: Platform, model_config: V3ModelConfig | None, batch_invariant: bool) -> dict[str, Callable]:
         """Return ``{op_name: callable}`` for the ops this backend implements.
 
         Called once at start-up, for the selected backend. Each callable must follow the
@@ -209,14 +209,14 @@ class BackendSpec:
     def deepinfer_communicator(self, platform: Platform, group: Any) -> Any:
         """Return a communicator for ``group`` (all_reduce, all_gather, reduce_scatter,
         all_to_all / MoE dispatch-combine, broadcast, barrier), or ``None`` to use the core's
-        torch.distributed one (``dist.communicator.TorchCommunicator``, whose methods are the
+        torch.distributed one (``parallel.communicator.TorchCommunicator``, whose methods are the
         interface; ``all_to_all_start``, the non-blocking exchange the shared expert overlaps
         with, is optional). Called once per process group of a data-parallel LLM (the expert-
-        and context-parallel groups), through ``dist.communicator.communicator_for``.
+        and context-parallel groups), through ``parallel.communicator.communicator_for``.
         """
 
     @hookspec(firstresult=True)
-    def deepinfer_scheduler_limits(self, platform: Platform, model_config: ModelConfig) -> SchedulerLimits | None:
+    def deepinfer_scheduler_limits(self, platform: Platform, model_config: V3ModelConfig) -> SchedulerLimits | None:
         """Return SchedulerLimits for this platform and model, or ``None`` for the defaults.
         Called once at start-up, for the selected backend.
         """

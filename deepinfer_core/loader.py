@@ -1,23 +1,23 @@
-"""Load an HF-format safetensors checkpoint directory into a DeepSeek V2/V3/V4 model.
+"""Load an HF-format safetensors checkpoint directory into a DeepSeek model.
 
-``load_model(model_dir, config, model)`` fills every parameter of an already constructed
-``DeepseekV3ForCausalLM`` (built with ``torch.empty``) and then calls ``model.post_load()``.
-What the checkpoint's keys are called and where each goes is the model's *checkpoint format*
-(``checkpoint_format(model, config)``: the model's ``checkpoint_format`` attribute, else the one
-for ``config.model_type``; V2/V3 below, V4 in ``deepinfer_core/checkpoint_v4.py``); the rest
-(files, headers, shapes, FP8 / MXFP4 dequantisation, NaN checks, errors) is shared:
+``load_model(model_dir, config, model)`` fills every parameter of an already constructed model
+(built with ``torch.empty``) and then calls ``model.post_load()``. What the checkpoint's keys are
+called and where each goes is the model's *checkpoint format* (its ``checkpoint_format``, in its
+generation's folder: ``models/v3/checkpoint.py``, ``models/v4/checkpoint.py``,
+``models/v41/checkpoint.py``); the rest (files, headers, shapes, FP8 / MXFP4 dequantisation, NaN
+checks, errors) is shared, here:
 
 * files: ``model.safetensors``, or the shards named by ``model.safetensors.index.json``, or
   else every ``*.safetensors`` file in the directory. Pickle checkpoints (``.bin``, ``.pt``) are
   refused; no remote code is ever run.
-* keys: HF / DeepSeek names. Routed experts may be per expert
+* keys (V2/V3's format; the others say how theirs differ): HF / DeepSeek names. Routed experts may be per expert
   (``mlp.experts.E.{gate,up,down}_proj.weight``, what DeepSeek ships and ``save_pretrained``
   writes) or already fused (``mlp.experts.gate_up_proj`` / ``down_proj``); they are copied into
   the model's fused tensors. MTP layer i is read from ``model.layers.{num_hidden_layers + i}``;
   its ``embed_tokens`` and ``shared_head.head`` are ignored (tied to the main model).
 * expert parallelism: a model built with ``expert_slots`` (the logical expert of each slot this
   rank holds) gets only those experts of its decoder stack: each is read into its first slot (a
-  second copy on the same rank is filled by ``dist.expert_parallel.ExpertParallel``), the other
+  second copy on the same rank is filled by ``parallel.expert_parallel.ExpertParallel``), the other
   ranks' experts are skipped unread, and a fused checkpoint tensor is read row by row for the
   rank's experts. The MTP layers keep every expert (``expert_slots``).
 * MTP: when config.json announces ``num_nextn_predict_layers`` but the checkpoint has no key at
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +50,6 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from deepinfer_core.config import ModelConfig
 from deepinfer_core.ops.linear import dequantize_fp8_block
 
 logger = logging.getLogger("deepinfer.loader")
@@ -68,13 +66,8 @@ MXFP4_GROUP = 32  # inputs per e8m0 scale
 # E2M1 code -> value: codes 0-7 as listed, 8-15 their negatives (8 is -0).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 # Keys of an MTP layer that duplicate the main model's embedding and head.
-MTP_TIED_KEYS = ("embed_tokens.weight", "shared_head.head.weight")
 FINITE_CHUNK = 1 << 26  # elements per step of the non-finite scan (a 64 MiB bool temporary)
 # Fused routed experts: gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I].
-EXPERT_KEY = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_scale_inv)?")
-PER_EXPERT_KEY = re.compile(r".*\.mlp\.experts\.(\d+)\.(?:gate|up|down)_proj\.weight(?:_scale_inv)?")
-
-
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into the model, with the file, the key and what to do."""
 
@@ -108,55 +101,6 @@ class LoadPlan:
     expected: dict[str, Slot]
     companions: dict[str, str]
     ignored: set[str]
-
-
-class V3Checkpoint:
-    """The checkpoint format of DeepSeek V2/V3 (module docstring): HF / DeepSeek names, MTP layer
-    i under ``model.layers.{num_hidden_layers + i}``. A checkpoint format provides these three
-    methods (``deepinfer_core.checkpoint_v4.V4Checkpoint`` is the other one)."""
-
-    def scale_keys(self, key: str) -> tuple[str, ...]:
-        """The names the scale of quantised weight ``key`` may have (any one present will do)."""
-        return (_scale_key(key),)
-
-    def resolve_mtp(self, model, config, key_file: dict[str, Path]) -> None:
-        """Drop the model's MTP layers when the checkpoint has none (warning); error when some lack."""
-        _resolve_mtp(model, config, key_file)
-
-    def plan(self, model, config, key_file: dict[str, Path]) -> LoadPlan:
-        expected = _expected_keys(model, config, set(key_file))
-        mtp_first = config.num_hidden_layers
-        ignored, companions = set(), {}
-        slots = getattr(model, "expert_slots", None)
-        for key in key_file:
-            if key in expected:
-                continue
-            m = re.fullmatch(r"model\.layers\.(\d+)\.(.*)", key)
-            e = PER_EXPERT_KEY.fullmatch(key)
-            if m and mtp_first <= int(m[1]) < mtp_first + model.num_mtp_layers and m[2] in MTP_TIED_KEYS:
-                ignored.add(key)
-            elif slots is not None and e and int(e[1]) not in slots and m and int(m[1]) < mtp_first:
-                ignored.add(key)  # another rank's expert (the MTP layers keep every expert)
-            elif key.endswith("_scale_inv") and key[: -len("_scale_inv")] in expected:
-                companions[key[: -len("_scale_inv")]] = key  # dequantised together with its weight
-        return LoadPlan(expected, companions, ignored)
-
-
-def checkpoint_format(model, config):
-    """The model's ``checkpoint_format`` attribute when it has one, else the format for
-    ``config.model_type`` (V4: ``checkpoint_v4.V4Checkpoint``; V2/V3: ``V3Checkpoint``)."""
-    fmt = getattr(model, "checkpoint_format", None)
-    if fmt is not None:
-        return fmt
-    if config.model_type == "deepseek_v4":
-        from deepinfer_core.checkpoint_v4 import V4Checkpoint  # imports this module
-
-        return V4Checkpoint()
-    if config.model_type == "deepseek_v41":
-        from deepinfer_core.checkpoint_v41 import V41Checkpoint
-
-        return V41Checkpoint()
-    return V3Checkpoint()
 
 
 def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
@@ -227,32 +171,6 @@ def _open(path: Path):
         raise CheckpointError(f"{path}: cannot read the safetensors file ({e}); it is truncated or corrupt: download it again") from e
 
 
-def _checkpoint_name(param: str, num_hidden_layers: int) -> str:
-    m = re.fullmatch(r"mtp\.layers\.(\d+)\.(.*)", param)
-    return f"model.layers.{num_hidden_layers + int(m[1])}.{m[2]}" if m else param
-
-
-def _scale_key(weight_key: str) -> str:
-    return weight_key + "_scale_inv"
-
-
-def _expected_keys(model: torch.nn.Module, config: ModelConfig, present: set[str]) -> dict[str, Slot]:
-    """Checkpoint key -> where it goes, for every tensor the model needs."""
-    expected: dict[str, Slot] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        key = _checkpoint_name(name, config.num_hidden_layers)
-        slots = expert_slots(model, name)
-        if key in present:
-            sharded = slots is not None and EXPERT_KEY.fullmatch(key)
-            expected[key] = Slot(name, source=tuple(slots)) if sharded else Slot(name)
-            continue
-        split = split_expert_key(key, tensor.shape, name, slots)
-        expected.update({key: Slot(name)} if split is None else split)
-    return expected
-
-
 def expert_slots(model, param: str) -> tuple[int, ...] | None:
     """The expert-parallel slots of parameter ``param`` (a model's ``expert_slots``): those of the
     decoder stack's routed experts; None for everything else (the MTP layers keep every expert)."""
@@ -271,48 +189,6 @@ def first_slots(num_slots: int, slots: tuple[int, ...] | None) -> dict[int, int]
     return first
 
 
-def split_expert_key(key: str, shape: tuple[int, ...], param: str | None = None,
-                     slots: tuple[int, ...] | None = None) -> dict[str, Slot] | None:
-    """A fused routed-expert key (``EXPERT_KEY``) of tensor ``shape`` -> DeepSeek's per-expert
-    keys, each with its part of the fused tensor (of ``param``, default ``key``); None for any
-    other key. ``slots`` (expert parallelism): the logical expert of each of the tensor's slots;
-    only those experts' keys, each into its first slot."""
-    m = EXPERT_KEY.fullmatch(key)
-    if m is None:
-        return None
-    experts, proj, suffix, param = m[1], m[2], "weight_scale_inv" if m[3] else "weight", param or key
-    first = first_slots(shape[0], slots)
-    if proj == "down_proj":
-        return {f"{experts}.{e}.down_proj.{suffix}": Slot(param, s) for e, s in first.items()}
-    half = shape[1] // 2
-    split = {}
-    for e, s in first.items():
-        split[f"{experts}.{e}.gate_proj.{suffix}"] = Slot(param, s, slice(0, half))
-        split[f"{experts}.{e}.up_proj.{suffix}"] = Slot(param, s, slice(half, 2 * half))
-    return split
-
-
-def _resolve_mtp(model, config: ModelConfig, key_file: dict[str, Path]) -> None:
-    n, k = config.num_hidden_layers, model.num_mtp_layers
-    if not k:
-        return
-    present = [any(key.startswith(f"model.layers.{n + i}.") for key in key_file) for i in range(k)]
-    if not any(present):
-        logger.warning(
-            "config.json announces %d MTP layer(s) (num_nextn_predict_layers) but the checkpoint has no "
-            "model.layers.%d.* keys: loading without MTP (speculative decoding with MTP is unavailable)",
-            k,
-            n,
-        )
-        model.drop_mtp_layers()
-    elif not all(present):
-        missing = [n + i for i, p in enumerate(present) if not p]
-        raise CheckpointError(
-            f"the checkpoint holds only some of the {k} MTP layers: no keys for model.layers.{missing}.*; "
-            "use a complete checkpoint or set num_nextn_predict_layers in config.json to the layers it has"
-        )
-
-
 def _list(keys, files: dict[str, Path] | None = None, limit: int = 5) -> str:
     keys = sorted(keys)
     shown = [f"{k} ({files[k].name})" if files else k for k in keys[:limit]]
@@ -320,7 +196,13 @@ def _list(keys, files: dict[str, Path] | None = None, limit: int = 5) -> str:
     return ", ".join(shown) + more
 
 
-def load_model(model_dir: str | Path, config: ModelConfig, model: torch.nn.Module, *, progress: bool = True) -> None:
+def checkpoint_format(model):
+    """The model's checkpoint format (its ``checkpoint_format``, models/contract.py): what the
+    checkpoint's keys are called and where each goes (``scale_keys``, ``resolve_mtp``, ``plan``)."""
+    return model.checkpoint_format
+
+
+def load_model(model_dir: str | Path, config, model: torch.nn.Module, *, progress: bool = True) -> None:
     """Fill ``model`` (a DeepseekV3ForCausalLM for ``config``, or any model whose checkpoint
     format ``checkpoint_format`` finds) from the checkpoint in ``model_dir``.
 
@@ -342,7 +224,7 @@ def load_model(model_dir: str | Path, config: ModelConfig, model: torch.nn.Modul
             if key_file.get(key, Path()).name != name:
                 raise CheckpointError(f"{index} maps {key} to {name} but that shard does not hold it: fix the index or the shard")
 
-    fmt = checkpoint_format(model, config)
+    fmt = checkpoint_format(model)
     for key, path in key_file.items():
         dtype = handles[path].get_slice(key).get_dtype()
         if dtype not in FP8_HEADER_DTYPES and dtype not in FP4_HEADER_DTYPES:
@@ -535,54 +417,3 @@ def _read(handles: dict, key_file: dict[str, Path], key: str, rows: tuple[int, .
         return handles[path].get_tensor(key)
     except Exception as e:
         raise CheckpointError(f"{path}: cannot read {key} ({e}); the file is truncated or corrupt: download it again") from e
-
-
-@torch.no_grad()
-def init_dummy_weights(model: torch.nn.Module, seed: int = 0, progress: bool = True) -> None:
-    """Random weights of the right shapes and dtypes, for benchmarks (``load_format="dummy"``).
-
-    Matrices ~ N(0, 1/fan_in) so activations stay O(1) through the layers; norm weights ~ 1;
-    router biases ~ 0.01 N(0, 1); hash-routing tables (``tid2eid``) uniform expert ids; block-FP8
-    weights are N(0, 1) values in float8_e4m3fn with every block scale 1/sqrt(fan_in). Generated
-    on the model's device (no host copy). The outputs are noise; routing is close to uniform over
-    the experts.
-
-    A rank of an expert-parallel group, whose model holds only some expert slots
-    (``expert_slots``), draws every routed expert in turn as the single-process model does and
-    keeps those of its slots: it gets exactly that model's weights, so random-weight runs at any
-    EP size compute the same model.
-    """
-    from deepinfer_core.models.deepseek_v3 import Experts
-
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    params = dict(model.named_parameters())
-    shards = {f"{prefix}.{name}": m for prefix, m in model.named_modules() if isinstance(m, Experts) and m.slots is not None
-              for name in ("gate_up_proj", "down_proj")}
-    with tqdm(total=len(params), desc="Random weights", unit="tensor", disable=not progress) as bar:
-        for name, p in params.items():
-            if name.endswith("_scale_inv"):
-                p.fill_(params[name[: -len("_scale_inv")]].shape[-1] ** -0.5)
-            elif name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith("e_score_correction_bias"):
-                p.copy_(torch.randn(p.shape, generator=gen, device=p.device) * 0.01)
-            elif name.endswith("tid2eid"):  # V4 hash routing table: expert ids of the router
-                p.copy_(torch.randint(0, params[name[: -len("tid2eid")] + "weight"].shape[0], p.shape, generator=gen, device=p.device))
-            else:
-                std = 1.0 if p.dtype == torch.float8_e4m3fn else p.shape[-1] ** -0.5
-                if name in shards:  # this rank's slots: every expert drawn in turn, this rank's kept (a twice-held one twice)
-                    slots = shards[name].slots
-                    for expert in range(shards[name].num_experts):
-                        part = torch.randn(p.shape[1:], generator=gen, device=p.device) * std
-                        for slot in (s for s, e in enumerate(slots) if e == expert):
-                            p[slot].copy_(part)
-                else:
-                    for part in p if p.dim() == 3 else [p]:  # fused experts one at a time (smaller float32 temporaries)
-                        part.copy_(torch.randn(part.shape, generator=gen, device=p.device) * std)
-            bar.update()
-    for name, b in model.named_buffers():  # router tensors a model may hold as buffers (as transformers' V4)
-        if name.endswith("tid2eid"):
-            b.copy_(torch.randint(0, params[name[: -len("tid2eid")] + "weight"].shape[0], b.shape, generator=gen, device=b.device))
-        elif name.endswith("e_score_correction_bias"):
-            b.copy_(torch.randn(b.shape, generator=gen, device=b.device) * 0.01)
-    model.post_load()

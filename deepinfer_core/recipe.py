@@ -20,14 +20,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from deepinfer_core.config import ConfigError
+from deepinfer_core.models.registry import generation
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.sampler import most_likely
-
-# model_type -> (deepseek-recipe ModelVersion, encoding class, DeepSeek's API name of the model)
-VERSIONS = {
-    "deepseek_v4": ("DeepseekV4Pro", "DeepseekV4Encoding", "DeepSeek-V4-Pro"),
-    "deepseek_v41": ("DeepseekV41Flash", "DeepseekV41Encoding", "DeepSeek-V4.1-Flash"),
-}
 
 
 class ProtocolError(ValueError):
@@ -47,8 +42,9 @@ def _library():
 
 
 def recipe_for(model_dir: Path, model_type: str, served_name: str | None = None) -> Recipe | None:
-    """The Recipe of a V4 / V4.1 checkpoint; None for the others (their tokenizer's chat template)."""
-    return Recipe(model_dir, model_type, served_name) if model_type in VERSIONS else None
+    """The Recipe of a V4 / V4.1 checkpoint (its generation's ``chat``); None for the others (their
+    tokenizer's chat template)."""
+    return Recipe(model_dir, model_type, served_name) if generation(model_type).chat else None
 
 
 class Recipe:
@@ -57,7 +53,7 @@ class Recipe:
 
     def __init__(self, model_dir: Path, model_type: str, served_name: str | None = None):
         dr = self.dr = _library()
-        version, encoding, official = VERSIONS[model_type]
+        version, encoding, official = generation(model_type).chat
         self.version = getattr(dr.ModelVersion, version)
         self.name = served_name or official
         path = Path(model_dir) / "tokenizer.json"

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from deepinfer_core.conformance.checkpoints import is_fp8_linear, mtp_checkpoint_tensors, quantize_fp8_block  # noqa: F401 (quantize_fp8_block: re-exported)
+from deepinfer_core.conformance.checkpoints import (is_fp8_linear, mtp_checkpoint_tensors, quantize_fp8_block)  # noqa: F401 (quantize_fp8_block: re-exported)
 
 BASE = dict(
     vocab_size=160,

@@ -43,7 +43,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from deepinfer_core.checkpoint_v4 import normalize_v4_key, rename_v4_state
+from deepinfer_core.models.v4.checkpoint import normalize_v4_key, rename_v4_state
 from deepinfer_core.conformance.checkpoints import quantize_fp8_block_e8m0, quantize_mxfp4
 from deepinfer_core.loader import dequantize_mxfp4, e8m0_to_float
 from deepinfer_core.ops.linear import dequantize_fp8_block
@@ -245,7 +245,7 @@ def _num_experts_from(module) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# HF names <-> DeepSeek's original names (deepinfer_core.checkpoint_v4: rename_v4_state one way)
+# HF names <-> DeepSeek's original names (deepinfer_core.models.v4.checkpoint: rename_v4_state one way)
 
 
 def load_original_v4(module: torch.nn.Module, tensors: dict[str, torch.Tensor], param=lambda target: target) -> None:

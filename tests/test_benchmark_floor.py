@@ -20,11 +20,11 @@ FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "we
 
 
 def build(model_dir: Path, keep_fp8: bool = False):
-    from deepinfer_core.config import ModelConfig
+    from deepinfer_core.models.registry import read_config
     from deepinfer_core.models.registry import get_model_class
     from deepinfer_core.ops import OpTable
 
-    config = ModelConfig.from_dir(model_dir)
+    config = read_config(model_dir)
     model = get_model_class(config.model_type)(config, OpTable.reference(), torch.bfloat16, torch.device("meta"), keep_fp8=keep_fp8)
     model.post_load()
     return model

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from deepinfer_core.config import DEFAULT_MODEL_DIR, ConfigError, ModelConfig, settings
+from deepinfer_core.config import DEFAULT_MODEL_DIR, ConfigError, settings
+from deepinfer_core.models.registry import read_config
 from deepinfer_core.engine.engine import resolve_dtype
 
 
@@ -19,7 +20,7 @@ def write_config(tmp_path, **changes):
 
 
 def test_default_config_reads():
-    config = ModelConfig.from_dir(DEFAULT_MODEL_DIR)
+    config = read_config(DEFAULT_MODEL_DIR)
     assert config.model_type == "deepseek_v3" and config.num_nextn_predict_layers == 1
     assert config.latent_dim == config.kv_lora_rank + config.qk_rope_head_dim
     assert config.rope_parameters["rope_type"] == "yarn" and config.fp8_block is None
@@ -38,31 +39,31 @@ def test_default_config_reads():
 )
 def test_bad_config_is_a_clear_error(tmp_path, changes, message):
     with pytest.raises(ConfigError, match="config.json") as info:
-        ModelConfig.from_dir(write_config(tmp_path, **changes))
+        read_config(write_config(tmp_path, **changes))
     assert message in str(info.value)
 
 
 def test_missing_and_broken_config(tmp_path):
     with pytest.raises(ConfigError, match="config.json not found"):
-        ModelConfig.from_dir(tmp_path)
+        read_config(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
-        ModelConfig.from_dir(tmp_path)
+        read_config(tmp_path)
 
 
 @pytest.mark.parametrize("block", [(128, 128), (64, 128)])
 def test_fp8_block_is_read(tmp_path, block):
     quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
-    assert ModelConfig.from_dir(write_config(tmp_path, quantization_config=quant)).fp8_block == block  # (bn, bk), in order
+    assert read_config(write_config(tmp_path, quantization_config=quant)).fp8_block == block  # (bn, bk), in order
 
 
 @pytest.mark.parametrize("norm", [False, True])
 def test_norm_topk_prob_is_read(tmp_path, norm):
-    assert ModelConfig.from_dir(write_config(tmp_path, norm_topk_prob=norm)).norm_topk_prob is norm
+    assert read_config(write_config(tmp_path, norm_topk_prob=norm)).norm_topk_prob is norm
 
 
 def test_dtype_resolution():
-    config = ModelConfig.from_dir(DEFAULT_MODEL_DIR)
+    config = read_config(DEFAULT_MODEL_DIR)
     every = (torch.float32, torch.bfloat16, torch.float16)
     assert resolve_dtype("auto", config, every) == torch.bfloat16  # the checkpoint's own dtype
     assert resolve_dtype("float32", config, every) == torch.float32
@@ -88,7 +89,7 @@ def _v4_dir(tmp_path, **changes):
 
 
 def test_v4_flash_config_reads_its_layer_kinds(tmp_path):
-    config = ModelConfig.from_dir(_v4_dir(tmp_path))
+    config = read_config(_v4_dir(tmp_path))
     assert config.model_type == "deepseek_v4" and config.num_hidden_layers == 43
     assert config.compress_ratios == tuple([0, 0] + [4, 128] * 20 + [4])  # the MTP tail entry dropped
     assert (config.csa_ratio, config.hca_ratio, config.num_hash_layers, config.expert_dtype) == (4, 128, 3, "fp4")
@@ -101,4 +102,4 @@ def test_v4_flash_config_reads_its_layer_kinds(tmp_path):
 ])
 def test_v4_layer_kinds_must_be_given_as_transformers_reads_them(tmp_path, changes, needle):
     with pytest.raises(ConfigError, match=needle):
-        ModelConfig.from_dir(_v4_dir(tmp_path, **changes))
+        read_config(_v4_dir(tmp_path, **changes))

@@ -27,7 +27,7 @@ from deepinfer_core.cli import main
 from deepinfer_core.conformance import jsonsafe, ops_suite
 from deepinfer_core.conformance.checks import block_scores, chi_square_pvalue, indexer_scores
 from deepinfer_core.conformance.inputs import BUILDERS, CaseTooLarge, make_case
-from deepinfer_core.conformance.ops_suite import OpReport, ReplayCase, SuiteReport, format_report, replay_case, run_op, run_suite, write_json
+from deepinfer_core.conformance.ops_suite import (OpReport, ReplayCase, SuiteReport, format_report, replay_case, run_op, run_suite, write_json)
 from deepinfer_core.conformance.spec import shapes, specs_dir, tolerance
 from deepinfer_core.ops import OP_NAMES, REFERENCE_OPS
 from deepinfer_core.ops.norm import rms_norm
@@ -979,7 +979,7 @@ def test_a_correct_other_v41_implementation_passes(op, fn, dtype):
 
 def test_v41_inputs_are_valid():
     """The inputs the kit builds for V4.1's ops meet their preconditions and reach their edge cases."""
-    from deepinfer_core.models import engram_tables as et
+    from deepinfer_core.models.v41 import engram_tables as et
 
     # Engram ids: below the compressed vocabulary, -1 only as tails, products below 2^63; a dead
     # token and a position-0 token; the real shapes use the model's primes and multipliers

@@ -1,4 +1,4 @@
-"""Context parallelism's pieces (deepinfer_core/dist/context_parallel.py): zig-zag chunks give every
+"""Context parallelism's pieces (deepinfer_core/parallel/context_parallel.py): zig-zag chunks give every
 CP rank the same causal attention work; partial attention results merged by log-sum-exp equal
 the attention over all keys; and the whole exchange across 2 and 4 gloo processes (each rank
 holding the KV of its own chunks) gives each rank its queries' exact attention."""
@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from deepinfer_core.dist.communicator import TorchCommunicator
-from deepinfer_core.dist.context_parallel import causal_work, merge_partials, partial_attention, zigzag_chunks
+from deepinfer_core.parallel.communicator import TorchCommunicator
+from deepinfer_core.parallel.context_parallel import causal_work, merge_partials, partial_attention, zigzag_chunks
 
 HEADS, D_K, D_V, SCALE = 4, 24, 16, 0.2
 

@@ -23,8 +23,8 @@ import pytest
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.config import ConfigError
-from deepinfer_core.dist.data_parallel import assign
-from deepinfer_core.dist.launch import RankFailure
+from deepinfer_core.parallel.data_parallel import assign
+from deepinfer_core.parallel.launch import RankFailure
 from deepinfer_core.engine.engine import RequestError
 from tests.hf_checkpoints import write_checkpoint
 from tests.hf_checkpoints_v4 import write_checkpoint_v4

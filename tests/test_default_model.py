@@ -176,9 +176,10 @@ def test_mtp_module_matches_transformers_mtp_layer(tensors):
     from transformers import DeepseekV3ForCausalLM, PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 
-    from deepinfer_core.config import ModelConfig
-    from deepinfer_core.loader import load_model, split_expert_key
-    from deepinfer_core.models import get_model_class
+    from deepinfer_core.models.registry import read_config
+    from deepinfer_core.loader import load_model
+    from deepinfer_core.models.v3.checkpoint import split_expert_key
+    from deepinfer_core.models.registry import get_model_class
     from deepinfer_core.ops import OpTable
     from tests.hf_checkpoints import build_mtp_layer, causal_mask
     from tests.test_model_parity import Seq, block_pool, make_batch, new_caches, new_seq
@@ -198,7 +199,7 @@ def test_mtp_module_matches_transformers_mtp_layer(tensors):
             target.copy_(tensors[prefix + expert_key.removeprefix("mtp_block.")].float())
     layer.load_state_dict(state)
 
-    config = ModelConfig.from_dir(DIR)
+    config = read_config(DIR)
     ours = get_model_class(config.model_type)(config, OpTable.reference(), torch.float32, torch.device("cpu"))
     load_model(DIR, config, ours, progress=False)
     assert ours.num_mtp_layers == 1

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer_core.models import engram_tables as et
+from deepinfer_core.models.v41 import engram_tables as et
 from deepinfer_core.ops.engram import engram_gate, engram_hash_ids
 
 # The official V4.1-Flash Engram config (§4.5).

@@ -1,4 +1,4 @@
-"""EPLB placement (deepinfer_core/dist/eplb.py): slots, packing, replication and the placement's
+"""EPLB placement (deepinfer_core/parallel/eplb.py): slots, packing, replication and the placement's
 invariants, and the balance it reaches on skewed synthetic loads (the bound stated here)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from deepinfer_core.dist.eplb import Placement, balanced_packing, num_physical_experts, rebalance, replicate
+from deepinfer_core.parallel.eplb import Placement, balanced_packing, num_physical_experts, rebalance, replicate
 
 
 def zipf_loads(layers: int, experts: int, skew: float = 1.0, tokens: float = 1e5, seed: int = 0) -> torch.Tensor:

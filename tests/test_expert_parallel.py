@@ -1,4 +1,4 @@
-"""Expert parallelism for one MoE layer (deepinfer_core/dist/expert_parallel.py) across 2 and 4
+"""Expert parallelism for one MoE layer (deepinfer_core/parallel/expert_parallel.py) across 2 and 4
 CPU processes on gloo: every rank's tokens get the same routed-expert output as the reference
 ``moe_experts`` over all experts in one process, with the plain layout and with an EPLB
 placement holding copies of the hot experts, including a rank that has no tokens. And the
@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from deepinfer_core.dist.communicator import TorchCommunicator, communicator_for
-from deepinfer_core.dist.eplb import Placement, num_physical_experts, rebalance
-from deepinfer_core.dist.expert_parallel import ExpertShard, _Layer, moe_expert_parallel
+from deepinfer_core.parallel.communicator import TorchCommunicator, communicator_for
+from deepinfer_core.parallel.eplb import Placement, num_physical_experts, rebalance
+from deepinfer_core.parallel.expert_parallel import ExpertShard, _Layer, moe_expert_parallel
 from deepinfer_core.ops.moe import moe_experts
 
 EXPERTS, TOP_K, HIDDEN, INTER = 8, 3, 16, 24

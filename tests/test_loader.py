@@ -12,10 +12,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from deepinfer_core.config import ConfigError, ModelConfig, V4ModelConfig
-from deepinfer_core.loader import CheckpointError, all_finite, init_dummy_weights, load_model
-from deepinfer_core.models import get_model_class
-from deepinfer_core.models.deepseek_v3 import checkpoint_weights
+from deepinfer_core.config import ConfigError
+from deepinfer_core.models.registry import read_config
+from deepinfer_core.models.v4.config import V4ModelConfig
+from deepinfer_core.loader import CheckpointError, all_finite, load_model
+from deepinfer_core.models.dummy_weights import init_dummy_weights
+from deepinfer_core.models.registry import get_model_class
+from deepinfer_core.models.layers import checkpoint_weights
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.linear import dequantize_fp8_block
 from tests.hf_checkpoints import add_mtp_weights, hf_config, write_checkpoint
@@ -48,7 +51,7 @@ def variant(src: Path, dst: Path, tensors: dict[str, torch.Tensor]) -> Path:
 
 
 def new_model(path: Path, keep_fp8: bool = False):
-    config = ModelConfig.from_dir(path)
+    config = read_config(path)
     model = get_model_class(config.model_type)(config, OpTable.reference(), torch.float32, torch.device("cpu"), keep_fp8=keep_fp8)
     return config, model
 
@@ -257,7 +260,7 @@ def float_weights(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("keep_fp8", [False, True])
 def test_fp8_non_square_blocks_load_the_dequantised_golden(fp8_nonsquare, keep_fp8):
     path, golden = fp8_nonsquare
-    assert ModelConfig.from_dir(path).fp8_block == (16, 32)
+    assert read_config(path).fp8_block == (16, 32)
     model = load(path, keep_fp8=keep_fp8)
     attn = model.model.layers[0].self_attn
     assert attn.o_proj.weight.dtype == (torch.float8_e4m3fn if keep_fp8 else torch.float32)
@@ -359,7 +362,7 @@ def test_dummy_weights_of_an_expert_shard_are_the_full_models(tmp_path):
     tensor identical; so random-weight benchmarks compute the same model at any EP size."""
     path = tmp_path / "v3"
     hf_config("v3_grouped").save_pretrained(str(path))
-    config = ModelConfig.from_dir(path)
+    config = read_config(path)
     cls = get_model_class(config.model_type)
     slots = (5, 2, 2, config.n_routed_experts - 1)
     full, shard = (cls(config, OpTable.reference(), torch.float32, torch.device("cpu"), expert_slots=s) for s in (None, slots))

@@ -13,10 +13,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from deepinfer_core import loader
-from deepinfer_core.config import ModelConfig
-from deepinfer_core.dist.expert_parallel import initial_slots
+from deepinfer_core.models.registry import read_config
+from deepinfer_core.parallel.expert_parallel import initial_slots
 from deepinfer_core.loader import CheckpointError, load_model
-from deepinfer_core.models import get_model_class
+from deepinfer_core.models.registry import get_model_class
 from deepinfer_core.ops import OpTable
 from tests.hf_checkpoints import write_checkpoint
 from tests.hf_checkpoints_v4 import write_checkpoint_v4
@@ -24,7 +24,7 @@ from tests.hf_checkpoints_v4 import write_checkpoint_v4
 
 def slots_for(path: Path) -> tuple[int, ...]:
     """Four slots, one expert twice (the loader fills the first, ExpertParallel copies it to the other)."""
-    e = ModelConfig.from_dir(path).n_routed_experts
+    e = read_config(path).n_routed_experts
     return (e - 3, 1, e - 3, e - 2)
 
 
@@ -44,7 +44,7 @@ def checkpoints(tmp_path_factory):
 
 
 def build(path: Path, slots=None, keep_fp8: bool = False):
-    config = ModelConfig.from_dir(path)
+    config = read_config(path)
     cls = get_model_class(config.model_type)
     return config, cls(config, OpTable.reference(), torch.float32, torch.device("cpu"), keep_fp8=keep_fp8, expert_slots=slots)
 

@@ -18,25 +18,10 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-from deepinfer_core.checkpoint_v4 import (
-    V4Checkpoint,
-    normalize_v4_key,
-    rename_v4_state,
-    v4_checkpoint_key,
-)
-from deepinfer_core.config import ModelConfig
-from deepinfer_core.conformance.checkpoints import (
-    quantize_fp8_block,
-    quantize_fp8_block_e8m0,
-    quantize_mxfp4,
-)
-from deepinfer_core.loader import (
-    CheckpointError,
-    checkpoint_format,
-    dequantize_mxfp4,
-    e8m0_to_float,
-    load_model,
-)
+from deepinfer_core.models.v4.checkpoint import V4Checkpoint, normalize_v4_key, rename_v4_state, v4_checkpoint_key
+from deepinfer_core.models.registry import read_config
+from deepinfer_core.conformance.checkpoints import quantize_fp8_block, quantize_fp8_block_e8m0, quantize_mxfp4
+from deepinfer_core.loader import CheckpointError, checkpoint_format, dequantize_mxfp4, e8m0_to_float, load_model
 from deepinfer_core.ops.linear import dequantize_fp8_block
 from tests.hf_checkpoints_v4 import mtp_params_v4, quant_config_v4, quantize_original
 
@@ -70,6 +55,8 @@ HF_CONFIG = {
 
 class StandIn(nn.Module):
     """Empty tensors named, shaped and typed as ``spec``; the loader's model protocol."""
+
+    checkpoint_format = V4Checkpoint()
 
     def __init__(self, config, spec: dict[str, torch.Tensor]):
         super().__init__()
@@ -157,7 +144,7 @@ def quantized(tensors: dict[str, torch.Tensor], scales: str, quant: str) -> dict
 def new_model(path: Path, truth: dict[str, torch.Tensor], *, mtp: bool = True, keep: dict[str, torch.Tensor] | None = None):
     """(config, stand-in) for the checkpoint at ``path``; ``keep``: the FP8 tensors (weights and
     their *_scale_inv, in parameter names) the model keeps, as keep_fp8 models do."""
-    config = ModelConfig.from_dir(path)
+    config = read_config(path)
     spec = {k: v for k, v in truth.items() if mtp or not k.startswith("mtp.")}
     spec.update(keep or {})
     return config, StandIn(config, spec)
@@ -260,11 +247,11 @@ def test_key_normalisation_round_trips(truth):
     assert V4Checkpoint().scale_keys("layers.0.attn.wq_a.weight") == ("layers.0.attn.wq_a.scale", "layers.0.attn.wq_a.weight_scale_inv")
 
 
-def test_format_is_the_models_or_the_model_types(saved, truth):
+def test_format_is_the_models(saved, truth):
     config, model = new_model(saved, truth)
-    assert isinstance(checkpoint_format(model, config), V4Checkpoint)
+    assert isinstance(checkpoint_format(model), V4Checkpoint)
     model.checkpoint_format = fmt = object()
-    assert checkpoint_format(model, config) is fmt
+    assert checkpoint_format(model) is fmt
 
 
 # ---------------------------------------------------------------- FP8 and MXFP4
@@ -508,7 +495,7 @@ def test_partial_mtp_block_is_missing_keys(saved, truth, tmp_path):
 def test_deepinfer_v4_model_loads(saved, truth, original, fp4_tensors, tmp_path, keep_fp8):
     """The V4 model's parameters are the stand-in's: every tensor lands where the stand-in's does
     (compared before post_load, which fuses the shared experts' gate and up projections)."""
-    from deepinfer_core.models import get_model_class
+    from deepinfer_core.models.registry import get_model_class
     from deepinfer_core.ops import OpTable
 
     tensors = fp4_tensors if keep_fp8 else original

@@ -11,11 +11,12 @@ import copy
 import pytest
 import torch
 
-from deepinfer_core.config import ModelConfig
+from deepinfer_core.models.v3.config import V3ModelConfig
+from deepinfer_core.models.registry import read_config
 from deepinfer_core.loader import load_model
-from deepinfer_core.models import get_model_class
+from deepinfer_core.models.registry import get_model_class
 from deepinfer_core.models.batch import BatchMeta, GroupMeta
-from deepinfer_core.models.deepseek_v3 import CACHE_GROUP
+from deepinfer_core.models.v3.model import CACHE_GROUP
 from deepinfer_core.ops import OpTable
 from tests.hf_checkpoints import CONFIGS, add_mtp_weights, causal_mask, hf_config, hf_mtp_layer, write_checkpoint
 
@@ -101,7 +102,7 @@ def block_pool(seed: int = 0) -> list[int]:
 
 
 def build_ours(path, keep_fp8: bool = False):
-    config = ModelConfig.from_dir(path)
+    config = read_config(path)
     model = get_model_class(config.model_type)(config, OpTable.reference(), torch.float32, torch.device("cpu"), keep_fp8=keep_fp8)
     load_model(path, config, model, progress=False)
     return model
@@ -138,15 +139,15 @@ def test_prefill_matches_transformers(pair):
 def test_configs_hold_the_cases_the_parity_tests_rely_on():
     """The pair tests catch a swapped mscale / mscale_all_dim, an ignored norm_topk_prob and a
     reversed FP8 block only through these configs: they must stay asymmetric / False / non-square."""
-    from deepinfer_core.models.deepseek_v3 import softmax_scale
+    from deepinfer_core.models.v3.model import softmax_scale
     from deepinfer_core.ops.rope import rope_inv_freq
 
     hf = hf_config("v3_yarn_mscale")
     rope = hf.rope_parameters
     assert rope["rope_type"] == "yarn" and rope["mscale"] != rope["mscale_all_dim"]
-    config = ModelConfig.from_hf(hf)
+    config = V3ModelConfig.from_hf(hf)
     assert rope_inv_freq(config.qk_rope_head_dim, config.rope_theta, config.rope_parameters)[1] != pytest.approx(1.0, abs=1e-3)
-    as_if_mscale = ModelConfig.from_hf(hf_config("v3_yarn_mscale", rope_parameters=dict(rope, mscale_all_dim=rope["mscale"])))
+    as_if_mscale = V3ModelConfig.from_hf(hf_config("v3_yarn_mscale", rope_parameters=dict(rope, mscale_all_dim=rope["mscale"])))
     assert softmax_scale(config) != pytest.approx(softmax_scale(as_if_mscale), rel=1e-2)
     assert hf_config("v3_unnormed_topk").norm_topk_prob is False
     bn, bk = CONFIGS["v3_fp8_nonsquare"][2]
@@ -326,7 +327,7 @@ def test_derived_tensors_are_not_in_state_dict(pair):
 def test_bfloat16_prefill_and_decode(tmp_path, name, keep_fp8):
     path = tmp_path / "ckpt"
     hf = write_checkpoint(name, path)
-    config = ModelConfig.from_dir(path)
+    config = read_config(path)
     ours = get_model_class(config.model_type)(config, OpTable.reference(), torch.bfloat16, torch.device("cpu"), keep_fp8=keep_fp8)
     load_model(path, config, ours, progress=False)
     assert ours.model.layers[0].self_attn.w_uk_t.dtype == torch.bfloat16

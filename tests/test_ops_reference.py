@@ -370,8 +370,8 @@ def test_yarn_matches_transformers(params):
 
 
 def test_yarn_softmax_scale_values():
-    from deepinfer_core.models.deepseek_v3 import softmax_scale
-    from deepinfer_core.config import ModelConfig
+    from deepinfer_core.models.v3.model import softmax_scale
+    from deepinfer_core.models.v3.config import V3ModelConfig
     from tests.hf_checkpoints import hf_config
 
     # (192^-1/2 * (0.1 * mscale_all_dim * ln 40 + 1)^2: mscale itself goes only into the cos/sin factor)
@@ -379,7 +379,7 @@ def test_yarn_softmax_scale_values():
         hf = hf_config("v3_yarn", qk_nope_head_dim=128, qk_rope_head_dim=64, rope_parameters={
             "rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": mscale,
             "mscale_all_dim": mscale_all_dim, "rope_theta": 10000.0})
-        assert softmax_scale(ModelConfig.from_hf(hf)) == pytest.approx(expected, abs=1e-6)
+        assert softmax_scale(V3ModelConfig.from_hf(hf)) == pytest.approx(expected, abs=1e-6)
 
 
 def test_ops_toml_covers_every_op():

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer_core.config import ModelConfig
+from deepinfer_core.models.registry import read_config
 from deepinfer_core.loader import load_model
-from deepinfer_core.models import get_model_class
+from deepinfer_core.models.registry import get_model_class
 from deepinfer_core.ops import REFERENCE_OPS, OpTable, reference_ops
 from tests.hf_checkpoints import add_mtp_weights, write_checkpoint
 from tests.test_model_parity import full_logits, prompt
@@ -42,7 +42,7 @@ def hinted_table(calls: list[int], dtypes=(torch.float32, torch.float8_e4m3fn), 
 
 
 def build(path, ops: OpTable, keep_fp8: bool = False, expert_slots=None):
-    config = ModelConfig.from_dir(path)
+    config = read_config(path)
     model = get_model_class(config.model_type)(config, ops, torch.float32, torch.device("cpu"), keep_fp8=keep_fp8,
                                                 expert_slots=expert_slots)
     model.built_at = {name: p.data_ptr() for name, p in model.named_parameters() if ".mlp.experts." in name}
@@ -93,7 +93,7 @@ def test_fused_shared_experts_give_the_plain_logits(tmp_path, name, keep_fp8, in
 def test_not_fused_without_the_hint_for_the_dtype_or_under_expert_parallelism(tmp_path):
     path = tmp_path / "ckpt"
     add_mtp_weights(path, write_checkpoint("v3_shared2", path))
-    config = ModelConfig.from_dir(path)
+    config = read_config(path)
     plain = build(path, OpTable.reference())
     moe = [layer.mlp for layer in plain.model.layers if hasattr(layer.mlp, "with_shared")]
     assert moe and all(m.with_shared is None for m in moe)
@@ -161,7 +161,7 @@ def test_a_replaced_expert_parameter_is_refused_not_appended_to(tmp_path):
     after construction (not loaded in place) no longer has them, and fuse_shared says so."""
     path = tmp_path / "ckpt"
     write_checkpoint("v3_shared2", path)
-    config = ModelConfig.from_dir(path)
+    config = read_config(path)
     model = get_model_class(config.model_type)(config, hinted_table([]), torch.float32, torch.device("cpu"))
     moe = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "with_shared"))
     moe.experts.down_proj.data = moe.experts.down_proj.data.clone()

@@ -1,4 +1,4 @@
-"""DSpark speculative decoding for DeepSeek-V4.1 (sampling.spec_decode.dspark): the tokens are
+"""DSpark speculative decoding for DeepSeek-V4.1 (engine.spec_decode.dspark): the tokens are
 plain decoding's (greedy; seeded sampling under coupled acceptance) at every draft length, with
 and without adaptive verification, under preemption and prefix caching; the drafts are those a
 block draft over a freshly prefilled context gives; adaptive verification admits, per request,
@@ -15,8 +15,8 @@ from deepinfer_core.engine.kv_cache import KVCache, KVCacheManager
 from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.engine.scheduler import ScheduledSeq, SchedulerOutput
 from deepinfer_core.engine.sequence import Sequence
-from deepinfer_core.sampling.spec_decode import adaptive
-from deepinfer_core.sampling.spec_decode.dspark import DSparkProposer
+from deepinfer_core.engine.spec_decode import adaptive
+from deepinfer_core.engine.spec_decode.dspark import DSparkProposer
 from tests.test_spec_mtp import record_drafts
 from tests.v41_checkpoints import write_checkpoint_v41
 
@@ -215,7 +215,7 @@ def test_device_block_drafts_what_the_host_block_drafts(ckpt, monkeypatch):
     runs = []
     for forced_host in (False, True):
         if forced_host:
-            monkeypatch.setattr("deepinfer_core.sampling.spec_decode.dspark.needs_history", lambda params: True)
+            monkeypatch.setattr("deepinfer_core.engine.spec_decode.dspark.needs_history", lambda params: True)
         llm = make(ckpt, enable_prefix_caching=False, speculative_config=dspark(3))
         seen = record_drafts(llm)
         runs.append((tokens(llm.generate(prompts(), [params[0], params[1], params[1]], use_tqdm=False)), seen))

@@ -1,4 +1,4 @@
-"""MTP speculative decoding (sampling.spec_decode.mtp): the tokens are those of plain decoding
+"""MTP speculative decoding (engine.spec_decode.mtp): the tokens are those of plain decoding
 (greedy, and seeded sampling under coupled acceptance) at every draft length, in mixed batches,
 under preemption and prefix caching; the drafts are those an uncached recomputation of the MTP
 module gives (so its cache is caught up correctly); rejection sampling draws from the target's
@@ -16,7 +16,7 @@ from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.engine.scheduler import ScheduledSeq, SchedulerOutput
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.models.batch import CacheGroup
-from deepinfer_core.sampling.spec_decode.mtp import MTPProposer
+from deepinfer_core.engine.spec_decode.mtp import MTPProposer
 from tests.hf_checkpoints import add_mtp_weights, write_checkpoint
 
 CODE = ["def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n", "for i in range(10):\n    print(i)\nfor j in range(10):\n",
@@ -336,12 +336,12 @@ def test_device_chain_drafts_what_the_host_chain_drafts(monkeypatch):
         llm = default_llm(speculative_config=mtp(4), enable_prefix_caching=False)
         used = []
         if on_device:  # the chain samples with launch() only when its drafts stay on the device
-            import deepinfer_core.sampling.spec_decode.mtp as mtp_module
+            import deepinfer_core.engine.spec_decode.mtp as mtp_module
 
             inner = mtp_module.launch
             monkeypatch.setattr(mtp_module, "launch", lambda *a, **kw: used.append(1) or inner(*a, **kw))
         else:
-            monkeypatch.setattr("deepinfer_core.sampling.spec_decode.mtp.needs_history", lambda params: True)
+            monkeypatch.setattr("deepinfer_core.engine.spec_decode.mtp.needs_history", lambda params: True)
         seen = record_drafts(llm)
         out = llm.generate(CODE[:3], params, use_tqdm=False)
         monkeypatch.undo()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer_core.sampling.spec_decode.stats import AcceptanceStats
+from deepinfer_core.engine.spec_decode.stats import AcceptanceStats
 
 
 def test_counts_by_position_and_what_they_imply():

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from deepinfer_core.config import ConfigError
-from deepinfer_core.config_v41 import FULL, REINDEX, REUSE, WINDOW, V41ModelConfig
-from deepinfer_core.models.deepseek_v41 import DeepseekV41ForCausalLM
+from deepinfer_core.models.v41.config import FULL, REINDEX, REUSE, WINDOW, V41ModelConfig
+from deepinfer_core.models.v41.model import DeepseekV41ForCausalLM
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.hyper import mhc_pre, mhc_pre_delayed
 from deepinfer_core.ops.sparse import indexer_block_candidates

@@ -185,7 +185,7 @@ def test_engram_reads_the_tokens_before_each_chunk(checkpoint, exact):
 def test_indexer_chunks_of_queries_change_nothing(checkpoint, monkeypatch):
     """The indexers build their [queries, entries] candidate index a chunk of queries at a time
     (CANDIDATE_BYTES), on the whole batch and on bounded replay's tail rows alike."""
-    import deepinfer_core.models.deepseek_v41 as v41
+    import deepinfer_core.models.v41.model as v41
 
     path = checkpoint("v41-tiny")
     prompts = _prompts()

@@ -171,7 +171,7 @@ def test_rejected_drafts_roll_back_rings_and_compressed_entries(checkpoints, mon
         room = seq.params.max_tokens - done - 1
         return drafts[: max(room, 0)]
 
-    from deepinfer_core.sampling.spec_decode.ngram import NgramProposer
+    from deepinfer_core.engine.spec_decode.ngram import NgramProposer
 
     monkeypatch.setattr(NgramProposer, "propose_for", propose_for)
     llm = _llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
@@ -197,7 +197,7 @@ def test_bounded_temporaries_chunk_queries_without_changing_results(checkpoints,
     """Long contexts: the indexer's candidate index and the reference ops' gathers are built
     in chunks of queries within a byte budget; tiny budgets (a query or two per chunk) give the
     same tokens and logprobs."""
-    import deepinfer_core.models.deepseek_v4 as v4
+    import deepinfer_core.models.v4.model as v4
     import deepinfer_core.ops.sparse as sparse
 
     path, golden = checkpoints("v4_flash_like")

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from deepinfer_core.checkpoint_v41 import rename_v41_state
-from deepinfer_core.config_v41 import V41ModelConfig
+from deepinfer_core.models.v41.checkpoint import rename_v41_state
+from deepinfer_core.models.v41.config import V41ModelConfig
 from deepinfer_core.conformance.checkpoints import quantize_fp8_block_e8m0, quantize_mxfp4
-from deepinfer_core.loader import init_dummy_weights
-from deepinfer_core.models.deepseek_v41 import DeepseekV41ForCausalLM
+from deepinfer_core.models.dummy_weights import init_dummy_weights
+from deepinfer_core.models.v41.model import DeepseekV41ForCausalLM
 from deepinfer_core.ops import OpTable
 
 TOKENIZER = Path(__file__).parent.parent / "deepinfer_core" / "conformance" / "tokenizer"

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from deepinfer_core.config import DEFAULT_MODEL_DIR
-from deepinfer_core.loader import split_expert_key
+from deepinfer_core.models.v3.checkpoint import split_expert_key
 
 DEFAULT = "default"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

@@ -18,7 +18,7 @@ import torch
 
 from deepinfer_core.conformance.checkpoints import quantize_fp8_block
 from deepinfer_core.dtypes import dtype_from_name
-from deepinfer_core.models.engram_tables import engram_multipliers, engram_offsets, engram_primes
+from deepinfer_core.models.v41.engram_tables import engram_multipliers, engram_offsets, engram_primes
 from deepinfer_core.ops.rope import rope_cos_sin_table
 
 NORM_EPS = 1e-6

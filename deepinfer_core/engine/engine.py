@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from deepinfer_core.config import ConfigError, EngineConfig, ModelConfig, settings
+from deepinfer_core.config import ConfigError, EngineConfig, settings
+from deepinfer_core.models.registry import read_config
+from deepinfer_core.models.v3.config import V3ModelConfig
 from deepinfer_core.dtypes import DTYPES
 from deepinfer_core.engine.graphs import DecodeGraphs, max_blocks_per_group
 from deepinfer_core.engine.kv_cache import KVCache, KVCacheManager
@@ -31,8 +33,8 @@ from deepinfer_core.hookspecs import StepStats
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.sampler import SampledBatch, SampleRow, launch, needs_history, probabilities, top_logprobs, verify
 from deepinfer_core.sampling import structured
-from deepinfer_core.sampling.spec_decode import proposers, rejection
-from deepinfer_core.sampling.spec_decode.stats import AcceptanceStats
+from deepinfer_core.engine.spec_decode import proposers, rejection
+from deepinfer_core.engine.spec_decode.stats import AcceptanceStats
 
 log = logging.getLogger("deepinfer")
 
@@ -76,7 +78,7 @@ class Request:
         return all(s.is_finished for s in self.seqs)
 
 
-def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, supported: tuple[torch.dtype, ...]) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, config: V3ModelConfig, supported: tuple[torch.dtype, ...]) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         resolved = dtype
     elif dtype == "auto":
@@ -95,14 +97,15 @@ class Engine:
     def __init__(self, model_dir: Path, engine_config: EngineConfig, backend_name: str | None, dtype: str | torch.dtype, progress: bool = True,
                  expert_parallel: tuple[int, int] | None = None):
         """``expert_parallel``: (this rank, EP size) when the MoE layers are sharded over a group
-        (``dist.expert_parallel``): the model is built with, and loads, only this rank's expert
+        (``parallel.expert_parallel``): the model is built with, and loads, only this rank's expert
         slots, so its memory (and the KV cache sized from what is left) is that of one shard."""
-        from deepinfer_core.loader import init_dummy_weights, load_model
+        from deepinfer_core.models.dummy_weights import init_dummy_weights
+        from deepinfer_core.loader import load_model
         from deepinfer_core.models.registry import get_model_class
         from deepinfer_core.plugins import load_backend
 
         self.config = engine_config
-        self.model_config = ModelConfig.from_dir(model_dir)
+        self.model_config = read_config(model_dir)
         model_cls = get_model_class(self.model_config.model_type)
         if engine_config.batch_invariant and not getattr(model_cls, "supports_batch_invariance", False):
             raise ConfigError(
@@ -125,7 +128,7 @@ class Engine:
             keep_fp8 = False
         slots = None
         if expert_parallel is not None:
-            from deepinfer_core.dist.expert_parallel import initial_slots
+            from deepinfer_core.parallel.expert_parallel import initial_slots
 
             c = self.model_config
             slots = initial_slots(c.n_routed_experts, *expert_parallel, num_groups=getattr(c, "n_group", None) or 1)

@@ -11,11 +11,17 @@ never the sequence's output.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from deepinfer_core.engine.sequence import Sequence
+from deepinfer_core.engine.spec_decode.stats import AcceptanceStats
 from deepinfer_core.sampling.sampler import Logprob, top_logprobs
+
+if TYPE_CHECKING:
+    from deepinfer_core.engine.engine import Request
 
 log = logging.getLogger("deepinfer")
 
@@ -132,3 +138,86 @@ class OutputProcessor:
         k = seq.params.prompt_logprobs
         for i in range(lps.shape[0]):
             seq.prompt_logprobs.append(self.named(top_logprobs(lps[i], k, seq.prompt_token_ids[have + i])))
+
+
+# ---- what a request gives its caller (the API's RequestOutput, vLLM-shaped) -------------------
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None  # per output token: {token id: Logprob (a float, with .rank, .decoded_token)}
+    finish_reason: str | None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+
+@dataclass
+class RequestMetrics:
+    """What the engine measured for a request, as vLLM's: wall-clock times (``time.time()``)
+    when it was added, when its first output token reached the host, and when it ended (None
+    while it runs). ``speculative``: drafts verified and accepted, by draft position, over all
+    its samples (None when speculative decoding is off)."""
+
+    arrival_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    speculative: AcceptanceStats | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None or self.arrival_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int | None = None  # prompt tokens not computed thanks to the prefix cache (first sample's, at admission)
+    metrics: RequestMetrics | None = None
+
+
+class GenerationError(RuntimeError):
+    """The engine failed mid-run. ``outputs`` holds every request's result, in prompt order:
+    finished ones complete, the others with what they had produced and finish_reason "abort".
+    """
+
+    def __init__(self, message: str, outputs: list[RequestOutput]):
+        super().__init__(message)
+        self.outputs = outputs
+
+
+def to_output(req: Request, speculative: bool) -> RequestOutput:
+    """The user's view of an engine request (finished or not: its samples as they stand)."""
+    first = req.seqs[0]
+    spec = None
+    if speculative:  # the request's samples together
+        spec = AcceptanceStats()
+        for s in req.seqs:
+            spec = spec.merge(s.spec_stats)
+    outputs = [
+        CompletionOutput(
+            index=s.index,
+            text=s.text,
+            token_ids=list(s.output_token_ids),
+            cumulative_logprob=s.cumulative_logprob if s.output_logprobs is not None else None,
+            logprobs=s.output_logprobs,
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
+        )
+        for s in req.seqs
+    ]
+    return RequestOutput(
+        request_id=req.request_id,
+        prompt=req.prompt,
+        prompt_token_ids=list(req.prompt_token_ids),
+        prompt_logprobs=first.prompt_logprobs,
+        outputs=outputs,
+        finished=req.finished,
+        num_cached_tokens=first.num_cached_tokens,
+        metrics=RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time, spec),
+    )

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from deepinfer_core.sampling.params import SamplingParams
-from deepinfer_core.sampling.spec_decode.stats import AcceptanceStats
+from deepinfer_core.engine.spec_decode.stats import AcceptanceStats
 
 
 class Status(enum.Enum):

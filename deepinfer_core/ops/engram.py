@@ -3,7 +3,7 @@ XOR hash of each token's preceding n-grams into per-(size, head) prime-sized tab
 and the per-stream sigmoid gate that adds the projected memory to the residual streams.
 
 The static tables (primes, offsets, multipliers, compressed token ids) come from
-``deepinfer_core.models.engram_tables``; the row lookup and the ``W_ekv`` projection between the
+``deepinfer_core.models.v41.engram_tables``; the row lookup and the ``W_ekv`` projection between the
 two ops are ordinary embedding / linear ops.
 """
 

@@ -25,12 +25,15 @@ whose raw logits are not finite (NaN or inf: the model or a kernel is broken) ra
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.ops.sampling import apply_token_bitmask, sampling_probs
 from deepinfer_core.platform import to_device
+
+if TYPE_CHECKING:  # the engine's sequences, as the rows it samples (an annotation: sampling sits below the engine)
+    from deepinfer_core.engine.sequence import Sequence
 
 NEG_INF = float("-inf")
 GREEDY_TEMPERATURE = 1e-5  # below this, temperature sampling is greedy (vLLM's threshold)

@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from deepinfer_core.chat import chat_prompt
 from deepinfer_core.serving.async_llm import AsyncLLM
 from deepinfer_core.serving.protocol import CountTokensRequest, Limits, MessagesRequest
-from deepinfer_core.serving.server import BadRequest, _check_model, _Deltas, _merged, _params, _run_all, _sse
+from deepinfer_core.serving.common import BadRequest, Deltas, check_model, merged, run_all, sampling_params_of, sse
 
 _NO_STOP = {"stop_reason": None, "stop_sequence": None}
 
@@ -28,18 +28,18 @@ _NO_STOP = {"stop_reason": None, "stop_sequence": None}
 def register(app: FastAPI, engine: AsyncLLM, model_name: str, limits: Limits) -> None:
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request):
-        _check_model(body.model, model_name)
-        params = _params(body, limits, None)
+        check_model(body.model, model_name)
+        params = sampling_params_of(body, limits, None)
         prompt = _prompt(engine, body)
         mid = f"msg_{uuid.uuid4().hex}"
         if body.stream:
-            return await _sse(_stream(engine, mid, model_name, prompt, params), anthropic=True)
-        (out,) = await _run_all(engine, mid, [prompt], params, request)
+            return await sse(_stream(engine, mid, model_name, prompt, params), anthropic=True)
+        (out,) = await run_all(engine, mid, [prompt], params, request)
         return _message(mid, model_name, [{"type": "text", "text": out.outputs[0].text}], _stop(out.outputs[0]), _usage(out))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest):
-        _check_model(body.model, model_name)
+        check_model(body.model, model_name)
         return {"input_tokens": len(_prompt(engine, body))}
 
 
@@ -72,8 +72,8 @@ def _usage(out) -> dict:
 
 
 async def _stream(engine: AsyncLLM, mid: str, model: str, prompt: list[int], params):
-    deltas, last = _Deltas(), None
-    async for _, out in _merged(engine, mid, [prompt], params):
+    deltas, last = Deltas(), None
+    async for _, out in merged(engine, mid, [prompt], params):
         if last is None:  # the request started (a refused one raised)
             yield {"type": "message_start", "message": _message(mid, model, [], _NO_STOP, _usage(out))}
             yield {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}

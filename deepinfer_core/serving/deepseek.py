@@ -22,7 +22,7 @@ from fastapi.responses import Response
 from deepinfer_core.recipe import ProtocolError, Recipe
 from deepinfer_core.serving.async_llm import AsyncLLM
 from deepinfer_core.serving.protocol import Limits
-from deepinfer_core.serving.server import BadRequest, _check_model, _merged, _sse, _unless_disconnected
+from deepinfer_core.serving.common import BadRequest, check_model, merged, sse, unless_disconnected
 
 
 def register(app: FastAPI, engine: AsyncLLM, recipe: Recipe, model_name: str, limits: Limits) -> None:
@@ -30,7 +30,7 @@ def register(app: FastAPI, engine: AsyncLLM, recipe: Recipe, model_name: str, li
         """(the ConversationRequest, its prompt ids) of a body; BadRequest for what the protocol refuses."""
         try:
             req = recipe.request(raw, anthropic)
-            _check_model(req.model, model_name)  # read before convert (which consumes the request)
+            check_model(req.model, model_name)  # read before convert (which consumes the request)
             cr = recipe.convert(req)
             return cr, recipe.prompt(cr)
         except ProtocolError as e:
@@ -45,14 +45,14 @@ def register(app: FastAPI, engine: AsyncLLM, recipe: Recipe, model_name: str, li
         rid = f"{prefix}{uuid.uuid4().hex}"
         chunks = _chunks(engine, recipe.answer(cr, rid, model_name, engine.engine.output.eos_ids, anthropic), rid, prompt, params)
         if cr.stream:
-            return await _sse(_events(chunks), anthropic)
+            return await sse(_events(chunks), anthropic)
         response = recipe.response(rid, model_name, int(time.time()), anthropic)
 
         async def collect():
             async for chunk in chunks:
                 response.accumulate(chunk)
 
-        await _unless_disconnected(collect(), request)
+        await unless_disconnected(collect(), request)
         return Response(response.to_json(), media_type="application/json")
 
     @app.post("/v1/chat/completions")
@@ -72,7 +72,7 @@ async def _chunks(engine: AsyncLLM, answer, rid: str, prompt: list[int], params)
     """The answer's protocol chunks as generation goes. A stop sequence ends the answer early:
     leaving the loop ends the request (its blocks are freed)."""
     try:
-        async for _, out in _merged(engine, rid, [prompt], params):
+        async for _, out in merged(engine, rid, [prompt], params):
             for chunk in answer.update(out):
                 yield chunk
             if answer.finished:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
 
-from deepinfer_core.api import RequestOutput, to_output
 from deepinfer_core.engine.engine import RequestError
+from deepinfer_core.engine.output import RequestOutput, to_output
+from deepinfer_core.engine.progress import Progress, step_progress
 from deepinfer_core.sampling.params import SamplingParams
 
 log = logging.getLogger("deepinfer")
@@ -23,44 +23,6 @@ log = logging.getLogger("deepinfer")
 
 class Unavailable(RuntimeError):
     """The driver can take no more requests: its data-parallel group is gone (a rank died)."""
-
-
-@dataclass
-class Progress:
-    """One step's news: ``ended`` requests (final outputs), ``partial`` outputs of unfinished
-    requests that changed, and the failure that ended the step's requests, if any."""
-
-    ended: list[RequestOutput] = field(default_factory=list)
-    partial: list[RequestOutput] = field(default_factory=list)
-    failure: str | None = None
-
-
-def partial_output(engine, req) -> RequestOutput:
-    """An unfinished request's output, its samples' text decoded so far. Text that may still
-    change is held back: an incomplete UTF-8 character at the end, and the last characters a
-    stop string could start with (the finished text is cut before the stop string)."""
-    out = to_output(req, engine.proposer is not None)
-    for c, seq in zip(out.outputs, req.seqs):
-        if not seq.is_finished:
-            text = engine.output.text_so_far(seq)
-            hold = max(map(len, seq.params.stop)) - 1 if seq.params.stop and not seq.params.include_stop_str_in_output else 0
-            c.text = text[: max(0, len(text) - hold)]
-    return out
-
-
-def step_progress(engine, finished: list, sent: dict[str, list[int]]) -> Progress:
-    """The news after ``engine.step()`` returned ``finished``: their final outputs, and a partial
-    output for every unfinished request whose token counts differ from ``sent`` (updated)."""
-    spec = engine.proposer is not None
-    progress = Progress(ended=[to_output(req, spec) for req in finished])
-    for req in finished:
-        sent.pop(req.request_id, None)
-    for rid, req in engine.requests.items():
-        counts = [len(s.output_token_ids) for s in req.seqs]
-        if counts != sent.get(rid, []):
-            sent[rid] = counts
-            progress.partial.append(partial_output(engine, req))
-    return progress
 
 
 class LocalDriver:
@@ -104,7 +66,7 @@ class LocalDriver:
 
 
 class ParallelDriver:
-    """Rank 0 of a spawned data-parallel group (``dist.data_parallel.DataParallel``): it checks
+    """Rank 0 of a spawned data-parallel group (``parallel.data_parallel.DataParallel``): it checks
     each request, gives it its ids, and at the next step hands it to the rank with the least
     queued work (``assign``); every step is one ``serve_step`` of the whole group, which returns
     every rank's news. The gauges are summed over the ranks, as of the last step."""
@@ -123,7 +85,7 @@ class ParallelDriver:
         self._loads = [(0, self.engine.kv.num_free)] * dp.group.size  # (queued tokens, free KV blocks) per rank
 
     def add(self, prompt, params: SamplingParams, request_id: str | None) -> str:
-        from deepinfer_core.dist.data_parallel import Work
+        from deepinfer_core.parallel.data_parallel import Work
 
         engine = self.engine
         why = self.unavailable()
@@ -158,7 +120,7 @@ class ParallelDriver:
         return self._step(run=True)
 
     def _step(self, run: bool) -> Progress:
-        from deepinfer_core.dist.data_parallel import STEP, assign
+        from deepinfer_core.parallel.data_parallel import STEP, assign
 
         dp, work, aborts = self.dp, self._work, self._aborts
         self._work, self._aborts = [], []

@@ -13,9 +13,7 @@ blocks are freed at once). Every response carries usage: prompt, completion and 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import socket
@@ -25,16 +23,17 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from deepinfer_core.api import GenerationError, RequestOutput
+from deepinfer_core.engine.output import RequestOutput
 from deepinfer_core.chat import chat_prompt
 from deepinfer_core.recipe import recipe_for
 from deepinfer_core.sampling.sampler import most_likely
 from deepinfer_core.serving.async_llm import AsyncLLM
+from deepinfer_core.serving.common import (BadRequest, Deltas, check_model, error_body, merged, run_all,
+                                          sampling_params_of, sse, validation_message)
 from deepinfer_core.serving.drivers import Unavailable
 from deepinfer_core.serving.metrics import ServerMetrics
 from deepinfer_core.serving.protocol import ChatRequest, CompletionRequest, Limits
@@ -42,29 +41,11 @@ from deepinfer_core.serving.protocol import ChatRequest, CompletionRequest, Limi
 log = logging.getLogger("deepinfer")
 
 
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.message, self.param, self.status, self.kind = message, param, status, kind
-
-
 ANTHROPIC_PATHS = ("/v1/messages",)  # errors there have Anthropic's body
-_ANTHROPIC_KINDS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-                    429: "rate_limit_error"}
-
-
-def _error_body(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                anthropic: bool = False) -> dict:
-    if anthropic:  # Anthropic's error type follows the status
-        kind = "api_error" if status >= 500 else _ANTHROPIC_KINDS.get(status, "invalid_request_error")
-        return {"type": "error", "error": {"type": kind, "message": message}}
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
-
-
 def _error(request: Request, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
     """The error answer, with OpenAI's body or, on ANTHROPIC_PATHS, Anthropic's."""
     anthropic = request.url.path.startswith(ANTHROPIC_PATHS)
-    return JSONResponse(_error_body(status, message, kind, param, anthropic), status_code=status)
+    return JSONResponse(error_body(status, message, kind, param, anthropic), status_code=status)
 
 
 def _authorized(request: Request, api_key: str) -> bool:
@@ -113,13 +94,6 @@ class _Guard:
         return capped
 
 
-def _validation_message(e: ValidationError | RequestValidationError) -> tuple[str, str | None]:
-    first = e.errors()[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    return (f"{param}: {first['msg']}" if param else first["msg"]), param
-
-
 @contextlib.contextmanager
 def serve_in_thread(app, host: str = "127.0.0.1", timeout_s: float = 30.0):
     """Run ``app`` with uvicorn on ``host`` (a free port) in a daemon thread; yields its base URL
@@ -153,7 +127,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, e: RequestValidationError):
-        message, param = _validation_message(e)
+        message, param = validation_message(e)
         return _error(request, 400, message, param=param)
 
     @app.exception_handler(BadRequest)
@@ -187,13 +161,13 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        _check_model(body.model, model_name)
-        params = _params(body, limits, body.logprobs)
+        check_model(body.model, model_name)
+        params = sampling_params_of(body, limits, body.logprobs)
         prompts = body.prompts()
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return await _sse(_stream_completion(engine, rid, model_name, prompts, params))
-        outs = await _run_all(engine, rid, prompts, params, request)
+            return await sse(_stream_completion(engine, rid, model_name, prompts, params))
+        outs = await run_all(engine, rid, prompts, params, request)
         choices = [{"index": p * params.n + c.index, "text": c.text, "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason, "logprobs": _completion_logprobs(c) if params.logprobs is not None else None}
                    for p, out in enumerate(outs) for c in out.outputs]
@@ -207,7 +181,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
         deepseek.register(app, engine, recipe, model_name, limits)  # /v1/chat/completions, /v1/messages(/count_tokens)
     else:
         _register_chat(app, engine, model_name, limits)
-        from deepinfer_core.serving.anthropic import register  # it imports this module's helpers
+        from deepinfer_core.serving.anthropic import register
 
         register(app, engine, model_name, limits)  # /v1/messages
 
@@ -226,17 +200,17 @@ def _register_chat(app: FastAPI, engine: AsyncLLM, model_name: str, limits: Limi
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        _check_model(body.model, model_name)
+        check_model(body.model, model_name)
         try:
             so = body.so_args()
         except ValueError as e:
             raise BadRequest(str(e), "response_format") from None
-        params = _params(body, limits, (body.top_logprobs or 0) if body.logprobs else None, so)
+        params = sampling_params_of(body, limits, (body.top_logprobs or 0) if body.logprobs else None, so)
         prompt = _chat_prompt(engine, body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return await _sse(_stream_chat(engine, rid, model_name, prompt, params))
-        (out,) = await _run_all(engine, rid, [prompt], params, request)
+            return await sse(_stream_chat(engine, rid, model_name, prompt, params))
+        (out,) = await run_all(engine, rid, [prompt], params, request)
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason, "logprobs": _chat_logprobs(c, params.logprobs) if params.logprobs is not None else None}
                    for c in out.outputs]
@@ -245,75 +219,12 @@ def _register_chat(app: FastAPI, engine: AsyncLLM, model_name: str, limits: Limi
 
 
 # ---- requests -----------------------------------------------------------------------------------
-def _check_model(asked: str | None, served: str) -> None:
-    if asked not in (None, "", served):
-        raise BadRequest(f"model {asked!r} is not served here; this server serves {served!r} (GET /v1/models)", "model", 404,
-                         "not_found_error")
-
-
-def _params(body, limits: Limits, logprobs: int | None, so_args: dict | None = None):
-    try:
-        return body.sampling_params(limits, logprobs, so_args)
-    except ValidationError as e:
-        message, param = _validation_message(e)
-        raise BadRequest(message, param) from None
-    except ValueError as e:
-        raise BadRequest(str(e)) from None
-
-
 def _chat_prompt(engine: AsyncLLM, body: ChatRequest) -> list[int]:
     try:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         return chat_prompt(engine.tokenizer, messages)
     except ValueError as e:
         raise BadRequest(str(e), "messages") from None
-
-
-async def _start(engine: AsyncLLM, prompt, params, request_id: str):
-    """The request's output stream, started (a refused request raises here, as a 400)."""
-    gen = engine.generate(prompt, params, request_id)
-    try:
-        first = await gen.__anext__()
-    except (ValueError, TypeError) as e:
-        raise BadRequest(str(e), "prompt") from None
-    return first, gen
-
-
-DISCONNECT_POLL_S = 0.5  # how often a non-streamed request looks whether its client is still there
-
-
-async def _run_all(engine: AsyncLLM, rid: str, prompts: list, params, request: Request | None = None) -> list[RequestOutput]:
-    """Every prompt's final output. A client that disconnects (``request``) cancels them: each
-    request is aborted and its blocks freed."""
-
-    async def one(i: int, prompt) -> RequestOutput:
-        last, gen = await _start(engine, prompt, params, f"{rid}-{i}")
-        async for out in gen:
-            last = out
-        return last
-
-    tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts)]
-    try:
-        return list(await _unless_disconnected(asyncio.gather(*tasks), request))
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
-async def _unless_disconnected(work, request: Request | None):
-    """``work``'s result; BadRequest 499 (and ``work`` cancelled) if the client disconnects first,
-    500 if generation failed."""
-    task = asyncio.ensure_future(work)
-    try:
-        while request is not None and not task.done():
-            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if not task.done() and await request.is_disconnected():
-                raise BadRequest("the client disconnected", status=499)
-        return await task
-    except GenerationError as e:
-        raise BadRequest(f"generation failed: {e}", status=500, kind="server_error") from None
-    finally:
-        task.cancel()
 
 
 def _usage(outs: list[RequestOutput]) -> dict:
@@ -348,99 +259,10 @@ def _chat_logprobs(c, top_n: int, start: int = 0) -> dict:
     return {"content": content}
 
 
-# ---- streaming ----------------------------------------------------------------------------------
-async def _sse(events, anthropic: bool = False) -> StreamingResponse:
-    """``events`` (dicts) as server-sent events, OpenAI's (``data:`` lines, then ``[DONE]``) or
-    Anthropic's (each named by its ``type``). The first event is awaited before the 200 goes out:
-    every stream starts its requests before its first event, so a refused one is a 4xx."""
-
-    def line(event: dict) -> str:
-        return (f"event: {event['type']}\n" if anthropic else "") + f"data: {json.dumps(event)}\n\n"
-
-    try:
-        first = await anext(events)
-    except GenerationError as e:
-        raise BadRequest(f"generation failed: {e}", status=500, kind="server_error") from None
-
-    async def body():
-        try:
-            yield line(first)
-            async for event in events:
-                yield line(event)
-        except Exception as e:  # after the 200 went out: the error travels as an event
-            log.exception("streamed request failed")
-            yield line(_error_body(500, f"{type(e).__name__}: {e}", "server_error", anthropic=anthropic))
-        if not anthropic:
-            yield "data: [DONE]\n\n"
-
-    return StreamingResponse(body(), media_type="text/event-stream")
-
-
-async def _merged(engine: AsyncLLM, rid: str, prompts: list, params):
-    """(prompt index, output) as any prompt's output changes; the first of each is started before
-    anything is sent, so a refused prompt is a 400, not a broken stream."""
-    started = []
-    try:
-        for i, p in enumerate(prompts):
-            started.append(await _start(engine, p, params, f"{rid}-{i}"))
-    except BaseException:
-        for _, gen in started:
-            await gen.aclose()
-        raise
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, first, gen):
-        try:
-            await queue.put((i, first))
-            async for out in gen:
-                await queue.put((i, out))
-        except BaseException as e:
-            await queue.put((i, e))
-            raise
-        finally:
-            await queue.put((i, None))
-
-    tasks = [asyncio.ensure_future(pump(i, first, gen)) for i, (first, gen) in enumerate(started)]
-    try:
-        live = len(tasks)
-        while live:
-            i, item = await queue.get()
-            if item is None:
-                live -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:  # the client left, or a sample failed: stop every pump (each aborts its request) and wait for them
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-class _Deltas:
-    """What each sample has not been sent yet: text and tokens."""
-
-    def __init__(self):
-        self.text: dict[int, str] = {}
-        self.tokens: dict[int, int] = {}
-
-    def take(self, key: int, c) -> tuple[str, int]:
-        sent = self.text.get(key, "")
-        if not c.text.startswith(sent):  # cannot happen with the held-back text; never resend
-            log.warning("streamed text of sample %d is not a prefix of its final text", key)
-            delta = ""
-        else:
-            delta = c.text[len(sent):]
-        self.text[key] = sent + delta
-        start = self.tokens.get(key, 0)
-        self.tokens[key] = len(c.token_ids)
-        return delta, start
-
-
 async def _stream_completion(engine: AsyncLLM, rid: str, model: str, prompts: list, params):
     created = int(time.time())
-    deltas, finals = _Deltas(), {}
-    async for p, out in _merged(engine, rid, prompts, params):
+    deltas, finals = Deltas(), {}
+    async for p, out in merged(engine, rid, prompts, params):
         for c in out.outputs:
             index = p * params.n + c.index
             delta, start = deltas.take(index, c)
@@ -458,8 +280,8 @@ async def _stream_completion(engine: AsyncLLM, rid: str, model: str, prompts: li
 async def _stream_chat(engine: AsyncLLM, rid: str, model: str, prompt, params):
     created = int(time.time())
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-    deltas, last = _Deltas(), None
-    async for _, out in _merged(engine, rid, [prompt], params):
+    deltas, last = Deltas(), None
+    async for _, out in merged(engine, rid, [prompt], params):
         if last is None:  # the request started (a refused one raised): the role goes first
             yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                                        for i in range(params.n)]}

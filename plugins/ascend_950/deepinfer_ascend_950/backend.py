@@ -19,7 +19,7 @@ import logging
 import os
 from importlib.metadata import PackageNotFoundError, version
 
-from deepinfer_core.dist import local_rank
+from deepinfer_core.parallel import local_rank
 from deepinfer_core.hookspecs import BackendInfo, ProbeResult, hookimpl
 
 NAME = "ascend"

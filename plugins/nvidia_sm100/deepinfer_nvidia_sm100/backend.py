@@ -28,7 +28,7 @@ import importlib.util
 import logging
 import os
 
-from deepinfer_core.dist import local_rank
+from deepinfer_core.parallel import local_rank
 from deepinfer_core.hookspecs import BackendInfo, ProbeResult, hookimpl
 
 NAME = "nvidia"

@@ -160,9 +160,9 @@ def _version(t: torch.Tensor) -> int | None:
 def block_size_for(model_config) -> int | None:
     """The KV block size FlashMLA needs for this model when it is installed and the model is a
     V2/V3 one of its row widths (512 latent + 64 RoPE channels); else None (no wish)."""
-    from deepinfer_core.config import MLA_MODEL_TYPES
+    from deepinfer_core.models.v3.config import MODEL_TYPES
 
-    fitting = (getattr(model_config, "model_type", None) in MLA_MODEL_TYPES
+    fitting = (getattr(model_config, "model_type", None) in MODEL_TYPES
                and (model_config.kv_lora_rank, model_config.qk_rope_head_dim) == (LATENT_DIM, ROPE_DIM))
     return BLOCK_SIZE if fitting and version() is not None else None
 

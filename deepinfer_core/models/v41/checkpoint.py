@@ -1,8 +1,8 @@
 """DeepSeek-V4.1 checkpoint keys (deepseek_architectures.md §5.4): DeepSeek's original naming
-mapped to the model's parameter names (models/deepseek_v41.py: V4's transformers-style names
+mapped to the model's parameter names (models/v41/model.py: V4's transformers-style names
 where V4.1 reuses a V4 module), and the checkpoint format ``V41Checkpoint``.
 
-Beyond V4's original keys (``checkpoint_v4``): the stand-alone indexer of index sources
+Beyond V4's original keys (``models/v4/checkpoint.py``): the stand-alone indexer of index sources
 (``layers.L.attn.indexer.{wq_b,weights_proj}``; KV sources also ``wk`` and ``k_norm``), Engram
 (``layers.L.engram.{embed,wkv}.{weight,scale}``, ``engram.{q_weight,k_weight}``) and the DSpark
 stages ``mtp.{0,1,2}.*`` (``mtp.layers.i.*`` in the model). The vision tower (``vision.*``, ``aligner.*``, ``image_*``) is skipped
@@ -15,7 +15,7 @@ import logging
 import re
 from pathlib import Path
 
-from deepinfer_core.checkpoint_v4 import V4Checkpoint, V4Key, normalize_v4_key, rename_v4_state, v4_checkpoint_key
+from deepinfer_core.models.v4.checkpoint import V4Checkpoint, V4Key, normalize_v4_key, rename_v4_state, v4_checkpoint_key
 from deepinfer_core.loader import LoadPlan
 
 logger = logging.getLogger("deepinfer.loader")

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from deepinfer_core.config import ConfigError
-from deepinfer_core.models.deepseek_v3 import FP8_DTYPE, Alloc, Linear, _param
-from deepinfer_core.models.deepseek_v4_batch import V4Batch
-from deepinfer_core.models.engram_tables import engram_multipliers, engram_offsets, engram_primes, engram_table_rows
+from deepinfer_core.models.layers import FP8_DTYPE, Alloc, Linear, param
+from deepinfer_core.models.v4.batch import V4Batch
+from deepinfer_core.models.v41.engram_tables import engram_multipliers, engram_offsets, engram_primes, engram_table_rows
 from deepinfer_core.ops import OpTable
 
 SCALE_GROUP = 32  # table values per e8m0 scale
@@ -56,12 +56,12 @@ class Engram(nn.Module):
             )
         self.embed = nn.Module()
         quantised = config.fp8_block is not None  # kept as stored: the real table is ~200 GB in FP8
-        self.embed.weight = _param((rows, hd), FP8_DTYPE if quantised else alloc.dtype, alloc.device)
-        self.embed.weight_scale_inv = _param((rows, -(-hd // SCALE_GROUP)), torch.float32, alloc.device) if quantised else None
+        self.embed.weight = param((rows, hd), FP8_DTYPE if quantised else alloc.dtype, alloc.device)
+        self.embed.weight_scale_inv = param((rows, -(-hd // SCALE_GROUP)), torch.float32, alloc.device) if quantised else None
         cols = (n - 1) * heads
         self.kv_proj = Linear(cols * hd, (config.hc_mult + 1) * config.hidden_size, ops, alloc)
-        self.q_weight = _param((config.hc_mult, config.hidden_size), alloc.dtype, alloc.device)
-        self.k_weight = _param((config.hc_mult, config.hidden_size), alloc.dtype, alloc.device)
+        self.q_weight = param((config.hc_mult, config.hidden_size), alloc.dtype, alloc.device)
+        self.k_weight = param((config.hc_mult, config.hidden_size), alloc.dtype, alloc.device)
         mult = engram_multipliers(layer, config.engram_compressed_vocab_size, n)
         self.register_buffer("multipliers", torch.tensor(mult, dtype=torch.int64, device=alloc.device), persistent=False)
         self.register_buffer("primes", torch.tensor(primes, dtype=torch.int64, device=alloc.device), persistent=False)

@@ -7,7 +7,7 @@ import torch
 
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.sampling.sampler import SampleRow, launch, probabilities
-from deepinfer_core.sampling.spec_decode.rejection import draw, uses_rejection
+from deepinfer_core.engine.spec_decode.rejection import draw, uses_rejection
 
 
 def draft_room(seq: Sequence, k: int, max_model_len: int) -> int:

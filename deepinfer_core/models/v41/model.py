@@ -1,6 +1,6 @@
 """DeepSeek-V4.1-Flash, written on the OpTable (deepseek_architectures.md §4).
 
-Deltas from V4 (models/deepseek_v4.py, whose attention-with-sinks, MoE and mHC pieces are reused):
+Deltas from V4 (models/v4/model.py, whose attention-with-sinks, MoE and mHC pieces are reused):
 no per-head query norm; delayed mHC (each sublayer collapses its input with the previous
 sublayer's ``pre``; layer 0 takes the embedding copy; the final collapse uses the last FFN
 sublayer's ``pre``, no learned head); KV sharing (``config_v41``'s topology): only KV sources own
@@ -27,14 +27,14 @@ import torch
 from torch import nn
 
 from deepinfer_core.config import settings
-from deepinfer_core.config_v41 import FULL, REINDEX, REUSE, WINDOW, V41ModelConfig
-from deepinfer_core.models import dspark
 from deepinfer_core.models.batch import BatchMeta, CacheGroup
-from deepinfer_core.models.deepseek_v3 import Alloc, Linear, _param
-from deepinfer_core.models.deepseek_v4 import (CANDIDATE_BYTES, RING_BLOCK, HyperConnection, MoE, Norm, PrefixPlan, V4FamilyLM,
-                                               _rope, add_attention_projections, rope_tables, sparse_output)
-from deepinfer_core.models.deepseek_v4_batch import V4Batch
-from deepinfer_core.models.engram import Engram, ngram_ids
+from deepinfer_core.models.layers import Alloc, Linear, param
+from deepinfer_core.models.v4.batch import V4Batch
+from deepinfer_core.models.v4.model import (CANDIDATE_BYTES, RING_BLOCK, HyperConnection, MoE, Norm, PrefixPlan, V4FamilyLM, add_attention_projections, apply_rope, rope_tables, sparse_output)
+from deepinfer_core.models.v41 import dspark
+from deepinfer_core.models.v41.checkpoint import V41Checkpoint
+from deepinfer_core.models.v41.config import FULL, REINDEX, REUSE, WINDOW, V41ModelConfig
+from deepinfer_core.models.v41.engram import Engram, ngram_ids
 from deepinfer_core.ops import OpTable
 
 WINDOW_GROUP = "window"
@@ -95,12 +95,12 @@ class Indexer(nn.Module):
 
     def keys(self, latents: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         k = self.ops.rms_norm_f32(self.k_proj(latents), self.k_norm.weight, self.k_norm.eps)
-        return _rope(self.ops, k[:, None], positions, table)[:, 0]
+        return apply_rope(self.ops, k[:, None], positions, table)[:, 0]
 
     def queries(self, x, qr, positions, table) -> tuple[torch.Tensor, torch.Tensor]:
         """(q [T, Hi, Di] rotated, weights [T, Hi] float32 with the head-count scale)."""
         q = self.q_b_proj(qr).view(x.shape[0], self.num_heads, self.head_dim)
-        return _rope(self.ops, q, positions, table), self.weights_proj(x).float() * self.num_heads**-0.5
+        return apply_rope(self.ops, q, positions, table), self.weights_proj(x).float() * self.num_heads**-0.5
 
 
 class ForwardState:
@@ -132,7 +132,7 @@ class Attention(nn.Module):
         ops, c = self.ops, self.config
         table, inverse = tables
         kv = ops.rms_norm_f32(self.kv_proj(x), self.kv_norm.weight, self.kv_norm.eps)
-        kv = _rope(ops, kv[:, None], plan.positions, table)[:, 0]
+        kv = apply_rope(ops, kv[:, None], plan.positions, table)[:, 0]
         window = caches[f"{name}.window"]
         pool = torch.cat([kv, window.view(-1, self.head_dim).to(kv.dtype)])  # read before this step's writes
         if window_index is None:
@@ -143,7 +143,7 @@ class Attention(nn.Module):
 
         xq, positions = rows(x), rows(plan.positions)
         qr = ops.rms_norm_f32(self.q_a_proj(xq), self.q_a_norm.weight, self.q_a_norm.eps)
-        q = _rope(ops, self.q_b_proj(qr).view(xq.shape[0], self.num_heads, self.head_dim), positions, table)
+        q = apply_rope(ops, self.q_b_proj(qr).view(xq.shape[0], self.num_heads, self.head_dim), positions, table)
         index = rows(plan.window(WINDOW_GROUP, c.sliding_window)) if window_index is None else window_index
         if self.mode != WINDOW:
             if self.mode == FULL:
@@ -154,7 +154,7 @@ class Attention(nn.Module):
         return sparse_output(self, q, pool, index, positions, inverse)
 
     def forward_context_parallel(self, x: torch.Tensor, positions: torch.Tensor, cp, tables, state: ForwardState):
-        """This rank's tokens of a context-parallel prefill (``dist.context_parallel.ContextParallel``):
+        """This rank's tokens of a context-parallel prefill (``parallel.context_parallel.ContextParallel``):
         the prefix's window keys (and, in a KV source, its compressor rows) are gathered; a KV
         source pools every entry and index key of the prefix (on every rank) and leaves them in
         ``state`` for the layers that read them; the queries then select and attend as the
@@ -163,9 +163,9 @@ class Attention(nn.Module):
         ops, c = self.ops, self.config
         table, inverse = tables
         kv = ops.rms_norm_f32(self.kv_proj(x), self.kv_norm.weight, self.kv_norm.eps)
-        full = cp.gather(_rope(ops, kv[:, None], positions, table)[:, 0])  # position p is row p
+        full = cp.gather(apply_rope(ops, kv[:, None], positions, table)[:, 0])  # position p is row p
         qr = ops.rms_norm_f32(self.q_a_proj(x), self.q_a_norm.weight, self.q_a_norm.eps)
-        q = _rope(ops, self.q_b_proj(qr).view(x.shape[0], self.num_heads, self.head_dim), positions, table)
+        q = apply_rope(ops, self.q_b_proj(qr).view(x.shape[0], self.num_heads, self.head_dim), positions, table)
         index, pool, saved = PrefixPlan.window(positions, c.sliding_window), full, {}
         if self.mode != WINDOW:
             if self.mode == FULL:
@@ -190,7 +190,7 @@ class Attention(nn.Module):
             score = torch.zeros_like(kv)
         entry_pos = torch.arange(n, device=x.device) * r
         latents = comp.latents(kv, score, x.dtype)
-        return {"compressed": _rope(self.ops, latents[:, None], entry_pos, table)[:, 0],
+        return {"compressed": apply_rope(self.ops, latents[:, None], entry_pos, table)[:, 0],
                 "indexer": self.indexer.keys(latents, entry_pos, table)}
 
     def _compress(self, x, plan: V4Batch, caches, name: str, table) -> None:
@@ -218,7 +218,7 @@ class Attention(nn.Module):
             score = torch.zeros_like(kv)
             slots, entry_pos = all_slots[tokens], plan.positions[tokens]
         latents = comp.latents(kv, score, x.dtype)
-        entries = _rope(self.ops, latents[:, None], entry_pos, table)[:, 0]
+        entries = apply_rope(self.ops, latents[:, None], entry_pos, table)[:, 0]
         self.ops.write_cache(caches[f"{name}.compressed"], entries, slots)
         self.ops.write_cache(caches[f"{name}.indexer"], self.indexer.keys(latents, entry_pos, table), slots)
 
@@ -298,7 +298,7 @@ class DeepseekV41Backbone(nn.Module):
     def __init__(self, config: V41ModelConfig, ops: OpTable, alloc: Alloc):
         super().__init__()
         self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = _param((config.vocab_size, config.hidden_size), alloc.dtype, alloc.device)
+        self.embed_tokens.weight = param((config.vocab_size, config.hidden_size), alloc.dtype, alloc.device)
         self.layers = nn.ModuleList(DecoderLayer(config, ops, alloc, i) for i in range(config.num_hidden_layers))
         self.norm = Norm(config.hidden_size, config.rms_norm_eps, alloc)
 
@@ -310,6 +310,7 @@ class DeepseekV41ForCausalLM(V4FamilyLM):
     model has Engram layers (their hashes read the tokenizer's compressed vocabulary)."""
 
     supports_context_parallel = True  # prefill_context_parallel / write_context (V4FamilyLM's)
+    checkpoint_format = V41Checkpoint()  # how its checkpoints name their tensors (loader.load_model)
 
     def __init__(self, config: V41ModelConfig, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False,
                  expert_slots: tuple[int, ...] | None = None):
@@ -342,7 +343,7 @@ class DeepseekV41ForCausalLM(V4FamilyLM):
         if not c.engram_layer_ids:
             return
         from deepinfer_core.config import ConfigError
-        from deepinfer_core.models.engram_tables import compressed_token_ids
+        from deepinfer_core.models.v41.engram_tables import compressed_token_ids
 
         if tokenizer is None:
             raise ConfigError("DeepSeek-V4.1's Engram layers need the model's tokenizer (its compressed vocabulary); none was found")

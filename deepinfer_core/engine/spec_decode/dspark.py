@@ -24,9 +24,9 @@ from deepinfer_core.engine.scheduler import ScheduledSeq, SchedulerOutput
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.sampler import SampleRow, launch, needs_history
-from deepinfer_core.sampling.spec_decode import adaptive
-from deepinfer_core.sampling.spec_decode.drafting import BlockReserve, draft_room, sample_drafts
-from deepinfer_core.sampling.spec_decode.rejection import uses_rejection
+from deepinfer_core.engine.spec_decode import adaptive
+from deepinfer_core.engine.spec_decode.drafting import BlockReserve, draft_room, sample_drafts
+from deepinfer_core.engine.spec_decode.rejection import uses_rejection
 
 log = logging.getLogger("deepinfer")
 

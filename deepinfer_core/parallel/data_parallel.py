@@ -51,13 +51,14 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from deepinfer_core.api import GenerationError, to_output
+from deepinfer_core.engine.output import GenerationError, to_output
+from deepinfer_core.engine.progress import Progress, step_progress
 from deepinfer_core.config import ParallelConfig, settings
-from deepinfer_core.dist import launch
-from deepinfer_core.dist.communicator import communicator_for
-from deepinfer_core.dist.context_parallel import ContextParallel, PeerFailed
-from deepinfer_core.dist.expert_parallel import ExpertParallel
-from deepinfer_core.dist.launch import Group
+from deepinfer_core.parallel import launch
+from deepinfer_core.parallel.communicator import communicator_for
+from deepinfer_core.parallel.context_parallel import ContextParallel, PeerFailed
+from deepinfer_core.parallel.expert_parallel import ExpertParallel
+from deepinfer_core.parallel.launch import Group
 from deepinfer_core.sampling.params import SamplingParams
 
 log = logging.getLogger("deepinfer")
@@ -301,8 +302,6 @@ class DataParallel:
         gauges are gathered. A failed step on any rank makes every rank abort what it has
         (all of it in the news, ``failure`` set). Returns (the news of every rank, their loads,
         the summed gauges)."""
-        from deepinfer_core.serving.drivers import Progress, step_progress
-
         engine, spec = self.engine, self.engine.proposer is not None
         sent = self.served_counts
         self._queue(work)  # rank 0's counter stays where its driver numbers the next request's samples from
@@ -374,10 +373,10 @@ class DataParallel:
 def worker_main(rank: int, size: int, port: int, engine_args: tuple, parallel: ParallelConfig, log_level: str) -> None:
     """A spawned rank (``launch.spawn``'s worker): build the engine, join the group, serve rank 0's
     commands. An error after start-up is written to the rendezvous store for rank 0 to report."""
-    from deepinfer_core.api import _configure_logging
+    from deepinfer_core.config import configure_logging
     from deepinfer_core.engine.engine import Engine
 
-    _configure_logging(log_level)
+    configure_logging(log_level)
     shard = (rank, size) if parallel.expert_parallel else None
     group, engine = launch.worker_join(rank, size, port, lambda: Engine(*engine_args, progress=False, expert_parallel=shard))
     try:

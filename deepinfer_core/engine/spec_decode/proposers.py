@@ -4,9 +4,9 @@ whether the checkpoint can serve it: the engine's one entry into speculative dec
 from __future__ import annotations
 
 from deepinfer_core.config import ConfigError, SpeculativeConfig, settings
-from deepinfer_core.sampling.spec_decode.dspark import DSparkProposer
-from deepinfer_core.sampling.spec_decode.mtp import MTPProposer
-from deepinfer_core.sampling.spec_decode.ngram import NgramProposer
+from deepinfer_core.engine.spec_decode.dspark import DSparkProposer
+from deepinfer_core.engine.spec_decode.mtp import MTPProposer
+from deepinfer_core.engine.spec_decode.ngram import NgramProposer
 
 DRAFT_MODELS = {"mtp": MTPProposer, "dspark": DSparkProposer}  # methods whose drafter is part of the checkpoint
 DEFAULT_NEXTN = 5  # DeepSeek's default DEEPINFER_USE_NEXTN_DECODE

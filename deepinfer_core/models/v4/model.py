@@ -23,10 +23,11 @@ import math
 import torch
 from torch import nn
 
-from deepinfer_core.config import V4ModelConfig
 from deepinfer_core.models.batch import BatchMeta, CacheGroup
-from deepinfer_core.models.deepseek_v3 import MLP, Alloc, Experts, Linear, _param
-from deepinfer_core.models.deepseek_v4_batch import V4Batch, plan_for
+from deepinfer_core.models.layers import MLP, Alloc, Experts, Linear, param
+from deepinfer_core.models.v4.batch import V4Batch, plan_for
+from deepinfer_core.models.v4.checkpoint import V4Checkpoint
+from deepinfer_core.models.v4.config import V4ModelConfig
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.rope import rope_cos_sin_table
 
@@ -41,7 +42,7 @@ class Norm(nn.Module):
 
     def __init__(self, dim: int, eps: float, alloc: Alloc):
         super().__init__()
-        self.weight = _param((dim,), torch.float32, alloc.device)
+        self.weight = param((dim,), torch.float32, alloc.device)
         self.eps = eps
 
 
@@ -49,24 +50,24 @@ class HyperConnection(nn.Module):
     def __init__(self, config: V4ModelConfig, alloc: Alloc):
         super().__init__()
         hc, d = config.hc_mult, config.hidden_size
-        self.fn = _param(((2 + hc) * hc, hc * d), torch.float32, alloc.device)
-        self.base = _param(((2 + hc) * hc,), torch.float32, alloc.device)
-        self.scale = _param((3,), torch.float32, alloc.device)
+        self.fn = param(((2 + hc) * hc, hc * d), torch.float32, alloc.device)
+        self.base = param(((2 + hc) * hc,), torch.float32, alloc.device)
+        self.scale = param((3,), torch.float32, alloc.device)
 
 
 class HyperHead(nn.Module):
     def __init__(self, config: V4ModelConfig, alloc: Alloc):
         super().__init__()
         hc, d = config.hc_mult, config.hidden_size
-        self.hc_fn = _param((hc, hc * d), torch.float32, alloc.device)
-        self.hc_base = _param((hc,), torch.float32, alloc.device)
-        self.hc_scale = _param((1,), torch.float32, alloc.device)
+        self.hc_fn = param((hc, hc * d), torch.float32, alloc.device)
+        self.hc_base = param((hc,), torch.float32, alloc.device)
+        self.hc_scale = param((1,), torch.float32, alloc.device)
 
     def forward(self, ops: OpTable, config: V4ModelConfig, x: torch.Tensor) -> torch.Tensor:
         return ops.mhc_head(x, self.hc_fn, self.hc_base, self.hc_scale, hc_eps=config.hc_eps, rms_eps=config.rms_norm_eps)
 
 
-def _rope(ops: OpTable, x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+def apply_rope(ops: OpTable, x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Rotate the trailing rope dims of x [T, H, d] (interleaved pairs) at ``positions``."""
     r = table.shape[-1]
     rotated = ops.rotary_embedding(x[..., -r:], x[:, 0, -r:], positions, table, True)[0]
@@ -114,7 +115,7 @@ class Compressor(nn.Module):
         bf = Alloc(alloc.dtype, alloc.device, None)  # bf16 in DeepSeek's FP8 checkpoints
         self.kv_proj = Linear(d, width, ops, bf)
         self.gate_proj = Linear(d, width, ops, bf)
-        self.position_bias = _param((ratio, width), torch.float32, alloc.device)
+        self.position_bias = param((ratio, width), torch.float32, alloc.device)
         self.kv_norm = Norm(dim, config.rms_norm_eps, alloc)
 
     @property
@@ -140,7 +141,7 @@ class Compressor(nn.Module):
         score = score.masked_fill(~valid[:, :, None], float("-inf"))
         kv = kv.masked_fill(~valid[:, :, None], 0.0).to(dtype)
         entries = self.ops.compress_pool(kv, score, self.kv_norm.weight, self.kv_norm.eps)
-        return _rope(self.ops, entries[:, None], positions, table)[:, 0]
+        return apply_rope(self.ops, entries[:, None], positions, table)[:, 0]
 
 
 class Indexer(Compressor):
@@ -158,7 +159,7 @@ class Indexer(Compressor):
         """[T, min(index_topk, C)] rows of the entry pool each query attends to (-1: none)."""
         t = x.shape[0]
         q = self.q_b_proj(qr).view(t, self.num_heads, self.head_dim)
-        q = _rope(self.ops, q, plan.positions, table)
+        q = apply_rope(self.ops, q, plan.positions, table)
         weights = self.scorer.weights_proj(x).float() * self.num_heads**-0.5
         # the candidates index is [T, C] int64: built per chunk of queries, at most CANDIDATE_BYTES
         width = max(1, keys.shape[0])
@@ -174,7 +175,7 @@ def sparse_output(attn: nn.Module, q: torch.Tensor, pool: torch.Tensor, index: t
     sinks), the values' rotation undone at the query positions, the grouped output projections."""
     ops = attn.ops
     out = ops.sparse_attention(q, pool, index, attn.sinks, attn.head_dim**-0.5)
-    out = _rope(ops, out, positions, inverse)  # undo the values' rotation at the query position
+    out = apply_rope(ops, out, positions, inverse)  # undo the values' rotation at the query position
     return attn.o_b_proj(grouped_o_a(ops, attn.o_a_proj, out.view(q.shape[0], attn.config.o_groups, -1)))
 
 
@@ -192,7 +193,7 @@ def add_attention_projections(attn: nn.Module, config, ops: OpTable, alloc: Allo
     whole = alloc.fp8_block is None or config.o_lora_rank % alloc.fp8_block[0] == 0
     attn.o_a_proj = Linear(h * d // config.o_groups, config.o_groups * config.o_lora_rank, ops, alloc, fp8=whole)
     attn.o_b_proj = Linear(config.o_groups * config.o_lora_rank, hidden, ops, alloc)
-    attn.sinks = _param((h,), torch.float32, alloc.device)
+    attn.sinks = param((h,), torch.float32, alloc.device)
 
 
 class Attention(nn.Module):
@@ -236,7 +237,7 @@ class Attention(nn.Module):
         return sparse_output(self, q, pool, index, positions, inverse)
 
     def forward_context_parallel(self, x: torch.Tensor, positions: torch.Tensor, cp, tables):
-        """This rank's tokens of a context-parallel prefill (``dist.context_parallel.ContextParallel``):
+        """This rank's tokens of a context-parallel prefill (``parallel.context_parallel.ContextParallel``):
         the KV rows and compressor rows of the whole prefix are gathered, every compressed entry
         of the prefix is pooled (on every rank), and this rank's queries attend as the engine's
         forward would. Returns (the attention output of this rank's tokens, the prefix's entries
@@ -333,17 +334,17 @@ class MoE(nn.Module):
         super().__init__()
         self.ops, self.config = ops, config
         self.gate = nn.Module()
-        self.gate.weight = _param((config.n_routed_experts, config.hidden_size), alloc.dtype, alloc.device)
+        self.gate.weight = param((config.n_routed_experts, config.hidden_size), alloc.dtype, alloc.device)
         if hashed:  # token id -> its k experts
-            self.gate.tid2eid = _param((config.vocab_size, config.num_experts_per_tok), torch.int64, alloc.device)
+            self.gate.tid2eid = param((config.vocab_size, config.num_experts_per_tok), torch.int64, alloc.device)
         else:
-            self.gate.e_score_correction_bias = _param((config.n_routed_experts,), torch.float32, alloc.device)
+            self.gate.e_score_correction_bias = param((config.n_routed_experts,), torch.float32, alloc.device)
         self.hashed = hashed
         # MXFP4/FP8 experts dequantised at load
         self.experts = Experts(config, Alloc(alloc.dtype, alloc.device, None, alloc.expert_slots))
         inter = config.moe_intermediate_size * config.n_shared_experts
         self.shared_experts = ClampedMLP(config.hidden_size, inter, ops, alloc, config.swiglu_limit) if inter else None
-        self.ep = None  # set by dist.expert_parallel.ExpertParallel: the routed experts run across ranks
+        self.ep = None  # set by parallel.expert_parallel.ExpertParallel: the routed experts run across ranks
 
     def experts_op(self, x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, block=None) -> torch.Tensor:
         """The routed experts (V4's clamped SwiGLU where the config has a limit) over the given
@@ -419,7 +420,7 @@ class DeepseekV4Backbone(nn.Module):
     def __init__(self, config: V4ModelConfig, ops: OpTable, alloc: Alloc):
         super().__init__()
         self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = _param((config.vocab_size, config.hidden_size), alloc.dtype, alloc.device)
+        self.embed_tokens.weight = param((config.vocab_size, config.hidden_size), alloc.dtype, alloc.device)
         self.layers = nn.ModuleList(
             DecoderLayer(config, ops, alloc, t, hashed=i < config.num_hash_layers) for i, t in enumerate(config.layer_types)
         )
@@ -496,6 +497,7 @@ class DeepseekV4ForCausalLM(V4FamilyLM):
     batch contract as DeepseekV3ForCausalLM's)."""
 
     supports_context_parallel = True  # prefill_context_parallel / write_context
+    checkpoint_format = V4Checkpoint()  # how its checkpoints name their tensors (loader.load_model)
 
     def __init__(self, config: V4ModelConfig, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False,
                  expert_slots: tuple[int, ...] | None = None):

@@ -229,7 +229,7 @@ def rename_v4_state(state: dict[str, torch.Tensor], naming: str = "original", ch
                     family: str = "DeepSeek-V4") -> dict[str, torch.Tensor]:
     """A state dict in parameter names (fused experts, ``*_scale_inv`` scales) -> checkpoint keys
     in ``naming`` (original / hf_save: experts one by one, scales ``.scale``), for writing test
-    checkpoints; ``checkpoint_key``: the family's key mapping (checkpoint_v41 passes V4.1's).
+    checkpoints; ``checkpoint_key``: the family's key mapping (models/v41/checkpoint.py passes V4.1's).
     Raises ValueError for a name that is no parameter of ``family``."""
     out = {}
     for name, tensor in state.items():
@@ -250,7 +250,7 @@ def rename_v4_state(state: dict[str, torch.Tensor], naming: str = "original", ch
 
 class V4Checkpoint:
     """The checkpoint format of DeepSeek-V4 models (see the module docstring). ``normalize`` /
-    ``checkpoint_key``: the key mapping (checkpoint_v41.V41Checkpoint brings V4.1's)."""
+    ``checkpoint_key``: the key mapping (models/v41/checkpoint.py's V41Checkpoint brings V4.1's)."""
 
     normalize = staticmethod(normalize_v4_key)
     checkpoint_key = staticmethod(v4_checkpoint_key)

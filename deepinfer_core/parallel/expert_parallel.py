@@ -16,7 +16,7 @@ and back.
    in ascending expert id, the reference's order.
 
 A rank with no tokens still takes part (it sends nothing and computes what it receives). The
-communicator is ``dist.communicator``'s (torch.distributed, or the backend's own).
+communicator is ``parallel.communicator``'s (torch.distributed, or the backend's own).
 
 ``ExpertParallel`` does this for a whole model built with only this rank's slots
 (``initial_slots``: the model allocates and the loader reads just those experts, so no rank ever
@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from deepinfer_core.dist.communicator import start_all_to_all
-from deepinfer_core.dist.eplb import Placement, num_physical_experts, rebalance
+from deepinfer_core.parallel.communicator import start_all_to_all
+from deepinfer_core.parallel.eplb import Placement, num_physical_experts, rebalance
 
 log = logging.getLogger("deepinfer")
 WEIGHTS = ("w13", "w2", "w13_scale", "w2_scale")

@@ -39,8 +39,8 @@ import torch
 from deepinfer_core.engine.scheduler import ScheduledSeq, SchedulerOutput
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.sampling.sampler import SampleRow, launch, needs_history
-from deepinfer_core.sampling.spec_decode.drafting import BlockReserve, draft_room, sample_drafts
-from deepinfer_core.sampling.spec_decode.rejection import uses_rejection
+from deepinfer_core.engine.spec_decode.drafting import BlockReserve, draft_room, sample_drafts
+from deepinfer_core.engine.spec_decode.rejection import uses_rejection
 
 
 @dataclass

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from deepinfer_core.models.deepseek_v3 import Alloc, Linear, _param
-from deepinfer_core.models.deepseek_v4 import Norm, _rope
+from deepinfer_core.models.layers import Alloc, Linear, param
+from deepinfer_core.models.v4.model import Norm, apply_rope
 
 
 @dataclass
@@ -47,7 +47,7 @@ class Head(nn.Module):
 
     def __init__(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.weight = _param((rows, cols), dtype, device)
+        self.weight = param((rows, cols), dtype, device)
 
 
 def add_stage_extras(stage: nn.Module, index: int, config, ops, alloc: Alloc) -> None:
@@ -79,7 +79,7 @@ def write_context(model, taps: torch.Tensor, plan, caches: dict[str, torch.Tenso
     for i, stage in enumerate(stages):
         attn = stage.self_attn
         kv = ops.rms_norm_f32(attn.kv_proj(main_x), attn.kv_norm.weight, attn.kv_norm.eps)
-        kv = _rope(ops, kv[:, None], plan.positions, table)[:, 0]
+        kv = apply_rope(ops, kv[:, None], plan.positions, table)[:, 0]
         ops.write_cache(caches[f"{stage_name(i)}.window"], kv, plan.slots("window"))
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from array import array
 
 from deepinfer_core.engine.sequence import Sequence
-from deepinfer_core.sampling.spec_decode.drafting import draft_room
+from deepinfer_core.engine.spec_decode.drafting import draft_room
 
 
 class NgramProposer:

@@ -21,7 +21,8 @@ from typing import Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from deepinfer_core.config import ConfigError, V4FamilyConfig, _fp8_block, validation_problems
+from deepinfer_core.config import ConfigError, fp8_block_of, validation_problems
+from deepinfer_core.models.v4.config import V4FamilyConfig
 
 FULL, REINDEX, REUSE, WINDOW = "full", "reindex", "reuse", "window"
 MODEL_TYPE = "deepseek_v41"
@@ -130,6 +131,11 @@ class V41ModelConfig(V4FamilyConfig):
 
     # ---- reading config.json ----------------------------------------------------------------
     @classmethod
+    def from_config_json(cls, raw: dict, model_dir=None) -> V41ModelConfig:
+        """From config.json's contents (transformers has no V4.1: read here, ``from_raw``)."""
+        return cls.from_raw(raw)
+
+    @classmethod
     def from_raw(cls, raw: dict) -> V41ModelConfig:
         """From config.json's contents: ``text_config`` (or the top level) for the model, the top
         level for ``quantization_config`` / ``image_token_id``."""
@@ -156,7 +162,7 @@ class V41ModelConfig(V4FamilyConfig):
             compress_ratios=tuple(ratios[:n]),  # the tail describes the DSpark stages
             compress_rope_parameters=rope,
             torch_dtype=str(text.get("torch_dtype") or text.get("dtype") or raw.get("torch_dtype") or "") or None,
-            fp8_block=_fp8_block({"quantization_config": quant}),
+            fp8_block=fp8_block_of({"quantization_config": quant}),
             expert_dtype=expert_dtype,
             image_token_id=raw.get("image_token_id", text.get("image_token_id")),
         )

@@ -1,0 +1,1 @@
+"""DeepSeek-V2 / V3 / R1: config, checkpoint format, model."""

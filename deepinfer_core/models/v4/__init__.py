@@ -1,0 +1,1 @@
+"""DeepSeek-V4: config, checkpoint format, model."""

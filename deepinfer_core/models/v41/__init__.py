@@ -1,0 +1,1 @@
+"""DeepSeek-V4.1: config, Engram, DSpark, checkpoint format, model."""

@@ -1,0 +1,198 @@
+"""What the HTTP routes share (``server``: OpenAI's routes; ``anthropic``; ``deepseek``): the
+error type a route raises and the bodies it becomes, sampling parameters from a request body,
+running prompts to their final outputs or merging their streams (a client that disconnects
+cancels its requests), and server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+
+from deepinfer_core.engine.output import GenerationError, RequestOutput
+from deepinfer_core.serving.async_llm import AsyncLLM
+from deepinfer_core.serving.protocol import Limits
+
+log = logging.getLogger("deepinfer")
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.kind = message, param, status, kind
+
+
+ANTHROPIC_KINDS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error"}
+
+
+def error_body(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                anthropic: bool = False) -> dict:
+    if anthropic:  # Anthropic's error type follows the status
+        kind = "api_error" if status >= 500 else ANTHROPIC_KINDS.get(status, "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def validation_message(e: ValidationError | RequestValidationError) -> tuple[str, str | None]:
+    first = e.errors()[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    return (f"{param}: {first['msg']}" if param else first["msg"]), param
+
+
+def check_model(asked: str | None, served: str) -> None:
+    if asked not in (None, "", served):
+        raise BadRequest(f"model {asked!r} is not served here; this server serves {served!r} (GET /v1/models)", "model", 404,
+                         "not_found_error")
+
+
+def sampling_params_of(body, limits: Limits, logprobs: int | None, so_args: dict | None = None):
+    try:
+        return body.sampling_params(limits, logprobs, so_args)
+    except ValidationError as e:
+        message, param = validation_message(e)
+        raise BadRequest(message, param) from None
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+
+
+async def start_request(engine: AsyncLLM, prompt, params, request_id: str):
+    """The request's output stream, started (a refused request raises here, as a 400)."""
+    gen = engine.generate(prompt, params, request_id)
+    try:
+        first = await gen.__anext__()
+    except (ValueError, TypeError) as e:
+        raise BadRequest(str(e), "prompt") from None
+    return first, gen
+
+
+DISCONNECT_POLL_S = 0.5  # how often a non-streamed request looks whether its client is still there
+
+
+async def run_all(engine: AsyncLLM, rid: str, prompts: list, params, request: Request | None = None) -> list[RequestOutput]:
+    """Every prompt's final output. A client that disconnects (``request``) cancels them: each
+    request is aborted and its blocks freed."""
+
+    async def one(i: int, prompt) -> RequestOutput:
+        last, gen = await start_request(engine, prompt, params, f"{rid}-{i}")
+        async for out in gen:
+            last = out
+        return last
+
+    tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts)]
+    try:
+        return list(await unless_disconnected(asyncio.gather(*tasks), request))
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def unless_disconnected(work, request: Request | None):
+    """``work``'s result; BadRequest 499 (and ``work`` cancelled) if the client disconnects first,
+    500 if generation failed."""
+    task = asyncio.ensure_future(work)
+    try:
+        while request is not None and not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                raise BadRequest("the client disconnected", status=499)
+        return await task
+    except GenerationError as e:
+        raise BadRequest(f"generation failed: {e}", status=500, kind="server_error") from None
+    finally:
+        task.cancel()
+
+
+# ---- streaming ----------------------------------------------------------------------------------
+async def sse(events, anthropic: bool = False) -> StreamingResponse:
+    """``events`` (dicts) as server-sent events, OpenAI's (``data:`` lines, then ``[DONE]``) or
+    Anthropic's (each named by its ``type``). The first event is awaited before the 200 goes out:
+    every stream starts its requests before its first event, so a refused one is a 4xx."""
+
+    def line(event: dict) -> str:
+        return (f"event: {event['type']}\n" if anthropic else "") + f"data: {json.dumps(event)}\n\n"
+
+    try:
+        first = await anext(events)
+    except GenerationError as e:
+        raise BadRequest(f"generation failed: {e}", status=500, kind="server_error") from None
+
+    async def body():
+        try:
+            yield line(first)
+            async for event in events:
+                yield line(event)
+        except Exception as e:  # after the 200 went out: the error travels as an event
+            log.exception("streamed request failed")
+            yield line(error_body(500, f"{type(e).__name__}: {e}", "server_error", anthropic=anthropic))
+        if not anthropic:
+            yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def merged(engine: AsyncLLM, rid: str, prompts: list, params):
+    """(prompt index, output) as any prompt's output changes; the first of each is started before
+    anything is sent, so a refused prompt is a 400, not a broken stream."""
+    started = []
+    try:
+        for i, p in enumerate(prompts):
+            started.append(await start_request(engine, p, params, f"{rid}-{i}"))
+    except BaseException:
+        for _, gen in started:
+            await gen.aclose()
+        raise
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, first, gen):
+        try:
+            await queue.put((i, first))
+            async for out in gen:
+                await queue.put((i, out))
+        except BaseException as e:
+            await queue.put((i, e))
+            raise
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, first, gen)) for i, (first, gen) in enumerate(started)]
+    try:
+        live = len(tasks)
+        while live:
+            i, item = await queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:  # the client left, or a sample failed: stop every pump (each aborts its request) and wait for them
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Deltas:
+    """What each sample has not been sent yet: text and tokens."""
+
+    def __init__(self):
+        self.text: dict[int, str] = {}
+        self.tokens: dict[int, int] = {}
+
+    def take(self, key: int, c) -> tuple[str, int]:
+        sent = self.text.get(key, "")
+        if not c.text.startswith(sent):  # cannot happen with the held-back text; never resend
+            log.warning("streamed text of sample %d is not a prefix of its final text", key)
+            delta = ""
+        else:
+            delta = c.text[len(sent):]
+        self.text[key] = sent + delta
+        start = self.tokens.get(key, 0)
+        self.tokens[key] = len(c.token_ids)
+        return delta, start

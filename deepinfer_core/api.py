@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from tqdm.auto import tqdm
 
 from deepinfer_core.chat import chat_prompt
-from deepinfer_core.models.registry import read_config
+from deepinfer_core.models.registry import describe, generation_for, read_config
 from deepinfer_core.config import (DEFAULT_MODEL_DIR, ConfigError, EngineConfig, ParallelConfig, configure_logging, settings,
                                    validation_problems)
 from deepinfer_core.engine.engine import Engine, Request, RequestError
@@ -228,7 +228,7 @@ class LLM:
     @functools.cached_property
     def _recipe(self):
         """deepseek-recipe for a V4 / V4.1 checkpoint (its chat format), None for the others."""
-        return recipe_for(self.model_dir, self.engine.model_config.model_type)
+        return recipe_for(self.model_dir, self.engine.generation)
 
     def generate(
         self,
@@ -359,16 +359,13 @@ def _parallel_engine_config(config: EngineConfig, parallel: ParallelConfig, mode
     DeepSeek's switches (DEEPINFER_USE_NEXTN_DECODE, ...) turn it on."""
     from deepinfer_core.engine.spec_decode.proposers import resolve
 
-    model_config = read_config(model_dir)
-    spec = resolve(config.speculative_config, model_config)
+    generation = generation_for(read_config(model_dir))
+    spec = resolve(config.speculative_config, generation.model)
     speculative = spec is not None
     if parallel.context_parallel_size > 1:
-        from deepinfer_core.models.registry import get_model_class
-
-        model_type = model_config.model_type
-        if not getattr(get_model_class(model_type), "supports_context_parallel", False):
+        if not generation.model.supports_context_parallel:
             raise ConfigError(f"context_parallel_size > 1 is supported for DeepSeek-V2/V3/R1, V4 and V4.1, not for "
-                              f"model_type {model_type!r} yet; leave context_parallel_size at 1")
+                              f"{describe(generation)} yet; leave context_parallel_size at 1")
         if not config.enable_prefix_caching or speculative:
             raise ConfigError("context_parallel_size > 1 needs prefix caching on and no speculative decoding (the owner "
                               "rank finds the prefix the CP group computed in its prefix cache)")

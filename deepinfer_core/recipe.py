@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from deepinfer_core.config import ConfigError
-from deepinfer_core.models.registry import generation
+from deepinfer_core.models.registry import Generation, generation
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.sampler import most_likely
 
@@ -41,10 +41,10 @@ def _library():
     return deepseek_recipe
 
 
-def recipe_for(model_dir: Path, model_type: str, served_name: str | None = None) -> Recipe | None:
+def recipe_for(model_dir: Path, gen: Generation, served_name: str | None = None) -> Recipe | None:
     """The Recipe of a V4 / V4.1 checkpoint (its generation's ``chat``); None for the others (their
     tokenizer's chat template)."""
-    return Recipe(model_dir, model_type, served_name) if generation(model_type).chat else None
+    return Recipe(model_dir, gen.model_types[0], served_name) if gen.chat else None
 
 
 class Recipe:
@@ -53,7 +53,7 @@ class Recipe:
 
     def __init__(self, model_dir: Path, model_type: str, served_name: str | None = None):
         dr = self.dr = _library()
-        version, encoding, official = generation(model_type).chat
+        version, encoding, official = generation(model_type).chat  # its deepseek-recipe names (models/registry.py)
         self.version = getattr(dr.ModelVersion, version)
         self.name = served_name or official
         path = Path(model_dir) / "tokenizer.json"

@@ -101,16 +101,19 @@ class Engine:
         slots, so its memory (and the KV cache sized from what is left) is that of one shard."""
         from deepinfer_core.models.dummy_weights import init_dummy_weights
         from deepinfer_core.loader import load_model
-        from deepinfer_core.models.registry import get_model_class
+        from deepinfer_core.models.contract import check_model, check_model_class
+        from deepinfer_core.models.registry import describe, generation_for
         from deepinfer_core.plugins import load_backend
 
         self.config = engine_config
         self.model_config = read_config(model_dir)
-        model_cls = get_model_class(self.model_config.model_type)
-        if engine_config.batch_invariant and not getattr(model_cls, "supports_batch_invariance", False):
+        self.generation = generation_for(self.model_config)
+        model_cls = self.generation.model
+        check_model_class(model_cls)
+        if engine_config.batch_invariant and not model_cls.supports_batch_invariance:
             raise ConfigError(
                 f"batch_invariant=True is supported for the MLA models (DeepSeek-V2/V3/R1 and the embedded default), not for "
-                f"model_type {self.model_config.model_type!r} yet (its prompt and decode tokens read their attention context "
+                f"{describe(self.generation)} yet (its prompt and decode tokens read their attention context "
                 f"along different paths); run it without batch_invariant / DEEPINFER_BATCH_INVARIANT"
             )
         self.plugins, self.backend, self.platform, self.ops, limits = load_backend(backend_name, self.model_config,
@@ -138,8 +141,8 @@ class Engine:
         else:
             load_model(model_dir, self.model_config, self.model, progress=progress)
         self.tokenizer = load_tokenizer(model_dir)
-        if hasattr(self.model, "set_tokenizer"):  # V4.1's Engram hashes read the compressed vocabulary
-            self.model.set_tokenizer(self.tokenizer)
+        check_model(self.model)
+        self.model.set_tokenizer(self.tokenizer)  # V4.1's Engram hashes read the compressed vocabulary
         eos_ids = self._eos_ids()
 
         # A backend's limits cap what the user asked for; they never raise it.
@@ -151,7 +154,7 @@ class Engine:
             self.max_num_batched_tokens = suggested or DEFAULT_MAX_NUM_BATCHED_TOKENS
         else:
             self.max_num_batched_tokens = min(wanted, suggested or wanted)
-        self.speculative = sc = proposers.resolve(engine_config.speculative_config, self.model_config)
+        self.speculative = sc = proposers.resolve(engine_config.speculative_config, model_cls)
         drafter = proposers.check(sc, self.model, self.model_config, model_dir)  # the drafter's own caches are needed
         lookahead = sc.num_speculative_tokens if sc else 0
         groups = self.model.cache_groups(with_mtp=True) if drafter else self.model.cache_groups()
@@ -184,7 +187,7 @@ class Engine:
             log.info("cache group %s (%s, %d layers): %.0f bytes per %s", g.name, g.kind, len(g.layers), size, unit)
         graphs = None
         sizes = tuple(b for b in ((limits and limits.graph_batch_sizes) or ()) if b <= self.max_num_seqs)
-        capturable = getattr(self.model, "supports_graphs", True)
+        capturable = self.model.supports_graphs
         if self.platform.graph_capture and self.platform.graphs is not None and sizes and not engine_config.enforce_eager and capturable:
             query_lens = (1, 1 + lookahead) if lookahead else (1,)
             widths = max_blocks_per_group(groups, max_len, block_size, max(query_lens), self.kv.rings)

@@ -95,7 +95,7 @@ class ModelRunner:
         self.groups: list[CacheGroup] = kv.groups
         self.block_size = kv.block_size
         self.max_position = model.config.max_position_embeddings - 1
-        self.lookback = getattr(model, "lookback_tokens", 0)
+        self.lookback = model.lookback_tokens
 
     def _lookback(self, seq: Sequence, start: int) -> list[int]:
         """The ids at positions start - n .. start - 1 (-1 before 0); all on the host: a decode
@@ -254,7 +254,7 @@ class ModelRunner:
             hb = self.prepare(out, prev)
             ids, positions, meta = self._meta(hb)
             self.fill_from_device(ids, hb, prev)
-            if self.keep_hidden and hasattr(self.model, "forward_streams"):  # V4: the MTP block reads the streams
+            if self.keep_hidden and self.model.mtp_reads_streams:  # V4: the MTP block reads the streams
                 state = self.model.forward_streams(ids, positions, meta, self.kv_cache.tensors)
                 hidden = self.model.head_hidden(state)
             else:

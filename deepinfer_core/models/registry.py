@@ -63,6 +63,21 @@ def generation(model_type: str) -> Generation:
         ) from None
 
 
+def generation_for(config) -> Generation:
+    """The generation of a config ``read_config`` returned."""
+    return generation(config.model_type)
+
+
+def describe(g: Generation) -> str:
+    """How error messages name a generation: its name and config.json's values for it."""
+    return f"{g.name} ({', '.join(map(repr, g.model_types))})"
+
+
+def drafting(method: str) -> tuple[str, ...]:
+    """The model types whose checkpoints' draft layers are ``method`` (the model's ``draft_method``)."""
+    return tuple(t for g in GENERATIONS if g.model.draft_method == method for t in g.model_types)
+
+
 def get_model_class(model_type: str) -> type:
     """The class that serves ``model_type``; ConfigError listing the supported types otherwise."""
     return generation(model_type).model

@@ -159,7 +159,7 @@ class ExpertParallel:
         self.num_slots = num_physical_experts(num_experts, comm.size, extra)
         self.placement = initial_placement(num_experts, comm.size, num_groups, extra, len(self.layers))
         mine = tuple(self.placement.slots_of(comm.rank).tolist())  # initial_slots' answer, without a second placement
-        built = getattr(model, "expert_slots", None)
+        built = model.expert_slots
         if built is None or tuple(built) != mine:
             raise ValueError(
                 f"rank {comm.rank}'s model holds expert slots {built}, not the {mine} of the initial placement over "

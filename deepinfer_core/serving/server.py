@@ -174,7 +174,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
                 "choices": choices, "usage": _usage(outs)}
 
-    recipe = recipe_for(engine.llm.model_dir, engine.engine.model_config.model_type, model_name)
+    recipe = recipe_for(engine.llm.model_dir, engine.engine.generation, model_name)
     if recipe is not None:  # V4 / V4.1: DeepSeek's chat protocol, through deepseek-recipe
         from deepinfer_core.serving import deepseek
 

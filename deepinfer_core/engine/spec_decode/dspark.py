@@ -32,8 +32,6 @@ log = logging.getLogger("deepinfer")
 
 
 class DSparkProposer:
-    MODEL_TYPES = ("deepseek_v41",)
-
     def __init__(self, model, runner, num_tokens: int, ops, eos_ids: tuple[int, ...], max_model_len: int, copy_to_host,
                  acceptance: str = "auto", adaptive_verification: bool = False, step_tokens: int = 2048):
         c = model.config

@@ -56,8 +56,6 @@ class MTPProposer:
     norm (and return the next hidden), V4 the residual streams before the head collapse (and
     return (hidden, streams)); the runner keeps whichever the model has (``ModelRunner.keep_hidden``)."""
 
-    MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "deepseek_v4")
-
     def __init__(self, model, runner, num_tokens: int, ops, eos_ids: tuple[int, ...], max_model_len: int, copy_to_host,
                  acceptance: str = "auto"):
         self.model = model

@@ -4,6 +4,7 @@ whether the checkpoint can serve it: the engine's one entry into speculative dec
 from __future__ import annotations
 
 from deepinfer_core.config import ConfigError, SpeculativeConfig, settings
+from deepinfer_core.models.registry import drafting
 from deepinfer_core.engine.spec_decode.dspark import DSparkProposer
 from deepinfer_core.engine.spec_decode.mtp import MTPProposer
 from deepinfer_core.engine.spec_decode.ngram import NgramProposer
@@ -12,7 +13,7 @@ DRAFT_MODELS = {"mtp": MTPProposer, "dspark": DSparkProposer}  # methods whose d
 DEFAULT_NEXTN = 5  # DeepSeek's default DEEPINFER_USE_NEXTN_DECODE
 
 
-def resolve(config: SpeculativeConfig | None, model_config) -> SpeculativeConfig | None:
+def resolve(config: SpeculativeConfig | None, model_cls: type) -> SpeculativeConfig | None:
     """The user's config, else DeepSeek's switches: DEEPINFER_USE_NEXTN_DECODE=K drafts K tokens
     with the model's own drafter (DSpark on V4.1, MTP otherwise); DEEPINFER_ENABLE_MTP_VARLEN=1
     is DSpark with adaptive verification (K defaults to 5)."""
@@ -22,7 +23,7 @@ def resolve(config: SpeculativeConfig | None, model_config) -> SpeculativeConfig
     k, varlen = env.use_nextn_decode, bool(env.enable_mtp_varlen)
     if not k and not (varlen and k is None):
         return None
-    method = "dspark" if model_config.model_type in DSparkProposer.MODEL_TYPES else "mtp"
+    method = model_cls.draft_method
     return SpeculativeConfig(method=method, num_speculative_tokens=k or DEFAULT_NEXTN, adaptive=varlen and method == "dspark")
 
 
@@ -31,14 +32,12 @@ def check(sc: SpeculativeConfig | None, model, model_config, model_dir) -> bool:
     caches are needed (cache_groups(with_mtp=True))."""
     if sc is None or sc.method not in DRAFT_MODELS:
         return False
-    cls = DRAFT_MODELS[sc.method]
-    if model_config.model_type not in cls.MODEL_TYPES:
+    if model.draft_method != sc.method:
         raise ConfigError(
-            f"speculative_config method {sc.method!r} drafts for {', '.join(cls.MODEL_TYPES)}, not {model_config.model_type}; "
-            + ("use 'dspark' (V4.1's draft head) or 'ngram'" if model_config.model_type in DSparkProposer.MODEL_TYPES
-               else "use 'mtp' or 'ngram'")
+            f"speculative_config method {sc.method!r} drafts for {', '.join(drafting(sc.method))}, not this checkpoint "
+            f"(its draft layers are {model.draft_method!r}); use {model.draft_method!r} or 'ngram'"
         )
-    if not getattr(model, "num_mtp_layers", 0):
+    if not model.num_mtp_layers:
         raise ConfigError(
             f"speculative_config method {sc.method!r} needs the checkpoint's draft layers, and {model_dir} has none "
             f"(config.json num_nextn_predict_layers={model_config.num_nextn_predict_layers}, after loading: 0 "

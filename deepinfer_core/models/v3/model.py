@@ -393,6 +393,10 @@ class DeepseekV3ForCausalLM(nn.Module):
     # takes the absorbed path of _decode, whatever the batch around it.
     supports_batch_invariance = True
     supports_context_parallel = True  # prefill_context_parallel / write_context
+    supports_graphs = True
+    mtp_reads_streams = False  # its MTP layers read the final hidden state
+    draft_method = "mtp"
+    lookback_tokens = 0  # a forward reads no token before a sequence's new ones
 
     def __init__(self, config: V3ModelConfig, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False,
                  expert_slots: tuple[int, ...] | None = None):
@@ -428,6 +432,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         names = [f"model.layers.{i}.self_attn" for i in range(len(self.model.layers))]
         names += [f"mtp.layers.{i}.self_attn" for i in range(self.num_mtp_layers)]
         return [(name, self.get_submodule(name)) for name in names]
+
+    def set_tokenizer(self, tokenizer) -> None:
+        """Nothing to read from it (the contract's hook for V4.1's Engram)."""
 
     def cache_groups(self, with_mtp: bool = False) -> list[CacheGroup]:
         """One paged group of every MLA layer's latents ([c | k_pe] per token); the MTP layers'

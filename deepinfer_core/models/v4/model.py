@@ -436,6 +436,9 @@ class V4FamilyLM(nn.Module):
     context lengths."""
 
     supports_graphs = False
+    supports_batch_invariance = False  # prompt and decode tokens read their attention context along different paths
+    mtp_reads_streams = True  # the draft layers read the last layer's hyper-connection streams (forward_streams)
+    lookback_tokens = 0  # a forward reads no token before a sequence's new ones (V4.1's Engram does)
 
     def __init__(self, config, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool,
                  expert_slots: tuple[int, ...] | None = None):
@@ -459,6 +462,9 @@ class V4FamilyLM(nn.Module):
     @property
     def num_mtp_layers(self) -> int:
         return len(self.mtp.layers)
+
+    def set_tokenizer(self, tokenizer) -> None:
+        """Nothing to read from it (V4.1 overrides: its Engram hashes read the tokenizer)."""
 
     def drop_mtp_layers(self) -> None:
         self.mtp.layers = nn.ModuleList()
@@ -497,6 +503,7 @@ class DeepseekV4ForCausalLM(V4FamilyLM):
     batch contract as DeepseekV3ForCausalLM's)."""
 
     supports_context_parallel = True  # prefill_context_parallel / write_context
+    draft_method = "mtp"
     checkpoint_format = V4Checkpoint()  # how its checkpoints name their tensors (loader.load_model)
 
     def __init__(self, config: V4ModelConfig, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False,

@@ -311,6 +311,8 @@ class DeepseekV41ForCausalLM(V4FamilyLM):
 
     supports_context_parallel = True  # prefill_context_parallel / write_context (V4FamilyLM's)
     checkpoint_format = V41Checkpoint()  # how its checkpoints name their tensors (loader.load_model)
+    draft_method = "dspark"
+    mtp_reads_streams = False  # no MTP layers: DSpark's stages read their taps (forward_dspark)
 
     def __init__(self, config: V41ModelConfig, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False,
                  expert_slots: tuple[int, ...] | None = None):

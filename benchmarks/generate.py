@@ -107,7 +107,7 @@ def model_with_tokenizer(name: str, layers: int | None = None, tokenizer_vocab: 
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(f, path / f.name)
     if tokenizer_vocab:
-        from deepinfer_core.engine.engine import load_tokenizer
+        from deepinfer_core.engine.startup import load_tokenizer
 
         tokenizer, config = load_tokenizer(path), json.loads((path / "config.json").read_text())
         config.update(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)

@@ -162,7 +162,7 @@ def mask(args) -> list[dict]:
     import xgrammar
 
     from deepinfer_core.api import resolve_model_dir
-    from deepinfer_core.engine.engine import load_tokenizer
+    from deepinfer_core.engine.startup import load_tokenizer
     from deepinfer_core.engine.sequence import Sequence
     from deepinfer_core.sampling import structured
     from deepinfer_core.sampling.params import SamplingParams

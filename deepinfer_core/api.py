@@ -271,13 +271,13 @@ class LLM:
         if self.parallel is not None:
             return self._generate_parallel(prompts, params, use_tqdm)
         engine = self.engine
-        before = (set(engine.requests), engine.next_seq_id, engine.next_request_id)
+        before = engine.mark()
         order: list[str] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 order.append(engine.add_request(prompt, p, label=f"prompt {i}"))
         except BaseException:
-            self._withdraw(before)  # all or nothing: a refused call leaves no request behind
+            engine.withdraw_since(before)  # all or nothing: a refused call leaves no request behind
             raise
         done: dict[str, Request] = {}
         try:
@@ -292,7 +292,7 @@ class LLM:
             outputs = [to_output(done[rid], engine.proposer is not None) for rid in order]
             raise GenerationError(f"generation failed: {type(e).__name__}: {e}; finished results are in .outputs", outputs) from e
         except BaseException:  # KeyboardInterrupt, SystemExit: the caller will never see these results
-            self._withdraw(before)
+            engine.withdraw_since(before)
             raise
         return [to_output(done[rid], engine.proposer is not None) for rid in order]
 
@@ -322,11 +322,6 @@ class LLM:
                 raise
             raise dp.group.failure(e) from e
 
-    def _withdraw(self, before: tuple[set[str], int, int]) -> None:
-        """Take back every request this call added (those not in ``before[0]``), even one whose id
-        the call had not stored yet when it was interrupted."""
-        engine = self.engine
-        engine.withdraw([rid for rid in engine.requests if rid not in before[0]], before[1:])
 
 
 def _parallel_config(data_parallel_size: int | None, expert_parallel: bool, context_parallel_size: int) -> ParallelConfig:

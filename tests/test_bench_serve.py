@@ -30,7 +30,7 @@ def test_a_random_weight_model_speaks_the_tokenizers_vocabulary():
     """--model v2-lite: V2-Lite's shapes with the default tokenizer, its vocabulary cut to the
     tokenizer's so every streamed token has text (else TTFT would wait for a token that has some)."""
     from benchmarks.generate import model_with_tokenizer
-    from deepinfer_core.engine.engine import load_tokenizer
+    from deepinfer_core.engine.startup import load_tokenizer
 
     path = model_with_tokenizer("v2-lite", 1, tokenizer_vocab=True)
     config, tokenizer = json.loads(open(f"{path}/config.json").read()), load_tokenizer(Path(path))

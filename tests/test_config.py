@@ -9,7 +9,7 @@ import torch
 
 from deepinfer_core.config import DEFAULT_MODEL_DIR, ConfigError, settings
 from deepinfer_core.models.registry import read_config
-from deepinfer_core.engine.engine import resolve_dtype
+from deepinfer_core.engine.startup import resolve_dtype
 
 
 def write_config(tmp_path, **changes):

@@ -14,6 +14,7 @@ import random
 import numpy as np
 import pytest
 
+from deepinfer_core.engine.startup import warm_up
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.engine.graphs import BlockTableBuffer, DecodeGraphs, max_blocks_per_group
 from tests.hf_checkpoints import write_checkpoint
@@ -63,7 +64,7 @@ def _generate(checkpoint, graphs: bool, **engine_args):
     replays = []
     if graphs:
         g = with_graphs(engine)
-        engine._warm_up(g.sizes, progress=False)  # as a graph platform's engine starts: rows reused afterwards
+        warm_up(engine, g.sizes, progress=False)  # as a graph platform's engine starts: rows reused afterwards
         real = g.replay
         g.replay = lambda hb, q_len, fill: replays.append((len(hb.seq_lens), q_len)) or real(hb, q_len, fill)
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=2)
@@ -146,7 +147,7 @@ def test_padding_rows_are_reset_after_a_larger_step(checkpoint):
                    progress=False).generate(SIX, SIX_PARAMS, use_tqdm=False)
     llm = LLM(model=str(checkpoint), accelerator="cpu", dtype="float32", block_size=4, progress=False)
     g = with_graphs(llm.engine, sizes=(1, 2, 4, 8))
-    llm.engine._warm_up(g.sizes, progress=False)
+    warm_up(llm.engine, g.sizes, progress=False)
     real, padded, stale, wrong = g.replay, [], set(), []
 
     def replay(hb, q_len, fill):

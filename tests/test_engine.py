@@ -239,7 +239,7 @@ def test_incremental_text_is_the_full_decode_token_by_token():
     characters split over tokens and special tokens included."""
     from deepinfer_core.engine.output import OutputProcessor
     from deepinfer_core.engine.sequence import Sequence
-    from deepinfer_core.engine.engine import load_tokenizer
+    from deepinfer_core.engine.startup import load_tokenizer
 
     tokenizer = load_tokenizer(DEFAULT_MODEL_DIR)
     text = "déjà vu: 数据库 🚀🚀 naïve\n\tend"

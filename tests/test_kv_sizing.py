@@ -1,5 +1,5 @@
-"""How many KV blocks the engine sizes on a device (``Engine._auto_num_blocks`` and
-``_activation_bytes``), on the CPU.
+"""How many KV blocks the engine sizes on a device (``startup.auto_num_blocks`` and
+``activation_bytes``), on the CPU.
 
 CI has no GPU, so the engine of a tiny checkpoint is built on the CPU and then told it runs on
 ``cuda:0``: the platform's device says so, the engine's device is a CPU device whose ``type``
@@ -23,9 +23,10 @@ import pytest
 import torch
 
 import deepinfer_core.engine.runner as runner_module
+from deepinfer_core.engine.startup import activation_bytes, auto_num_blocks
 from deepinfer_core import LLM
 from deepinfer_core.config import ConfigError
-from deepinfer_core.engine import engine as engine_module
+from deepinfer_core.engine import startup as engine_module
 from deepinfer_core.models.batch import CacheGroup
 from tests.hf_checkpoints import write_checkpoint
 
@@ -96,13 +97,13 @@ def gpu(llm, monkeypatch):
 
 def auto_blocks(llm, groups=None) -> int:
     engine = llm.engine
-    return engine._auto_num_blocks(groups or engine.cache_groups, 4, 0)
+    return auto_num_blocks(engine, groups or engine.cache_groups, 4, 0)
 
 
 def test_activation_bytes_are_the_profiled_prefill_plus_the_hand_count(llm, gpu):
-    assert llm.engine._activation_bytes(llm.engine.cache_groups, 4, 64) == ACTIVATION
+    assert activation_bytes(llm.engine, llm.engine.cache_groups, 4, 64) == ACTIVATION
     assert gpu["forwards"] == [16], "one profiling forward: a prefill of max_num_batched_tokens tokens"
-    assert llm.engine._activation_bytes(llm.engine.cache_groups, 4, 16) == ACTIVATION - 50_688  # no longer context
+    assert activation_bytes(llm.engine, llm.engine.cache_groups, 4, 16) == ACTIVATION - 50_688  # no longer context
 
 
 def test_blocks_are_what_the_memory_left_holds(llm, gpu):
@@ -142,5 +143,5 @@ def test_the_cpu_takes_a_quarter_of_free_host_memory_and_profiles_nothing(llm, m
     free = 10 * PER_BLOCK * 4 + 100
     monkeypatch.setattr(engine.platform, "memory_info", lambda: (free, 2 * free))
     assert engine_module.CPU_KV_MEMORY_FRACTION == 0.25
-    assert engine._activation_bytes(engine.cache_groups, 4, 64) == 0
+    assert activation_bytes(engine, engine.cache_groups, 4, 64) == 0
     assert auto_blocks(llm) == 10

@@ -10,6 +10,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from deepinfer_core.engine.requests import bad_words_token_ids
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.engine.engine import RequestError
 from deepinfer_core.engine.sequence import Sequence
@@ -82,7 +83,7 @@ def test_allowed_token_ids_restrict_every_output_token(llm, params):
 
 
 def banned_in(llm, word: str) -> list[list[int]]:
-    return llm.engine.bad_words_token_ids(SamplingParams(bad_words=[word]))
+    return bad_words_token_ids(llm.engine, SamplingParams(bad_words=[word]))
 
 
 def test_bad_words_block_their_token_sequences_and_leave_other_requests_alone(llm):

@@ -246,9 +246,9 @@ def test_a_raising_observer_is_named_once_and_the_others_keep_observing(caplog):
 @pytest.mark.parametrize("suggested, expected", [(64, 64), (48, 48), (24, 16), (None, 16)])
 def test_the_backends_block_size_is_taken_where_the_models_layout_allows(suggested, expected):
     """SchedulerLimits.block_size replaces the model's default block size (16 here) when it is a
-    multiple of it (a user's block_size comes before both, in Engine.__init__)."""
-    from deepinfer_core.engine.engine import Engine
+    multiple of it (a user's block_size comes before both, in engine/startup.py)."""
+    from deepinfer_core.engine.startup import default_block_size
 
-    engine = SimpleNamespace(model=SimpleNamespace(default_block_size=16))
-    assert Engine._default_block_size(engine, SchedulerLimits(block_size=suggested)) == expected
-    assert Engine._default_block_size(engine, None) == 16
+    model = SimpleNamespace(default_block_size=16)
+    assert default_block_size(model, SchedulerLimits(block_size=suggested)) == expected
+    assert default_block_size(model, None) == 16

@@ -3,12 +3,13 @@ measured in the same run.
 
     python -m benchmarks.kernels --out results/ [--only mla_decode] [--l2 rotate|warm]
 
-Every kernel module of ``deepinfer_nvidia_sm100.kernels`` may define ``bench(device)``, which
-returns cases ``{name, shape, ms, bytes, flops}`` (bytes: each input read once and each output
-written once; ms: median of triton.testing.do_bench, replaced here by CUDA-graph replays for
-the decode-path modules). This script adds achieved GB/s and TFLOP/s
-and their ratios to the measured copy bandwidth and matmul rate (the FP8 rate for cases whose
-name says fp8), and writes kernels.json.
+Every kernel module of ``deepinfer_nvidia_sm100.kernels`` may have a benchmark module of the same
+name in ``benchmarks.kernel_benches`` (kept out of the plugin: the benchmarks call the provider
+modules, which import the kernel modules) that defines ``bench(device)``, which returns cases
+``{name, shape, ms, bytes, flops}`` (bytes: each input read once and each output written once;
+ms: median of triton.testing.do_bench, replaced here by CUDA-graph replays for the decode-path
+modules). This script adds achieved GB/s and TFLOP/s and their ratios to the measured copy
+bandwidth and matmul rate (the FP8 rate for cases whose name says fp8), and writes kernels.json.
 
 L2 (an H200 has 50 MB): a graph that replays an op on the same inputs lets a working set below
 L2 (MLA decode at B=32 L=1k is 38 MB, one FP8 weight of q_a_proj 11 MB) be read from L2 after
@@ -66,6 +67,7 @@ from benchmarks.ceilings import measure
 # the engine runs them in decode steps (no Python launch overhead in the numbers). The others
 # (prefill attention, sampling: host reads allowed) are timed with plain do_bench.
 GRAPH_TIMED = ("elementwise", "cache", "fp8_linear", "mla_decode", "moe")
+BENCHES = "benchmarks.kernel_benches"  # bench(device) of kernel module X: BENCHES.X
 
 L2_FALLBACK_BYTES = 50 * 2**20  # an H200's L2, where the device does not report its own
 ROTATE_L2_MULTIPLE = 4  # rotate until one lap over the copies reads this many L2s
@@ -360,7 +362,12 @@ def run(out_dir: Path, ceilings: dict | None = None, only: list[str] | None = No
     for name in KERNEL_MODULES:
         if only and name not in only:
             continue
-        module = importlib.import_module(f"deepinfer_nvidia_sm100.kernels.{name}")
+        try:
+            module = importlib.import_module(f"{BENCHES}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{BENCHES}.{name}":  # the module is there, something it imports is not
+                raise
+            continue  # a kernel module without a benchmark
         bench = getattr(module, "bench", None)
         if bench is None:
             continue

@@ -168,7 +168,7 @@ def _fake_module(name: str, sizes: list[int], fail_at: int | None = None):
             results.append({"name": f"op/{n}", "shape": {"n": n}, "ms": 1.0 if math.isnan(ms) else ms, "bytes": 2 * n * 4, "flops": n})
         return results
 
-    module = types.ModuleType(f"deepinfer_nvidia_sm100.kernels.{name}")
+    module = types.ModuleType(f"benchmarks.kernel_benches.{name}")
     module.bench = bench
     return module
 
@@ -196,8 +196,8 @@ def test_run_writes_the_l2_fields(tmp_path, monkeypatch):
     monkeypatch.setattr(triton_testing, "do_bench", fake_plain_do_bench)
     monkeypatch.setattr(backend, "KERNEL_MODULES", ("fake_graph", "fake_plain"))
     monkeypatch.setattr(kernels, "GRAPH_TIMED", ("fake_graph",))
-    monkeypatch.setitem(sys.modules, "deepinfer_nvidia_sm100.kernels.fake_graph", _fake_module("fake_graph", [10, 100, 10_000]))
-    monkeypatch.setitem(sys.modules, "deepinfer_nvidia_sm100.kernels.fake_plain", _fake_module("fake_plain", [10, 20], fail_at=1))
+    monkeypatch.setitem(sys.modules, "benchmarks.kernel_benches.fake_graph", _fake_module("fake_graph", [10, 100, 10_000]))
+    monkeypatch.setitem(sys.modules, "benchmarks.kernel_benches.fake_plain", _fake_module("fake_plain", [10, 20], fail_at=1))
     ceil = {"copy_bytes_per_s": 4e12, "bf16_flop_per_s": 7e14, "fp8_flop_per_s": 1.3e15}
 
     kernels.run(tmp_path, ceilings=ceil)

@@ -21,6 +21,7 @@ from deepinfer_core.ops import REFERENCE_OPS
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton): the NVIDIA kernels cannot run")
 
+from benchmarks.kernel_benches.fp8_linear import _cublas_cases  # noqa: E402
 from deepinfer_nvidia_sm100 import backend as nvidia  # noqa: E402
 from deepinfer_nvidia_sm100 import cublas_fp8  # noqa: E402
 from deepinfer_nvidia_sm100.kernels import fp8_linear  # noqa: E402
@@ -151,7 +152,7 @@ def test_the_kernel_bench_ratios(monkeypatch):
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, return_mode=None: next(times))
     others = [{"name": "fp8_block_linear/q", "ms": 4.0}, {"name": "bf16_cublas/q", "ms": 3.0}]
     x = torch.zeros(4, 128, dtype=torch.bfloat16)
-    out = fp8_linear._cublas_cases("q", x, torch.zeros(8, 128, dtype=torch.float8_e4m3fn), torch.ones(1, 1), others)
+    out = _cublas_cases("q", x, torch.zeros(8, 128, dtype=torch.float8_e4m3fn), torch.ones(1, 1), others)
     assert [(r["name"], r.get("vs_cublas_fp8")) for r in out] == [("fp8_block_linear[cublas]/q", 0.5),
                                                                   ("fp8_tensorwise_cublas/q", None)]
     assert others[0]["vs_cublas_fp8"] == 0.25 and "vs_cublas_fp8" not in others[1]
@@ -160,7 +161,7 @@ def test_the_kernel_bench_ratios(monkeypatch):
         raise RuntimeError("not on this device")
 
     monkeypatch.setattr(triton.testing, "do_bench", fails)
-    assert fp8_linear._cublas_cases("q", x, torch.zeros(8, 128, dtype=torch.float8_e4m3fn), torch.ones(1, 1), []) == []
+    assert _cublas_cases("q", x, torch.zeros(8, 128, dtype=torch.float8_e4m3fn), torch.ones(1, 1), []) == []
 
 
 # ------------------------------------------------------------------------------------------------

@@ -61,7 +61,6 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.ops.moe import SCORING_FUNCS, TOPK_METHODS
-from deepinfer_core.conformance.checkpoints import FP8_MAX
 from deepinfer_nvidia_sm100.kernels.device import await_inputs, launch_options, num_sms
 from deepinfer_nvidia_sm100.kernels.fp8_linear import E4M3_MAX, invariant_linear, round_to_e4m3
 
@@ -803,100 +802,6 @@ moe_experts.shared_expert_max_tokens = SHARED_EXPERT_MAX_TOKENS
 invariant_moe_route.impl = f"triton, batch-invariant: gate logits by the invariant GEMM, then {_ROUTE_PROGRAM}"
 invariant_moe_experts.impl = "triton, batch-invariant: " + moe_experts.impl.removeprefix("triton: ") + ", one tile for every batch"
 moe_experts.impl += f"; bf16 shared experts as extra experts up to {SHARED_EXPERT_MAX_TOKENS[torch.bfloat16]} tokens"
-
-
-# ============================================================================================
-# Benchmark (the lead runs it on the GPU)
-# ============================================================================================
-
-BENCH_TOKENS = (1, 8, 32, 64, 256, 512, 1024, 4096, 16384)
-BENCH_ROUTE_TOKENS = (1, 8, 16, 64, 128, 4096)
-# name -> (hidden, intermediate, experts, top_k)
-BENCH_EXPERT_MODELS = {"V3": (7168, 2048, 256, 8), "V2-Lite": (2048, 1408, 64, 6)}
-# name -> gate (hidden, experts, top_k, n_group, topk_group, scoring_func, topk_method)
-BENCH_ROUTE_MODELS = {"V3": (7168, 256, 8, 8, 4, "sigmoid", "noaux_tc"), "V2-Lite": (2048, 64, 6, 1, 1, "softmax", "greedy")}
-BENCH_DTYPE = torch.bfloat16
-
-
-def _bench_weights(experts: int, rows: int, cols: int, fp8: bool, device: str):
-    """Random expert weights [experts, rows, cols] (bf16, or e4m3 with 128x128 float32 scales)."""
-    if not fp8:
-        return torch.randn(experts, rows, cols, device=device, dtype=BENCH_DTYPE) / cols**0.5, None
-    w = torch.empty(experts, rows, cols, device=device, dtype=torch.float8_e4m3fn)
-    for e in range(experts):  # one expert at a time bounds the float32 temporary
-        w[e] = (torch.randn(rows, cols, device=device) * 100).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    scale = torch.full((experts, triton.cdiv(rows, 128), triton.cdiv(cols, 128)), 0.01 / cols**0.5, device=device)
-    return w, scale
-
-
-def bench(device: str = "cuda") -> list[dict]:
-    """Median times (ms) of moe_experts (V3 bf16 / FP8, V2-Lite bf16) and moe_route (V3, V2-Lite
-    gates), the latter beside ``moe_route/<model>/torch-gate``: the same routing kernel after
-    torch's float32 gate GEMM (a cast of x, then cuBLAS), what ``gate_partials`` replaces up to
-    ROUTE_GEMV_MAX_TOKENS tokens.
-
-    bytes = weights (and scales) of the experts actually hit + x + the output (+ ids and weights);
-    flops = 2 * T * k * 3 * D * I for the experts, 2 * T * D * E for the gate GEMM.
-    """
-    from triton.testing import do_bench
-
-    from deepinfer_nvidia_sm100 import deepgemm
-
-    results = []
-    for model, (hidden, inter, experts, top_k) in BENCH_EXPERT_MODELS.items():
-        for fp8 in (False, True) if model == "V3" else (False,):
-            w13, s13 = _bench_weights(experts, 2 * inter, hidden, fp8, device)
-            w2, s2 = _bench_weights(experts, hidden, inter, fp8, device)
-            block = (128, 128) if fp8 else None
-            per_expert = w13[0].numel() * w13.element_size() + w2[0].numel() * w2.element_size()
-            if fp8:
-                per_expert += (s13[0].numel() + s2[0].numel()) * 4
-            # FP8 also in W8A8 (FP8_W8A8_MIN_BLOCK_M), to weigh its speed against its error.
-            for mode in ("fp8", "fp8-w8a8") if fp8 else ("bf16",):
-                for tokens in BENCH_TOKENS:
-                    x = torch.randn(tokens, hidden, device=device, dtype=BENCH_DTYPE)
-                    ids = torch.rand(tokens, experts, device=device).topk(top_k, dim=-1).indices
-                    weights = torch.rand(tokens, top_k, device=device)
-                    hit = int(torch.unique(ids).numel())
-                    tiles = expert_tiles(ids.numel(), experts)
-                    act_quant = mode == "fp8-w8a8"
-
-                    def run():
-                        return _run_experts(x, w13, w2, weights, ids, s13, s2, block, tiles, act_quant)
-
-                    record = {
-                        "shape": {"T": tokens, "D": hidden, "I": inter, "E": experts, "k": top_k, "experts_hit": hit},
-                        "bytes": hit * per_expert + 2 * tokens * hidden * x.element_size() + tokens * top_k * 12,
-                        "flops": 2 * tokens * top_k * 3 * hidden * inter,
-                    }
-                    ms = do_bench(run, return_mode="median")
-                    results.append({"name": f"moe_experts/{model}/{mode}", "ms": ms, **record, "config": tiles._asdict()})
-                    if mode == "fp8" and deepgemm.supported(device):  # DeepGEMM beside it, wherever it runs
-                        peer = lambda: deepgemm.grouped_experts(x, w13, w2, weights, ids, s13, s2)  # noqa: E731
-                        peer_ms = do_bench(peer, return_mode="median")
-                        results[-1]["vs_deepgemm"] = peer_ms / ms
-                        results.append({"name": f"moe_experts/{model}/fp8 [deepgemm]", "ms": peer_ms, "peer": deepgemm.version(),
-                                        "provider_takes_it": deepgemm.fits(x, w13, w2, ids, s13, s2, block), **record})
-            del w13, w2, s13, s2
-            torch.cuda.empty_cache()
-
-    torch_gate = lambda a, w: F.linear(a.float(), w.float())[None]  # noqa: E731 - the path gate_partials replaces
-    for model, (hidden, experts, top_k, n_group, topk_group, scoring, method) in BENCH_ROUTE_MODELS.items():
-        gate = torch.randn(experts, hidden, device=device) / hidden**0.5
-        bias = 0.1 * torch.randn(experts, device=device)
-        route = dict(top_k=top_k, scoring_func=scoring, topk_method=method, n_group=n_group, topk_group=topk_group,
-                     norm_topk_prob=True, routed_scaling_factor=2.5)
-        for tokens in BENCH_ROUTE_TOKENS:
-            x = torch.randn(tokens, hidden, device=device, dtype=BENCH_DTYPE)
-            for name, parts_of in ((f"moe_route/{model}", gate_partials), (f"moe_route/{model}/torch-gate", torch_gate)):
-                results.append({
-                    "name": name,
-                    "shape": {"T": tokens, "D": hidden, "E": experts, "k": top_k},
-                    "ms": do_bench(lambda: _route(x, gate, bias, parts_of, **route), return_mode="median"),
-                    "bytes": tokens * hidden * x.element_size() + experts * hidden * 4 + experts * 4 + tokens * top_k * 12,
-                    "flops": 2 * tokens * hidden * experts,
-                })
-    return results
 
 
 OPS = {"moe_route": moe_route, "moe_experts": moe_experts}

@@ -255,6 +255,25 @@ def test_incremental_text_is_the_full_decode_token_by_token():
         assert proc.text_so_far(seq) == tokenizer.decode(ids, skip_special_tokens=skip)
 
 
+def test_a_stop_string_completed_before_min_tokens_never_stops_the_sequence():
+    """A stop string must end in the text the newest output added: "a" completed at output 2 (under
+    min_tokens=3) does not stop the sequence at output 3, whatever longer stop strings sit beside it
+    (the search once restarted as far back as the longest one reached)."""
+    from deepinfer_core.engine.output import OutputProcessor
+    from deepinfer_core.engine.sequence import Sequence
+
+    class Chars:  # token i is the character chr(i)
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+
+    for stops in (["a"], ["a", "abcdef"]):
+        proc = OutputProcessor(Chars(), (), 1 << 20)
+        params = SamplingParams(max_tokens=8, min_tokens=3, stop=stops)
+        seq = Sequence(seq_id=0, request_id="r", index=0, prompt_token_ids=[0], params=params, seed=0)
+        assert proc.process(seq, [ord(c) for c in "xab"], None) is False, stops
+        assert proc.process(seq, [ord("a")], None) is True and seq.text == "xab" and seq.stop_reason == "a", stops
+
+
 def test_one_token_chunks_in_the_middle_of_a_prompt_do_not_sample(v3):
     """A budget of 2 tokens leaves one-token chunks beside decodes: the batch mixes prefill and decode."""
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=2)

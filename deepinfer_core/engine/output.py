@@ -75,16 +75,18 @@ class OutputProcessor:
         return True
 
     def _stop_string(self, seq: Sequence, num_outputs: int) -> str | None:
-        """The stop string that output ``num_outputs`` completed, if any (text before min_tokens
-        outputs is scanned but cannot stop the sequence); trims seq.text at it."""
+        """The stop string that output ``num_outputs`` completed, if any: one that ends in the text
+        this output added (as vLLM's search, each string from ``len(s) - 1`` characters before the
+        new text), the earliest-starting where several do. Text before min_tokens outputs is
+        scanned but cannot stop the sequence, and a string it completed does not stop it later.
+        Trims seq.text at the stop string."""
         text = self.text_so_far(seq)
-        start = max(0, seq.stop_scanned_chars - max(len(s) for s in seq.params.stop) + 1)
-        seq.stop_scanned_chars = len(text)
+        scanned, seq.stop_scanned_chars = seq.stop_scanned_chars, len(text)
         if num_outputs < seq.params.min_tokens:
             return None
         earliest = None
         for s in seq.params.stop:
-            idx = text.find(s, start)
+            idx = text.find(s, max(0, scanned - len(s) + 1))
             if idx >= 0 and (earliest is None or idx < earliest[0]):
                 earliest = (idx, s)
         if earliest is None:

@@ -123,6 +123,24 @@ def test_the_grammar_decides_when_the_output_ends(random_llm):
     assert out.text == "ab" and out.finish_reason == "stop" and out.stop_reason == "cd"
 
 
+def test_min_tokens_cannot_ban_eos_where_the_grammar_allows_it(random_llm):
+    """Where the grammar allows EOS beside other tokens, EOS stays the model's to choose under
+    min_tokens: the mask, not min_tokens, decides when a constrained output may end. With EOS
+    biased far above everything, each output ends at the first point its grammar accepts EOS
+    (after "ab", not after "abcdcd..."; "yes", not "yes sir"), while a free request beside them
+    is held open for its min_tokens."""
+    eos = random_llm.engine.eos_ids[0]
+    bias = {eos: 100.0}
+    prompts = ["q", "q", "q"]
+    params = [constrained({"regex": "ab(cd)*"}, min_tokens=30, logit_bias=bias),
+              constrained({"choice": ["yes", "yes sir"]}, min_tokens=30, logit_bias=bias),
+              SamplingParams(temperature=0.0, max_tokens=60, min_tokens=30, logit_bias=bias)]
+    regex, choice, free = (o.outputs[0] for o in random_llm.generate(prompts, params, use_tqdm=False))
+    assert (regex.text, regex.finish_reason) == ("ab", "stop"), regex.text
+    assert (choice.text, choice.finish_reason) == ("yes", "stop"), choice.text
+    assert len(free.token_ids) == 31 and free.token_ids[-1] == eos and free.finish_reason == "stop"  # 30 outputs, then EOS
+
+
 @pytest.mark.parametrize("so, words", [
     ({"json": {"type": "nonsense"}}, "so_args['json'] is not a valid JSON schema"),
     ({"json": "{not json"}, "so_args['json'] is not a valid JSON schema"),

@@ -75,6 +75,24 @@ def test_gemm_rows_do_not_follow_the_batch(device, dtype):
     assert fp8_linear.fp8_config(1, 576, 7168, 128, torch.bfloat16, device) != fp8_linear.fp8_config(4096, 576, 7168, 128, torch.bfloat16, device)
 
 
+def test_fp8_gemm_splits_k_the_same_way_at_any_m(device, dtype, monkeypatch):
+    """The invariant FP8 GEMM launches one configuration for every M. With 4 SMs (pinned, so the
+    shapes mean the same on a GPU) the shape heuristic would split this product's K into 4 for 16
+    rows and into 8 for 48 (another tile, fewer row tiles to fill the SMs): the partials would
+    then be summed in another order, and a row's bits would follow the batch."""
+    monkeypatch.setattr(fp8_linear, "num_sms", lambda device, interpreter_sms: 4)
+    n, k, block = 128, 512, (64, 16)
+    heuristic = [fp8_linear.fp8_config(m, n, k, block[1], dtype, device).split_k for m in (TILE, 3 * TILE)]
+    assert heuristic[0] != heuristic[1], heuristic  # the shapes still tell the two configurations apart
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3 * TILE, k, generator=gen).to(device, dtype)
+    q, s = quantize_fp8_block(torch.randn(n, k, generator=gen) / k**0.5, block)
+    q, s = q.to(device), s.to(device)
+    whole = INVARIANT["fp8_block_linear"](x, q, s, block)
+    for rows in (slice(0, TILE), slice(TILE, 2 * TILE)):
+        assert torch.equal(INVARIANT["fp8_block_linear"](x[rows], q, s, block), whole[rows]), rows
+
+
 @pytest.mark.parametrize("splits", ["default", "short"])
 def test_attention_rows_are_the_same_alone_in_a_batch_and_in_a_prompt_chunk(device, dtype, splits, monkeypatch):
     """A sequence's newest row: decoded alone, decoded beside other sequences, with a wider block

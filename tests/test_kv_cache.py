@@ -523,7 +523,7 @@ def test_slots_and_context_of_an_uncompressed_paged_group():
 
 def full_runner(kv: KVCacheManager, max_position_embeddings: int = 64) -> ModelRunner:
     """A ModelRunner on the CPU that can ``prepare`` a step and build its BatchMeta (no model runs)."""
-    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=max_position_embeddings))
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=max_position_embeddings), lookback_tokens=0)
     return ModelRunner(model, None, kv, torch.device("cpu"))
 
 

@@ -107,6 +107,15 @@ async def unless_disconnected(work, request: Request | None):
         raise BadRequest(f"generation failed: {e}", status=500, kind="server_error") from None
     finally:
         task.cancel()
+        task.add_done_callback(_retrieved)
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """Read a cancelled future's outcome: a gather cancelled mid-way holds a CancelledError as
+    its exception, which nobody else reads (asyncio would log it, with a traceback, as "never
+    retrieved" when the future is collected)."""
+    if not future.cancelled():
+        future.exception()
 
 
 # ---- streaming ----------------------------------------------------------------------------------

@@ -127,7 +127,8 @@ async def _one(client, url: str, prompt: str, max_tokens: int, delay: float) -> 
     import httpx
 
     await asyncio.sleep(delay)
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # the last chunk: the usage (tokens)
     start = time.perf_counter()
     first, tokens = None, 0
     try:

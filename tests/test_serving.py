@@ -49,7 +49,8 @@ def _stream_text(chunks, chat: bool) -> tuple[dict[int, str], dict[int, str], di
 def test_completions_streamed_and_not_give_the_same_text(client):
     kw = {"model": MODEL, "prompt": "def fib(n):", "max_tokens": 24, "temperature": 0.8, "seed": 7, "n": 2}
     whole = client.completions.create(**kw)
-    texts, reasons, usage = _stream_text(client.completions.create(stream=True, **kw), chat=False)
+    texts, reasons, usage = _stream_text(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw),
+                                         chat=False)
     assert [c.text for c in sorted(whole.choices, key=lambda c: c.index)] == [texts[0], texts[1]]
     assert {c.finish_reason for c in whole.choices} <= {"stop", "length"} and set(reasons) == {0, 1}
     assert whole.usage.completion_tokens == usage.completion_tokens > 0
@@ -95,6 +96,34 @@ def test_chat_streamed_and_not(client):
     for token in lp.content:  # greedy: the token is the most likely one, first of exactly 2
         assert [t.token for t in token.top_logprobs][0] == token.token and len(token.top_logprobs) == 2
         assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob and token.top_logprobs[0].logprob == token.logprob
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_stream_ends_with_a_usage_chunk_only_when_asked(client, server, chat):
+    """OpenAI's rule (and vLLM's): the usage chunk, which has no choices, comes only with
+    stream_options.include_usage; without it the usual ``chunk.choices[0]`` loop works."""
+    create = client.chat.completions.create if chat else client.completions.create
+    kw = {"model": MODEL, "max_tokens": 6, "temperature": 0, "stream": True,
+          **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "def f(x):"})}
+    text = ""
+    for chunk in create(**kw):
+        choice = chunk.choices[0]  # an IndexError here was the bug
+        text += (choice.delta.content or "") if chat else choice.text
+        assert chunk.usage is None
+    assert text
+    chunks = list(create(**kw, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert all(c.choices and c.usage is None for c in chunks[:-1])
+    assert "".join((c.choices[0].delta.content or "") if chat else c.choices[0].text for c in chunks[:-1]) == text
+    chunks = list(create(**kw, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 6 and chunks[-1].choices == []
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {k: v for k, v in kw.items() if k not in ("model", "stream")}
+    for options, name in (({"include_usage": True}, "stream: true"), ({"include_usage": True, "per_token": True}, "per_token")):
+        r = httpx.post(server[0] + path, headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                       json={**body, "stream_options": options, **({"stream": True} if "per_token" in options else {})})
+        assert r.status_code == 400 and name in r.json()["error"]["message"], r.text
 
 
 def test_response_format_json_schema_constrains_chat(client):

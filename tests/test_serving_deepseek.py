@@ -125,6 +125,7 @@ def test_streamed_and_non_streamed_answers_agree(server, thinking):
     assert (reasoning if thinking == "enabled" else message.content)  # a random model rarely ends its thinking
     parts, texts, usage = {"reasoning": "", "content": ""}, None, None
     for chunk in client.chat.completions.create(**call, stream=True):
+        assert chunk.choices  # DeepSeek's API puts the usage on the last chunk with choices: no empty-choices chunk
         if chunk.choices:
             delta = chunk.choices[0].delta
             parts["reasoning"] += getattr(delta, "reasoning_content", None) or ""

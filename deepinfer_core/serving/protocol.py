@@ -23,6 +23,17 @@ class Limits(BaseModel):
     max_body_bytes: int = 4 << 20
 
 
+class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options`` (and vLLM's ``continuous_usage_stats``): a streamed answer ends
+    with a usage chunk (``"choices": []``) only when ``include_usage`` is true; with
+    ``continuous_usage_stats`` as well, every chunk carries the usage so far."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -34,6 +45,7 @@ class _Common(BaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     n: int = Field(1, ge=1)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -44,6 +56,18 @@ class _Common(BaseModel):
     logit_bias: dict[int, float] | None = None  # OpenAI sends the token ids as strings: pydantic reads them as ints
     allowed_token_ids: list[int] | None = None  # vLLM's extensions
     bad_words: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_with_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true; drop it, or set stream: true")
+        return self
+
+    @property
+    def usage_chunks(self) -> tuple[bool, bool]:
+        """(a usage chunk ends the stream, every chunk carries the usage so far)."""
+        o = self.stream_options
+        return (o is not None and o.include_usage), (o is not None and o.include_usage and o.continuous_usage_stats)
 
     def sampling_params(self, limits: Limits, logprobs: int | None, so_args: dict | None = None) -> SamplingParams:
         if self.n > limits.max_n:

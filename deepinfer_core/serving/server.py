@@ -166,7 +166,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
         prompts = body.prompts()
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return await sse(_stream_completion(engine, rid, model_name, prompts, params))
+            return await sse(_stream_completion(engine, rid, model_name, prompts, params, *body.usage_chunks))
         outs = await run_all(engine, rid, prompts, params, request)
         choices = [{"index": p * params.n + c.index, "text": c.text, "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason, "logprobs": _completion_logprobs(c) if params.logprobs is not None else None}
@@ -209,7 +209,7 @@ def _register_chat(app: FastAPI, engine: AsyncLLM, model_name: str, limits: Limi
         prompt = _chat_prompt(engine, body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return await sse(_stream_chat(engine, rid, model_name, prompt, params))
+            return await sse(_stream_chat(engine, rid, model_name, prompt, params, *body.usage_chunks))
         (out,) = await run_all(engine, rid, [prompt], params, request)
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason, "logprobs": _chat_logprobs(c, params.logprobs) if params.logprobs is not None else None}
@@ -259,10 +259,17 @@ def _chat_logprobs(c, top_n: int, start: int = 0) -> dict:
     return {"content": content}
 
 
-async def _stream_completion(engine: AsyncLLM, rid: str, model: str, prompts: list, params):
+async def _stream_completion(engine: AsyncLLM, rid: str, model: str, prompts: list, params, usage: bool = False,
+                             continuous: bool = False):
+    """Completion chunks; with ``usage`` (stream_options.include_usage) a last chunk with no
+    choices and the usage, and with ``continuous`` the usage so far on every chunk."""
     created = int(time.time())
-    deltas, finals = Deltas(), {}
+    deltas, latest = Deltas(), {}
+    extra = {"usage": None} if usage else {}
     async for p, out in merged(engine, rid, prompts, params):
+        latest[p] = out
+        if continuous:
+            extra = {"usage": _usage([latest[q] for q in sorted(latest)])}
         for c in out.outputs:
             index = p * params.n + c.index
             delta, start = deltas.take(index, c)
@@ -270,18 +277,22 @@ async def _stream_completion(engine: AsyncLLM, rid: str, model: str, prompts: li
                 continue
             choice = {"index": index, "text": delta, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                       "logprobs": _completion_logprobs(c, start) if params.logprobs is not None else None}
-            yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
-        if out.finished:
-            finals[p] = out
-    yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
-           "usage": _usage([finals[p] for p in sorted(finals)])}
+            yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice], **extra}
+    if usage:
+        yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
+               "usage": _usage([latest[p] for p in sorted(latest)])}
 
 
-async def _stream_chat(engine: AsyncLLM, rid: str, model: str, prompt, params):
+async def _stream_chat(engine: AsyncLLM, rid: str, model: str, prompt, params, usage: bool = False, continuous: bool = False):
+    """Chat chunks: the role first, then the deltas; ``usage`` and ``continuous`` as for completions."""
     created = int(time.time())
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    if usage:
+        head["usage"] = None
     deltas, last = Deltas(), None
     async for _, out in merged(engine, rid, [prompt], params):
+        if continuous:
+            head["usage"] = _usage([out])
         if last is None:  # the request started (a refused one raised): the role goes first
             yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                                        for i in range(params.n)]}
@@ -293,4 +304,5 @@ async def _stream_chat(engine: AsyncLLM, rid: str, model: str, prompt, params):
                                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                                         "logprobs": _chat_logprobs(c, params.logprobs, start) if params.logprobs is not None else None}]}
         last = out
-    yield {**head, "choices": [], "usage": _usage([last])}
+    if usage:
+        yield {**head, "choices": [], "usage": _usage([last])}

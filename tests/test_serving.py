@@ -168,6 +168,19 @@ def test_bad_completion_requests_are_4xx_naming_the_problem(server, body, status
     assert ok.status_code == 200  # the server goes on
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/messages"])
+def test_a_body_that_is_not_a_json_object_is_named_so(server, path):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    for body, says in ((b'{"prompt": "x",\n "max_tokens": }', "not valid JSON: Expecting value at line 2, column 16 (character 31)"),
+                       (b"\xff\xfe{}", "not valid JSON"), (b"", "body is empty"), (b"[1, 2]", "must be a JSON object, got an array"),
+                       (b'"hi"', "must be a JSON object, got a string")):
+        r = httpx.post(server[0] + path, content=body, headers=headers, timeout=30)
+        error = r.json()["error"]
+        assert r.status_code == 400 and says in error["message"] and error.get("param") is None, (body, r.text)
+    r = httpx.post(server[0] + path, content=b'{"prompt": "x"}', headers={**headers, "Content-Type": "text/plain"}, timeout=30)
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"], r.text
+
+
 def test_bad_chat_requests(server):
     url = server[0]
     headers = {"Authorization": f"Bearer {KEY}"}

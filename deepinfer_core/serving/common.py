@@ -40,10 +40,36 @@ def error_body(status: int, message: str, kind: str = "invalid_request_error", p
 
 
 def validation_message(e: ValidationError | RequestValidationError) -> tuple[str, str | None]:
+    """(message, param) of a request that did not validate: the first error, named by its field."""
     first = e.errors()[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    loc = tuple(first.get("loc", ()))
+    if first.get("type") == "json_invalid":  # FastAPI's: loc is ("body", character offset)
+        return _json_error(getattr(e, "body", None), loc[-1] if loc else None, (first.get("ctx") or {}).get("error")), None
+    if loc == ("body",) and first.get("type") in ("missing", "model_attributes_type", "dict_type", "model_type"):  # the body itself
+        if first.get("type") == "missing":
+            return "the request body is empty; send a JSON object (Content-Type: application/json)", None
+        value = first.get("input")
+        if isinstance(value, (bytes, bytearray)):  # not read as JSON: FastAPI reads JSON only when the Content-Type says so
+            return "the request body was not read as JSON: send a JSON object with Content-Type: application/json", None
+        return f"the request body must be a JSON object, got {_kind(value)}", None
+    param = ".".join(str(p) for p in loc if p != "body") or None
     return (f"{param}: {first['msg']}" if param else first["msg"]), param
+
+
+def _json_error(doc, pos, why: str | None) -> str:
+    """The message for a body that is not valid JSON: what the parser said and where."""
+    where = ""
+    if isinstance(pos, int):
+        where = f" at character {pos}"
+        if isinstance(doc, str):
+            line, column = doc.count("\n", 0, pos) + 1, pos - doc.rfind("\n", 0, pos)  # as json.JSONDecodeError counts
+            where = f" at line {line}, column {column} (character {pos})"
+    return f"the request body is not valid JSON: {why or 'cannot be parsed'}{where}"
+
+
+def _kind(value) -> str:
+    return {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number",
+            type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def check_model(asked: str | None, served: str) -> None:

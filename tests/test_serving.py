@@ -9,6 +9,7 @@ import asyncio
 import gc
 import json
 import logging
+import re
 import time
 
 import pytest
@@ -131,6 +132,62 @@ def test_response_format_json_schema_constrains_chat(client):
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a number"}], max_tokens=30, temperature=0,
                                          response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
     assert isinstance(json.loads(out.choices[0].message.content, strict=False)["n"], int)
+
+
+def test_vllms_structured_output_fields_and_response_format_constrain_both_routes(client):
+    """guided_json / guided_regex / guided_choice / guided_grammar and structured_outputs (vLLM's,
+    through extra_body) and response_format (on completions too) were accepted and ignored."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+    cases = [({"guided_regex": "[0-9]{3}"}, lambda t: re.fullmatch("[0-9]{3}", t)),
+             ({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+             ({"guided_grammar": 'root ::= "ab" | "cd"'}, lambda t: t in ("ab", "cd")),
+             ({"guided_json": schema}, lambda t: isinstance(json.loads(t)["n"], int)),
+             ({"structured_outputs": {"choice": ["left", "right"]}}, lambda t: t in ("left", "right")),
+             ({"structured_outputs": {"regex": "[ab]{2}c", "disable_any_whitespace": True}}, lambda t: re.fullmatch("[ab]{2}c", t)),
+             ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}},
+              lambda t: isinstance(json.loads(t)["n"], int)),
+             ({"response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), dict))]
+    for extra, ok in cases:
+        text = client.completions.create(model=MODEL, prompt="The answer:", max_tokens=24, temperature=0, extra_body=extra).choices[0].text
+        assert ok(text), (extra, text)
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "answer"}], max_tokens=24,
+                                              temperature=0, extra_body=extra).choices[0].message.content
+        assert ok(chat), (extra, chat)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("extra, param, says", [
+    ({"guided_regex": "[0-9]", "guided_choice": ["a"]}, "guided_choice", "give only one"),
+    ({"response_format": {"type": "json_object"}, "guided_json": {"type": "object"}}, "guided_json", "give only one"),
+    ({"guided_regex": "("}, "guided_regex", "guided_regex is not a valid regular expression"),
+    ({"guided_json": {"type": "nope"}}, "guided_json", "guided_json is not a valid JSON schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nope"}}}},
+     "response_format.json_schema.schema", "response_format.json_schema.schema is not a valid JSON schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format", "schema is missing"),
+    ({"guided_grammar": "root ::= nowhere"}, "guided_grammar", "guided_grammar is not a valid EBNF grammar"),
+    ({"guided_choice": []}, "guided_choice", "empty list"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one of"),
+    ({"structured_outputs": {"whitespace_pattern": " *", "regex": "a"}}, "structured_outputs.whitespace_pattern", "not supported"),
+    ({"structured_outputs": {"regex": "a", "backend": "outlines"}}, "structured_outputs.backend", "leave it out"),
+    ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend", "xgrammar"),
+    ({"best_of": 3}, "best_of", "n=3"),
+    ({"best_of": 1, "n": 2}, "best_of", "at least n"),
+])
+def test_structured_output_and_sampling_fields_it_cannot_honour_are_400s_naming_them(server, path, extra, param, says):
+    body = {"max_tokens": 4, **({"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}), **extra}
+    for stream in (False, True):
+        r = httpx.post(server[0] + path, json={**body, "stream": stream}, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == param and says in error["message"], r.text
+        assert "so_args" not in error["message"]
+
+
+def test_top_logprobs_without_logprobs_is_a_400_as_on_openai(client):
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**kw, top_logprobs=2)
+    assert e.value.body["param"] == "top_logprobs" and "logprobs: true" in e.value.body["message"]
+    assert client.chat.completions.create(**kw, logprobs=True, top_logprobs=2).choices[0].logprobs.content
 
 
 def test_models_health_and_auth(server):

@@ -166,6 +166,9 @@ def test_usage_counts_cached_prompt_tokens(server):
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 33}, 400, "more than this server allows"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "wizard"),
     ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"}, 404, "not served here"),
+    ({"messages": [{"role": "user", "content": "x"}], "guided_json": {"type": "object"}}, 400, "guided_json is not read"),
+    ({"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"regex": "a"}}, 400, "use response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "best_of": 2}, 400, "best_of=2"),
 ])
 def test_what_the_protocol_refuses_is_a_4xx_naming_it(server, body, status, message):
     r = _post(server, "/v1/chat/completions", {"model": NAME, **body})

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -16,7 +17,7 @@ from pydantic import ValidationError
 
 from deepinfer_core.engine.output import GenerationError, RequestOutput
 from deepinfer_core.serving.async_llm import AsyncLLM
-from deepinfer_core.serving.protocol import Limits
+from deepinfer_core.serving.protocol import FieldError, Limits
 
 log = logging.getLogger("deepinfer")
 
@@ -52,8 +53,14 @@ def validation_message(e: ValidationError | RequestValidationError) -> tuple[str
         if isinstance(value, (bytes, bytearray)):  # not read as JSON: FastAPI reads JSON only when the Content-Type says so
             return "the request body was not read as JSON: send a JSON object with Content-Type: application/json", None
         return f"the request body must be a JSON object, got {_kind(value)}", None
+    error = (first.get("ctx") or {}).get("error")
+    if isinstance(error, FieldError):  # our own checks name their field
+        return str(error), error.param
     param = ".".join(str(p) for p in loc if p != "body") or None
-    return (f"{param}: {first['msg']}" if param else first["msg"]), param
+    if first.get("type") == "extra_forbidden":
+        return f"{param} is not a field this server reads here; leave it out", param
+    message = first["msg"].removeprefix("Value error, ")
+    return (f"{param}: {message}" if param else message), param
 
 
 def _json_error(doc, pos, why: str | None) -> str:
@@ -78,35 +85,47 @@ def check_model(asked: str | None, served: str) -> None:
                          "not_found_error")
 
 
-def sampling_params_of(body, limits: Limits, logprobs: int | None, so_args: dict | None = None):
+def sampling_params_of(body, limits: Limits, logprobs: int | None):
     try:
-        return body.sampling_params(limits, logprobs, so_args)
+        return body.sampling_params(limits, logprobs)
     except ValidationError as e:
         message, param = validation_message(e)
         raise BadRequest(message, param) from None
+    except FieldError as e:
+        raise BadRequest(str(e), e.param) from None
     except ValueError as e:
         raise BadRequest(str(e)) from None
 
 
-async def start_request(engine: AsyncLLM, prompt, params, request_id: str):
-    """The request's output stream, started (a refused request raises here, as a 400)."""
+# the engine's refusal of a constraint: "prompt: so_args['json'] is not a valid JSON schema: ..."
+_SO_REFUSAL = re.compile(r"^(?:\w+: )?so_args\[[^\]]*\]")
+
+
+async def start_request(engine: AsyncLLM, prompt, params, request_id: str, so_field: str | None = None):
+    """The request's output stream, started (a refused request raises here, as a 400).
+    ``so_field``: the request field its structured-output constraint came from, which a
+    refused constraint names (the engine names its own ``so_args``)."""
     gen = engine.generate(prompt, params, request_id)
     try:
         first = await gen.__anext__()
     except (ValueError, TypeError) as e:
-        raise BadRequest(str(e), "prompt") from None
+        message = str(e)
+        if so_field is not None and _SO_REFUSAL.match(message):
+            raise BadRequest(_SO_REFUSAL.sub(so_field, message), so_field) from None
+        raise BadRequest(message, "prompt") from None
     return first, gen
 
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request looks whether its client is still there
 
 
-async def run_all(engine: AsyncLLM, rid: str, prompts: list, params, request: Request | None = None) -> list[RequestOutput]:
+async def run_all(engine: AsyncLLM, rid: str, prompts: list, params, request: Request | None = None,
+                  so_field: str | None = None) -> list[RequestOutput]:
     """Every prompt's final output. A client that disconnects (``request``) cancels them: each
     request is aborted and its blocks freed."""
 
     async def one(i: int, prompt) -> RequestOutput:
-        last, gen = await start_request(engine, prompt, params, f"{rid}-{i}")
+        last, gen = await start_request(engine, prompt, params, f"{rid}-{i}", so_field)
         async for out in gen:
             last = out
         return last
@@ -172,13 +191,13 @@ async def sse(events, anthropic: bool = False) -> StreamingResponse:
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
-async def merged(engine: AsyncLLM, rid: str, prompts: list, params):
+async def merged(engine: AsyncLLM, rid: str, prompts: list, params, so_field: str | None = None):
     """(prompt index, output) as any prompt's output changes; the first of each is started before
     anything is sent, so a refused prompt is a 400, not a broken stream."""
     started = []
     try:
         for i, p in enumerate(prompts):
-            started.append(await start_request(engine, p, params, f"{rid}-{i}"))
+            started.append(await start_request(engine, p, params, f"{rid}-{i}", so_field))
     except BaseException:
         for _, gen in started:
             await gen.aclose()

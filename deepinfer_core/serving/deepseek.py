@@ -25,11 +25,30 @@ from deepinfer_core.serving.protocol import Limits
 from deepinfer_core.serving.common import BadRequest, check_model, merged, sse, unless_disconnected
 
 
+# vLLM's fields that DeepSeek's protocol does not read (the library would ignore them): a 400 naming them
+_NOT_READ = {"guided_json": "response_format (json_schema or json_object)", "guided_regex": "response_format (regex)",
+             "guided_choice": None, "guided_grammar": None, "structured_outputs": "response_format (json_schema, json_object, regex)",
+             "guided_decoding_backend": None, "guided_whitespace_pattern": None, "use_beam_search": None}
+
+
+def _refuse_unread(raw: bytes) -> None:
+    """BadRequest for a body (already accepted by the library: a JSON object) that sets vLLM's
+    fields DeepSeek's protocol has no place for, or ``best_of`` other than 1 (``n`` is 1)."""
+    body = json.loads(raw)
+    for name, instead in _NOT_READ.items():
+        if body.get(name) not in (None, False):
+            hint = f"use {instead} instead" if instead else "it has no equivalent here; leave it out"
+            raise BadRequest(f"{name} is not read on this model's DeepSeek API; {hint}", name)
+    if body.get("best_of") not in (None, 1):
+        raise BadRequest(f"best_of={body['best_of']!r} is not supported: this API gives one answer (n = 1); leave it out", "best_of")
+
+
 def register(app: FastAPI, engine: AsyncLLM, recipe: Recipe, model_name: str, limits: Limits) -> None:
     def converted(raw: bytes, anthropic: bool):
         """(the ConversationRequest, its prompt ids) of a body; BadRequest for what the protocol refuses."""
         try:
             req = recipe.request(raw, anthropic)
+            _refuse_unread(raw)
             check_model(req.model, model_name)  # read before convert (which consumes the request)
             cr = recipe.convert(req)
             return cr, recipe.prompt(cr)

@@ -2,8 +2,15 @@
 mapping to SamplingParams.
 
 Fields a client sends that we do not know are ignored, as OpenAI's and Anthropic's own SDKs add
-new ones over time; fields we know but cannot honour (``echo``, ``best_of`` > n, ``suffix``,
-function tools on models without them, content blocks other than text) are a 400 naming the field.
+new ones over time; fields we know but cannot honour (``echo``, ``best_of`` other than n,
+``suffix``, function tools on models without them, content blocks other than text, vLLM's
+structured-output options we have no equivalent for) are a 400 naming the field and what to
+send instead (``FieldError``).
+
+Structured outputs: OpenAI's ``response_format`` (chat and completions) and vLLM's
+``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` and
+``structured_outputs`` all become the one ``SamplingParams.so_args`` constraint
+(``structured``); a request may give one of them.
 """
 
 from __future__ import annotations
@@ -21,6 +28,72 @@ class Limits(BaseModel):
     max_tokens: int = 4096
     max_n: int = 16
     max_body_bytes: int = 4 << 20
+
+
+class FieldError(ValueError):
+    """A request field that cannot be honoured as sent: the message says what to send instead,
+    ``param`` names the field (the error body's ``param``)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+SO_SCHEMA_FIELD = "response_format.json_schema.schema"
+
+
+def _nonempty(value: str, name: str) -> str:
+    if not value:
+        raise FieldError(f"{name} is empty; give a non-empty value or leave the field out", name)
+    return value
+
+
+def _response_format(rf: dict) -> dict:
+    """OpenAI's response_format as a structured-output constraint: json_schema or json_object."""
+    if rf["type"] == "json_object":
+        return {"json_object": True}
+    if rf["type"] == "json_schema":
+        schema = (rf.get("json_schema") or {}).get("schema")
+        if schema is None:
+            raise FieldError("response_format.json_schema.schema is missing; give the JSON schema there", "response_format")
+        return {"json": schema}
+    raise FieldError(f"response_format type {rf['type']!r} is not supported (text, json_object, json_schema)", "response_format")
+
+
+class VllmStructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` (StructuredOutputsParams): one of json, regex, choice, grammar,
+    json_object. Of its options, those that only allow more than we generate are accepted (JSON
+    is generated compact, so ``disable_any_whitespace`` holds either way; there is no fallback
+    backend to disable); those that would change the constraint are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def so_args(self) -> dict:
+        for name in ("disable_additional_properties", "whitespace_pattern", "structural_tag"):
+            if getattr(self, name) not in (None, False):
+                raise FieldError(f"structured_outputs.{name} is not supported; give the JSON schema itself (with "
+                                 "additionalProperties where wanted) in structured_outputs.json", f"structured_outputs.{name}")
+        kinds = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                 "json_object": self.json_object or None}
+        given = {k: v for k, v in kinds.items() if v is not None}
+        if len(given) != 1:
+            raise FieldError("structured_outputs must set exactly one of json, regex, choice, grammar, json_object (as true); "
+                             + (f"got {', '.join(given)}" if given else "got none"), "structured_outputs")
+        (kind, value), = given.items()
+        if not value:
+            raise FieldError(f"structured_outputs.{kind} is empty", f"structured_outputs.{kind}")
+        return {kind: value}
 
 
 class StreamOptions(BaseModel):
@@ -56,12 +129,66 @@ class _Common(BaseModel):
     logit_bias: dict[int, float] | None = None  # OpenAI sends the token ids as strings: pydantic reads them as ints
     allowed_token_ids: list[int] | None = None  # vLLM's extensions
     bad_words: list[str] | None = None
+    best_of: int | None = Field(None, ge=1)
+    use_beam_search: bool = False
+    # structured outputs: one of these (``structured``)
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: VllmStructuredOutputs | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @model_validator(mode="after")
-    def _stream_options_with_stream(self):
+    def _common_checks(self):
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true; drop it, or set stream: true")
+            raise FieldError("stream_options is only allowed when stream is true; drop it, or set stream: true", "stream_options")
+        if self.best_of is not None and self.best_of != self.n:
+            if self.best_of < self.n:
+                raise FieldError(f"best_of ({self.best_of}) must be at least n ({self.n})", "best_of")
+            raise FieldError(f"best_of={self.best_of} above n={self.n} is not supported (the server does not rank samples); "
+                             f"ask for n={self.best_of} samples with logprobs and keep the best yourself", "best_of")
+        if self.use_beam_search:
+            raise FieldError("use_beam_search is not supported; sample with n and temperature instead", "use_beam_search")
+        if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
+            raise FieldError(f"guided_decoding_backend {self.guided_decoding_backend!r} is not available: structured outputs "
+                             "run on xgrammar here; leave the field out", "guided_decoding_backend")
+        if self.guided_whitespace_pattern is not None:
+            raise FieldError("guided_whitespace_pattern is not supported: JSON is generated compact (no free whitespace); "
+                             "leave the field out", "guided_whitespace_pattern")
+        self.structured()  # its FieldError, now
         return self
+
+    def structured(self) -> tuple[dict | None, str | None]:
+        """(so_args, the field it came from) for the one structured-output field given, as vLLM
+        reads them; (None, None) without one. FieldError for two, or for one we cannot honour."""
+        given = []
+        rf = self.response_format
+        if rf is not None and rf.get("type") not in (None, "text"):
+            given.append(("response_format", _response_format(rf)))
+        if self.guided_json is not None:
+            given.append(("guided_json", {"json": self.guided_json}))
+        if self.guided_regex is not None:
+            given.append(("guided_regex", {"regex": _nonempty(self.guided_regex, "guided_regex")}))
+        if self.guided_choice is not None:
+            if not self.guided_choice:
+                raise FieldError("guided_choice is an empty list; give at least one string", "guided_choice")
+            given.append(("guided_choice", {"choice": self.guided_choice}))
+        if self.guided_grammar is not None:
+            given.append(("guided_grammar", {"grammar": _nonempty(self.guided_grammar, "guided_grammar")}))
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", self.structured_outputs.so_args()))
+        if len(given) > 1:
+            names = [name for name, _ in given]
+            raise FieldError(f"{' and '.join(names)} each constrain the output; give only one of them", names[1])
+        if not given:
+            return None, None
+        name, so = given[0]
+        if name == "structured_outputs":
+            name = f"structured_outputs.{next(iter(so))}"
+        return so, (SO_SCHEMA_FIELD if name == "response_format" and "json" in so else name)
 
     @property
     def usage_chunks(self) -> tuple[bool, bool]:
@@ -69,7 +196,8 @@ class _Common(BaseModel):
         o = self.stream_options
         return (o is not None and o.include_usage), (o is not None and o.include_usage and o.continuous_usage_stats)
 
-    def sampling_params(self, limits: Limits, logprobs: int | None, so_args: dict | None = None) -> SamplingParams:
+    def sampling_params(self, limits: Limits, logprobs: int | None) -> SamplingParams:
+        so_args, _ = self.structured()
         if self.n > limits.max_n:
             raise ValueError(f"n={self.n} is more than this server allows ({limits.max_n})")
         max_tokens = self.max_tokens or (min(16, limits.max_tokens) if isinstance(self, CompletionRequest) else limits.max_tokens)
@@ -93,11 +221,11 @@ class CompletionRequest(_Common):
     @model_validator(mode="after")
     def _supported(self) -> CompletionRequest:
         if self.echo:
-            raise ValueError("echo is not supported")
+            raise FieldError("echo is not supported; prepend the prompt to the text yourself", "echo")
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise FieldError("suffix is not supported (no fill-in-the-middle here); leave it out", "suffix")
         if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt is empty")
+            raise FieldError("prompt is empty; give a string, a list of strings or token ids", "prompt")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -134,30 +262,17 @@ class ChatRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     max_completion_tokens: int | None = Field(None, ge=1)
-    response_format: dict | None = None
     tools: list | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> ChatRequest:
         if self.tools:
-            raise ValueError("tools are not supported for this model")
+            raise FieldError("tools are not supported for this model", "tools")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError("top_logprobs needs logprobs: true; set logprobs to true, or leave top_logprobs out", "top_logprobs")
         if self.max_completion_tokens is not None and self.max_tokens is None:
             self.max_tokens = self.max_completion_tokens
         return self
-
-    def so_args(self) -> dict | None:
-        """response_format as a structured-output constraint: json_schema, json_object, or text."""
-        rf = self.response_format
-        if not rf or rf.get("type") in (None, "text"):
-            return None
-        if rf["type"] == "json_object":
-            return {"json_object": True}
-        if rf["type"] == "json_schema":
-            schema = (rf.get("json_schema") or {}).get("schema")
-            if schema is None:
-                raise ValueError("response_format.json_schema.schema is missing")
-            return {"json": schema}
-        raise ValueError(f"response_format type {rf['type']!r} is not supported (text, json_object, json_schema)")
 
 
 class AnthropicMessage(ChatMessage):
@@ -185,7 +300,7 @@ class MessagesRequest(BaseModel):
     @model_validator(mode="after")
     def _supported(self) -> MessagesRequest:
         if self.tools or self.tool_choice:
-            raise ValueError("tools and tool_choice are not supported for this model")
+            raise FieldError("tools and tool_choice are not supported for this model", "tools")
         return self
 
     def conversation(self) -> list[dict]:

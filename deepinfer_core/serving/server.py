@@ -163,11 +163,12 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model, model_name)
         params = sampling_params_of(body, limits, body.logprobs)
+        so_field = body.structured()[1]
         prompts = body.prompts()
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return await sse(_stream_completion(engine, rid, model_name, prompts, params, *body.usage_chunks))
-        outs = await run_all(engine, rid, prompts, params, request)
+            return await sse(_stream_completion(engine, rid, model_name, prompts, params, *body.usage_chunks, so_field=so_field))
+        outs = await run_all(engine, rid, prompts, params, request, so_field)
         choices = [{"index": p * params.n + c.index, "text": c.text, "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason, "logprobs": _completion_logprobs(c) if params.logprobs is not None else None}
                    for p, out in enumerate(outs) for c in out.outputs]
@@ -201,16 +202,13 @@ def _register_chat(app: FastAPI, engine: AsyncLLM, model_name: str, limits: Limi
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         check_model(body.model, model_name)
-        try:
-            so = body.so_args()
-        except ValueError as e:
-            raise BadRequest(str(e), "response_format") from None
-        params = sampling_params_of(body, limits, (body.top_logprobs or 0) if body.logprobs else None, so)
+        params = sampling_params_of(body, limits, (body.top_logprobs or 0) if body.logprobs else None)
+        so_field = body.structured()[1]
         prompt = _chat_prompt(engine, body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return await sse(_stream_chat(engine, rid, model_name, prompt, params, *body.usage_chunks))
-        (out,) = await run_all(engine, rid, [prompt], params, request)
+            return await sse(_stream_chat(engine, rid, model_name, prompt, params, *body.usage_chunks, so_field=so_field))
+        (out,) = await run_all(engine, rid, [prompt], params, request, so_field)
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason, "logprobs": _chat_logprobs(c, params.logprobs) if params.logprobs is not None else None}
                    for c in out.outputs]
@@ -260,13 +258,13 @@ def _chat_logprobs(c, top_n: int, start: int = 0) -> dict:
 
 
 async def _stream_completion(engine: AsyncLLM, rid: str, model: str, prompts: list, params, usage: bool = False,
-                             continuous: bool = False):
+                             continuous: bool = False, so_field: str | None = None):
     """Completion chunks; with ``usage`` (stream_options.include_usage) a last chunk with no
     choices and the usage, and with ``continuous`` the usage so far on every chunk."""
     created = int(time.time())
     deltas, latest = Deltas(), {}
     extra = {"usage": None} if usage else {}
-    async for p, out in merged(engine, rid, prompts, params):
+    async for p, out in merged(engine, rid, prompts, params, so_field):
         latest[p] = out
         if continuous:
             extra = {"usage": _usage([latest[q] for q in sorted(latest)])}
@@ -283,14 +281,15 @@ async def _stream_completion(engine: AsyncLLM, rid: str, model: str, prompts: li
                "usage": _usage([latest[p] for p in sorted(latest)])}
 
 
-async def _stream_chat(engine: AsyncLLM, rid: str, model: str, prompt, params, usage: bool = False, continuous: bool = False):
+async def _stream_chat(engine: AsyncLLM, rid: str, model: str, prompt, params, usage: bool = False, continuous: bool = False,
+                       so_field: str | None = None):
     """Chat chunks: the role first, then the deltas; ``usage`` and ``continuous`` as for completions."""
     created = int(time.time())
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     if usage:
         head["usage"] = None
     deltas, last = Deltas(), None
-    async for _, out in merged(engine, rid, [prompt], params):
+    async for _, out in merged(engine, rid, [prompt], params, so_field):
         if continuous:
             head["usage"] = _usage([out])
         if last is None:  # the request started (a refused one raised): the role goes first

@@ -213,6 +213,14 @@ def test_models_health_and_auth(server):
     ({"prompt": [99999]}, 400, "99999"),
     ({"prompt": "x " * 5000}, 400, "max_model_len"),
     ({"prompt": "x", "stop": 5}, 400, "stop"),
+    ({"prompt": "x", "stop": ""}, 400, "stop cannot contain an empty string"),  # as vLLM: "" and ["", "a"] alike
+    ({"prompt": "x", "stop": ["", "a"]}, 400, "stop cannot contain an empty string"),
+    ({"prompt": "x", "max_tokens": True}, 400, "max_tokens: Input should be a valid integer"),  # a bool is not an int
+    ({"prompt": "x", "max_tokens": 2.0}, 400, "max_tokens: Input should be a valid integer"),
+    ({"prompt": "x", "n": True}, 400, "n: Input should be a valid integer"),
+    ({"prompt": "x", "temperature": True}, 400, "temperature: Input should be a valid number"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream: Input should be a valid boolean"),
+    ({"prompt": [1, True]}, 400, "prompt"),
 ])
 def test_bad_completion_requests_are_4xx_naming_the_problem(server, body, status, names):
     url, engine = server

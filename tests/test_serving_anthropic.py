@@ -152,6 +152,8 @@ def test_auth_takes_x_api_key_or_bearer(server):
     ({**GREEDY, "system": [{"type": "document", "source": {}}]}, 400, "'document'"),
     ({**GREEDY, "tools": [{"name": "f", "input_schema": {"type": "object"}}]}, 400, "not supported"),
     ({**GREEDY, "model": "claude-sonnet-4"}, 404, "claude-sonnet-4"),
+    ({**GREEDY, "max_tokens": True}, 400, "max_tokens: Input should be a valid integer"),
+    ({**GREEDY, "stop_sequences": ["", "a"]}, 400, "stop_sequences cannot contain an empty string"),
     ({**GREEDY, "messages": [{"role": "user", "content": "x " * 5000}]}, 400, "max_model_len"),
     ({**GREEDY, "messages": [{"role": "user", "content": "x " * 5000}], "stream": True}, 400, "max_model_len"),
 ])

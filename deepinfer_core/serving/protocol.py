@@ -15,11 +15,15 @@ Structured outputs: OpenAI's ``response_format`` (chat and completions) and vLLM
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 from deepinfer_core.sampling.params import SamplingParams
+
+
+# The request bodies validate strictly: a boolean is not a number (``"max_tokens": true`` is a 400,
+# not 1), a string is not a boolean (``"stream": "yes"``), a float is not an integer.
 
 
 class Limits(BaseModel):
@@ -40,6 +44,14 @@ class FieldError(ValueError):
 
 
 SO_SCHEMA_FIELD = "response_format.json_schema.schema"
+
+
+def _no_empty_stop(stop, name: str):
+    """vLLM's rule: an empty stop string (alone or in the list) is refused; it would end every
+    answer before its first character."""
+    if stop == "" or (isinstance(stop, list) and "" in stop):
+        raise FieldError(f"{name} cannot contain an empty string (it would stop at once); remove it", name)
+    return stop
 
 
 def _nonempty(value: str, name: str) -> str:
@@ -66,7 +78,7 @@ class VllmStructuredOutputs(BaseModel):
     is generated compact, so ``disable_any_whitespace`` holds either way; there is no fallback
     backend to disable); those that would change the constraint are refused."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     json_: dict | str | None = Field(None, alias="json")
     regex: str | None = None
@@ -101,14 +113,14 @@ class StreamOptions(BaseModel):
     with a usage chunk (``"choices": []``) only when ``include_usage`` is true; with
     ``continuous_usage_stats`` as well, every chunk carries the usage so far."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -126,7 +138,7 @@ class _Common(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    logit_bias: dict[int, float] | None = None  # OpenAI sends the token ids as strings: pydantic reads them as ints
+    logit_bias: dict[Annotated[int, Strict(False)], float] | None = None  # OpenAI sends the token ids as strings: read as ints
     allowed_token_ids: list[int] | None = None  # vLLM's extensions
     bad_words: list[str] | None = None
     best_of: int | None = Field(None, ge=1)
@@ -140,6 +152,11 @@ class _Common(BaseModel):
     structured_outputs: VllmStructuredOutputs | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_nonempty(cls, v):
+        return _no_empty_stop(v, "stop")
 
     @model_validator(mode="after")
     def _common_checks(self):
@@ -205,7 +222,7 @@ class _Common(BaseModel):
             raise ValueError(f"max_tokens={max_tokens} is more than this server allows ({limits.max_tokens})")
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
-            max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop or [], ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop if self.stop is not None else [], ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=logprobs, so_args=so_args, logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
@@ -236,7 +253,7 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
@@ -283,7 +300,7 @@ class AnthropicMessage(ChatMessage):
 class MessagesRequest(BaseModel):
     """Anthropic's ``/v1/messages`` body (``metadata`` and unknown fields ignored)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     max_tokens: int = Field(ge=1)
@@ -296,6 +313,11 @@ class MessagesRequest(BaseModel):
     stream: bool = False
     tools: list | None = None
     tool_choice: dict | None = None
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stop_nonempty(cls, v):
+        return _no_empty_stop(v, "stop_sequences")
 
     @model_validator(mode="after")
     def _supported(self) -> MessagesRequest:

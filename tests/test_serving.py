@@ -270,6 +270,35 @@ def test_bad_chat_requests(server):
     assert small.status_code == 200, small.text
 
 
+def test_prompt_plus_max_tokens_beyond_the_context_is_a_400_and_a_default_max_tokens_fits(client, server):
+    """As OpenAI and vLLM: a max_tokens asked for that does not fit after the prompt is refused
+    (it used to be cut silently at max_model_len); the server's default is lowered to fit."""
+    limit = server[1].engine.max_model_len
+    prompt = [7] * (limit - 10)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=20)
+    assert e.value.body["param"] == "prompt" and e.value.body["message"].startswith(
+        f"This model's maximum context length is {limit} tokens (max_model_len). However, you requested {limit + 10} tokens "
+        f"({limit - 10} in the prompt, 20 in the completion).")
+    with pytest.raises(openai.BadRequestError, match="in the prompt"):  # the longest of several prompts decides
+        client.completions.create(model=MODEL, prompt=[[7, 8], prompt], max_tokens=20)
+    out = client.completions.create(model=MODEL, prompt=prompt, temperature=0, extra_body={"ignore_eos": True})  # 16 by default
+    assert out.usage.completion_tokens == 10 and out.choices[0].finish_reason == "length"
+    text = server[1].tokenizer.decode(prompt[:-3])  # about as long, as chat messages
+    ids = len(server[1].tokenizer(text).input_ids)
+    messages = [{"role": "user", "content": text}]
+    with pytest.raises(openai.BadRequestError, match=r"in the messages, 60 in the completion\)") as e:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60)
+    assert e.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=60)
+    r = httpx.post(server[0] + "/v1/messages", headers={"x-api-key": KEY}, timeout=60,
+                   json={"messages": messages, "max_tokens": 60})
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"], r.text
+    chat = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, extra_body={"ignore_eos": True})
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == limit and ids < chat.usage.prompt_tokens
+
+
 def test_a_refused_streamed_request_is_a_400_not_a_broken_stream(server):
     url = server[0]
     headers = {"Authorization": f"Bearer {KEY}"}

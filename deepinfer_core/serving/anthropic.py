@@ -20,7 +20,8 @@ from fastapi import FastAPI, Request
 from deepinfer_core.chat import chat_prompt
 from deepinfer_core.serving.async_llm import AsyncLLM
 from deepinfer_core.serving.protocol import CountTokensRequest, Limits, MessagesRequest
-from deepinfer_core.serving.common import BadRequest, Deltas, check_model, merged, run_all, sampling_params_of, sse
+from deepinfer_core.serving.common import (BadRequest, Deltas, check_model, fit_context, merged, run_all, sampling_params_of,
+                                          sse)
 
 _NO_STOP = {"stop_reason": None, "stop_sequence": None}
 
@@ -31,6 +32,7 @@ def register(app: FastAPI, engine: AsyncLLM, model_name: str, limits: Limits) ->
         check_model(body.model, model_name)
         params = sampling_params_of(body, limits, None)
         prompt = _prompt(engine, body)
+        fit_context(params, [len(prompt)], engine.engine.max_model_len, True, "messages")
         mid = f"msg_{uuid.uuid4().hex}"
         if body.stream:
             return await sse(_stream(engine, mid, model_name, prompt, params), anthropic=True)

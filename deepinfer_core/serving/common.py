@@ -16,6 +16,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from deepinfer_core.engine.output import GenerationError, RequestOutput
+from deepinfer_core.engine.requests import encode_prompt
 from deepinfer_core.serving.async_llm import AsyncLLM
 from deepinfer_core.serving.protocol import FieldError, Limits
 
@@ -95,6 +96,36 @@ def sampling_params_of(body, limits: Limits, logprobs: int | None):
         raise BadRequest(str(e), e.param) from None
     except ValueError as e:
         raise BadRequest(str(e)) from None
+
+
+def fit_context(params, prompt_lengths: list[int], max_model_len: int, asked: bool, what: str) -> None:
+    """Check the request's prompts and max_tokens against the context, as vLLM and OpenAI do: a
+    ``max_tokens`` the client ``asked`` for must fit after its longest prompt (else a 400
+    naming both), and the server's default is lowered to what is left."""
+    longest = max(prompt_lengths)
+    room = max_model_len - longest
+    if asked or room < 1:
+        if longest + params.max_tokens > max_model_len:
+            raise BadRequest(
+                f"This model's maximum context length is {max_model_len} tokens (max_model_len). However, you requested "
+                f"{longest + params.max_tokens} tokens ({longest} in the {what}, {params.max_tokens} in the completion). "
+                f"Please reduce the length of the {what} or max_tokens.", what)
+        return
+    if params.max_tokens > room:
+        try:
+            params.max_tokens = room
+        except ValidationError:  # min_tokens above what is left
+            raise BadRequest(f"min_tokens={params.min_tokens} does not fit: the {what} ({longest} tokens) leaves room for "
+                             f"{room} of this model's maximum context length, {max_model_len} tokens (max_model_len)",
+                             "min_tokens") from None
+
+
+def encode(engine: AsyncLLM, prompt) -> list[int]:
+    """A prompt's token ids (a string through the tokenizer, as the engine encodes it); 400 for a bad one."""
+    try:
+        return encode_prompt(engine.engine, prompt)[1]
+    except ValueError as e:
+        raise BadRequest(str(e), "prompt") from None
 
 
 # the engine's refusal of a constraint: "prompt: so_args['json'] is not a valid JSON schema: ..."

@@ -32,8 +32,8 @@ from deepinfer_core.chat import chat_prompt
 from deepinfer_core.recipe import recipe_for
 from deepinfer_core.sampling.sampler import most_likely
 from deepinfer_core.serving.async_llm import AsyncLLM
-from deepinfer_core.serving.common import (BadRequest, Deltas, check_model, error_body, merged, run_all,
-                                          sampling_params_of, sse, validation_message)
+from deepinfer_core.serving.common import (BadRequest, Deltas, check_model, encode, error_body, fit_context, merged,
+                                          run_all, sampling_params_of, sse, validation_message)
 from deepinfer_core.serving.drivers import Unavailable
 from deepinfer_core.serving.metrics import ServerMetrics
 from deepinfer_core.serving.protocol import ChatRequest, CompletionRequest, Limits
@@ -164,7 +164,9 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
         check_model(body.model, model_name)
         params = sampling_params_of(body, limits, body.logprobs)
         so_field = body.structured()[1]
-        prompts = body.prompts()
+        prompts = [encode(engine, p) for p in body.prompts()]
+        fit_context(params, [len(p) for p in prompts], engine.engine.max_model_len, body.max_tokens is not None, "prompt")
+        prompts = [{"prompt_token_ids": p} for p in prompts]  # tokenized once
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             return await sse(_stream_completion(engine, rid, model_name, prompts, params, *body.usage_chunks, so_field=so_field))
@@ -205,6 +207,7 @@ def _register_chat(app: FastAPI, engine: AsyncLLM, model_name: str, limits: Limi
         params = sampling_params_of(body, limits, (body.top_logprobs or 0) if body.logprobs else None)
         so_field = body.structured()[1]
         prompt = _chat_prompt(engine, body)
+        fit_context(params, [len(prompt)], engine.engine.max_model_len, body.max_tokens is not None, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             return await sse(_stream_chat(engine, rid, model_name, prompt, params, *body.usage_chunks, so_field=so_field))

@@ -84,6 +84,19 @@ def test_stop_strings_and_logprobs(client):
         assert streamed[0] == whole.text, (stop, whole)
 
 
+def test_completion_logprobs_have_each_tokens_text_offset(client):
+    """text_offset: where each token's text starts in the choice's text (it was an empty list)."""
+    kw = {"model": MODEL, "prompt": "def f(x):\n    return", "max_tokens": 12, "temperature": 0, "logprobs": 1, "extra_body": {"ignore_eos": True}}
+    choice = client.completions.create(**kw).choices[0]
+    lp = choice.logprobs
+    assert len(lp.text_offset) == len(lp.tokens) == 12 and lp.text_offset[0] == 0
+    assert "".join(lp.tokens) == choice.text  # this model's tokens are whole characters: each offset is exact
+    for offset, token in zip(lp.text_offset, lp.tokens):
+        assert choice.text[offset:offset + len(token)] == token
+    streamed = [o for chunk in client.completions.create(stream=True, **kw) for c in chunk.choices for o in c.logprobs.text_offset]
+    assert streamed == lp.text_offset  # offsets into the whole text, across chunks
+
+
 def test_chat_streamed_and_not(client):
     kw = {"model": MODEL, "messages": [{"role": "system", "content": "Answer in code."}, {"role": "user", "content": "sort a list"}],
           "max_tokens": 20, "temperature": 0}

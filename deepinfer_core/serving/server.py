@@ -14,6 +14,7 @@ blocks are freed at once). Every response carries usage: prompt, completion and 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import secrets
 import socket
@@ -241,10 +242,15 @@ def _piece(token: int, logprob) -> str:
     return logprob.decoded_token if getattr(logprob, "decoded_token", None) is not None else str(token)
 
 
-def _completion_logprobs(c, start: int = 0) -> dict:
+def _completion_logprobs(c, start: int = 0, offset: int = 0) -> dict:
+    """OpenAI's completion logprobs of the tokens from ``start`` on. ``text_offset``: where each
+    token's text starts in the choice's text, counted as vLLM does (the lengths of the tokens'
+    texts before it, from ``offset``: the text a stream sent before)."""
     ids, tops = c.token_ids[start:], (c.logprobs or [])[start:]
-    return {"tokens": [_piece(t, top.get(t)) for t, top in zip(ids, tops)], "token_logprobs": [top.get(t) for t, top in zip(ids, tops)],
-            "top_logprobs": [{_piece(k, v): v for k, v in top.items()} for top in tops], "text_offset": []}
+    tokens = [_piece(t, top.get(t)) for t, top in zip(ids, tops)]
+    return {"tokens": tokens, "token_logprobs": [top.get(t) for t, top in zip(ids, tops)],
+            "top_logprobs": [{_piece(k, v): v for k, v in top.items()} for top in tops],
+            "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else []}
 
 
 def _chat_logprobs(c, top_n: int, start: int = 0) -> dict:
@@ -265,7 +271,7 @@ async def _stream_completion(engine: AsyncLLM, rid: str, model: str, prompts: li
     """Completion chunks; with ``usage`` (stream_options.include_usage) a last chunk with no
     choices and the usage, and with ``continuous`` the usage so far on every chunk."""
     created = int(time.time())
-    deltas, latest = Deltas(), {}
+    deltas, latest, offsets = Deltas(), {}, {}  # offsets: text_offset of each choice's next token
     extra = {"usage": None} if usage else {}
     async for p, out in merged(engine, rid, prompts, params, so_field):
         latest[p] = out
@@ -276,8 +282,12 @@ async def _stream_completion(engine: AsyncLLM, rid: str, model: str, prompts: li
             delta, start = deltas.take(index, c)
             if not delta and c.finish_reason is None:
                 continue
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = _completion_logprobs(c, start, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
             choice = {"index": index, "text": delta, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                      "logprobs": _completion_logprobs(c, start) if params.logprobs is not None else None}
+                      "logprobs": logprobs}
             yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice], **extra}
     if usage:
         yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],

@@ -158,3 +158,34 @@ def test_the_http_server_serves_a_data_parallel_llm(served, reference):
         assert len(tokens) == 8
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
         assert "deepinfer_kv_cache_usage_ratio 0.0" in metrics
+
+
+def test_health_turns_503_as_soon_as_a_rank_dies(served):
+    """/health reads the group's liveness: a rank killed while the server is idle makes it 503
+    at once (it used to stay "ok" until a request failed on the dead rank), new requests are 503s
+    naming the rank, and the idle engine thread breaks the group (stopping what is left) so the
+    LLM still closes. Last in this module: it kills rank 1 of the module's group."""
+    import os
+    import signal
+    import time
+
+    from deepinfer_core.serving.protocol import Limits
+    from deepinfer_core.serving.server import build_app, serve_in_thread
+
+    llm, engine = served
+    app = build_app(engine, "dp", None, Limits(max_tokens=64, max_n=2, max_body_bytes=1 << 16))
+    with serve_in_thread(app) as url:
+        assert httpx.get(f"{url}/health", timeout=10).json() == {"status": "ok"}
+        rank1 = llm.parallel.group.processes[1]
+        os.kill(rank1.pid, signal.SIGKILL)
+        rank1.join(10)
+        r = httpx.get(f"{url}/health", timeout=10)  # no request ran since: the liveness check alone tells
+        assert r.status_code == 503 and "rank 1 died (killed by signal 9)" in r.json()["reason"], r.text
+        r = httpx.post(f"{url}/v1/completions", json={"model": "dp", "prompt": PROMPTS[0], "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and "rank 1 died" in r.json()["error"]["message"], r.text
+        deadline = time.time() + 30
+        while llm.parallel.group.broken is None:  # the engine thread's watch, within about a second
+            assert time.time() < deadline, "the idle engine thread did not break the group"
+            time.sleep(0.1)
+        assert "rank 1 died" in llm.parallel.group.broken and not llm.parallel.group.processes
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 503

@@ -63,6 +63,16 @@ class Group:
     def spawned(self) -> bool:
         return bool(self.processes)
 
+    def exited(self) -> str | None:
+        """The ranks this process started that are no longer running (a spawned rank runs until
+        rank 0 stops it), with how each ended and the error it reported; None while all run.
+        Reads their exit codes only: safe from any thread, while the group steps."""
+        gone = {r: p.exitcode for r, p in list(self.processes.items())}
+        gone = {r: code for r, code in gone.items() if code is not None}
+        if not gone:
+            return None
+        return "; ".join(f"rank {r} died ({_exit_reason(code)}){_reported(self.store, r)}" for r, code in sorted(gone.items()))
+
     def failure(self, error: BaseException) -> RankFailure:
         """What went wrong when a collective failed: the rank that died or reported an error (its
         exit code and message), else ``error`` itself. Stops the ranks this process started."""

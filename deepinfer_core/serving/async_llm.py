@@ -89,6 +89,12 @@ class AsyncLLM:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
+    def unavailable(self) -> str | None:
+        """Why requests cannot run (the server's /health); None while they can."""
+        if not self._thread.is_alive():
+            return "the engine thread is not running; restart the server"
+        return self.driver.unavailable()
+
     def shutdown(self) -> None:
         """Abort what is running and stop the engine thread."""
         self._stopping = True
@@ -108,6 +114,7 @@ class AsyncLLM:
             if not driver.has_unfinished():
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
+                driver.watch()  # a data-parallel rank that died while idle
                 continue
             progress = driver.step()
             for out in progress.ended:

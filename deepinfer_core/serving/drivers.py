@@ -64,6 +64,9 @@ class LocalDriver:
         """Why no request can run any more (None: it can)."""
         return None
 
+    def watch(self) -> None:
+        """Called by the engine thread while idle: nothing to watch for one engine."""
+
 
 class ParallelDriver:
     """Rank 0 of a spawned data-parallel group (``parallel.data_parallel.DataParallel``): it checks
@@ -145,5 +148,17 @@ class ParallelDriver:
         return self._gauges
 
     def unavailable(self) -> str | None:
-        broken = self.dp.group.broken
+        """Why no request can run (None: it can): the group broke, or one of its ranks exited
+        (seen at once, from any thread, before a step fails on it)."""
+        group = self.dp.group
+        broken = group.broken or group.exited()
         return f"the data-parallel group is gone ({broken}); restart the server" if broken else None
+
+    def watch(self) -> None:
+        """The engine thread, while idle: a rank that exited breaks the group now (the other ranks
+        are stopped), not when the next request's step fails on it."""
+        group = self.dp.group
+        if group.broken is None:
+            gone = group.exited()
+            if gone:
+                log.error("%s", group.failure(RuntimeError(gone)))

@@ -150,7 +150,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
 
     @app.get("/health")
     async def health():
-        why = engine.driver.unavailable()
+        why = engine.unavailable()  # a data-parallel group is checked for ranks that died, not only failed steps
         if why:
             return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
         return {"status": "ok"}

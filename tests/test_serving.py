@@ -212,6 +212,52 @@ def test_models_health_and_auth(server):
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", (path, headers)
     r = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL
+    # the API description wants the key too; the interactive pages are off
+    for path in ("/openapi.json", "/docs", "/redoc"):
+        assert httpx.get(url + path).status_code == 401, path
+    assert "/v1/completions" in httpx.get(url + "/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).json()["paths"]
+    r = httpx.get(url + "/docs", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 404 and r.json()["error"]["message"].startswith("GET /docs is not a route of this server")
+
+
+def test_version_tokenize_detokenize_and_one_model_by_id(client, server):
+    """vLLM's GET /version, POST /tokenize and /detokenize, and GET /v1/models/{id}, behind the key."""
+    import deepinfer_core
+
+    url, engine = server
+    auth = {"Authorization": f"Bearer {KEY}"}
+    tokenizer = engine.tokenizer
+    for method, path in (("GET", "/version"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", f"/v1/models/{MODEL}")):
+        assert httpx.request(method, url + path, json={}).status_code == 401, path
+    assert httpx.get(url + "/version", headers=auth).json() == {"version": deepinfer_core.__version__}
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="gpt-4"):
+        client.models.retrieve("gpt-4")
+
+    def post(path, body):
+        return httpx.post(url + path, json=body, headers=auth, timeout=30)
+
+    got = post("/tokenize", {"prompt": "def f(x):", "model": MODEL}).json()
+    ids = tokenizer("def f(x):").input_ids
+    assert got == {"count": len(ids), "max_model_len": engine.engine.max_model_len, "tokens": ids, "token_strs": None}
+    assert client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=1).usage.prompt_tokens == len(ids)
+    bare = post("/tokenize", {"prompt": "def f(x):", "add_special_tokens": False, "return_token_strs": True}).json()
+    assert bare["tokens"] == tokenizer("def f(x):", add_special_tokens=False).input_ids != ids
+    assert bare["token_strs"] == tokenizer.convert_ids_to_tokens(bare["tokens"])
+    messages = [{"role": "system", "content": "Answer in code."}, {"role": "user", "content": "sort a list"}]
+    chat = post("/tokenize", {"messages": messages}).json()
+    assert chat["count"] == client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage.prompt_tokens
+    assert post("/detokenize", {"tokens": chat["tokens"]}).json() == {"prompt": tokenizer.decode(chat["tokens"])}
+    for path, body, param in (("/tokenize", {"prompt": "x", "messages": messages}, "prompt"),
+                              ("/tokenize", {}, "prompt"),
+                              ("/tokenize", {"messages": messages, "add_generation_prompt": False}, "add_generation_prompt"),
+                              ("/tokenize", {"prompt": "x", "tools": []}, "tools"),
+                              ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.role"),
+                              ("/tokenize", {"prompt": "x", "model": "gpt-4"}, "model"),
+                              ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
+                              ("/detokenize", {"tokens": "abc"}, "tokens")):
+        r = post(path, body)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (body, r.text)
 
 
 @pytest.mark.parametrize("body, status, names", [

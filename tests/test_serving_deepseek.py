@@ -100,6 +100,20 @@ def test_the_chat_prompt_is_deepseeks_encoding(server, checkpoint, case):
     assert r.json()["usage"]["prompt_tokens"] == len(prompt)
 
 
+def test_tokenize_lays_messages_out_as_the_chat_route(server, checkpoint):
+    for case in ("plain", "tools-history"):
+        body = BODIES[case]
+        got = _post(server, "/tokenize", {"model": NAME, "messages": body["messages"], **({"tools": body["tools"]} if "tools" in body else {})})
+        assert got.status_code == 200 and got.json()["tokens"] == _expected(checkpoint, {"messages": body["messages"],
+                                                                                       **({"tools": body["tools"]} if "tools" in body else {})})
+    off = _post(server, "/tokenize", {"messages": BODIES["no-thinking"]["messages"], "chat_template_kwargs": {"thinking": False}})
+    assert off.json()["tokens"] == _expected(checkpoint, BODIES["no-thinking"])
+    r = _post(server, "/tokenize", {"messages": BODIES["plain"]["messages"], "chat_template_kwargs": {"enable_thinking": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    r = _post(server, "/tokenize", {"messages": [{"role": "wizard", "content": "x"}]})
+    assert r.status_code == 400 and "wizard" in r.json()["error"]["message"]
+
+
 def test_the_messages_prompt_is_deepseeks_encoding(server, checkpoint):
     body = {"system": "You are terse.", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
             "thinking": {"type": "disabled"}}

@@ -292,6 +292,60 @@ class ChatRequest(_Common):
         return self
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize`` body: a ``prompt`` (``add_special_tokens``, default true) or chat
+    ``messages`` laid out as the chat routes lay them out (with the assistant's turn to speak;
+    ``tools`` and ``chat_template_kwargs`` {"thinking": bool} on a V4 checkpoint);
+    ``return_token_strs`` adds each token's string. vLLM's chat options that would lay the
+    messages out otherwise are a 400."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
+    tools: list | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise FieldError("give either prompt (a string) or messages (a chat), not both or neither", "prompt")
+        chat_only = {"add_generation_prompt": not self.add_generation_prompt, "continue_final_message": self.continue_final_message,
+                     "chat_template": self.chat_template is not None, "chat_template_kwargs": self.chat_template_kwargs is not None,
+                     "tools": self.tools is not None}
+        if self.prompt is not None:
+            for name, set_ in chat_only.items():
+                if set_:
+                    raise FieldError(f"{name} applies to messages, not to a prompt; leave it out", name)
+            return self
+        if self.add_special_tokens:
+            raise FieldError("add_special_tokens applies to a prompt: the chat template writes the messages' special tokens; "
+                             "leave it out", "add_special_tokens")
+        if not self.add_generation_prompt or self.continue_final_message:
+            raise FieldError("the messages are laid out as the chat routes lay them out, ending with the assistant's turn to "
+                             "speak: add_generation_prompt false and continue_final_message true are not supported",
+                             "add_generation_prompt" if not self.add_generation_prompt else "continue_final_message")
+        if self.chat_template is not None:
+            raise FieldError("chat_template is not supported: the model's own template (or DeepSeek's encoding) lays out "
+                             "the messages; leave it out", "chat_template")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``/detokenize`` body: token ids back to text."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
+
+
 class AnthropicMessage(ChatMessage):
     role: Literal["user", "assistant"]
     content: str | list[dict]

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from deepinfer_core import __version__
 from deepinfer_core.engine.output import RequestOutput
 from deepinfer_core.chat import chat_prompt
 from deepinfer_core.recipe import recipe_for
@@ -37,7 +38,8 @@ from deepinfer_core.serving.common import (BadRequest, Deltas, check_model, enco
                                           run_all, sampling_params_of, sse, validation_message)
 from deepinfer_core.serving.drivers import Unavailable
 from deepinfer_core.serving.metrics import ServerMetrics
-from deepinfer_core.serving.protocol import ChatRequest, CompletionRequest, Limits
+from deepinfer_core.serving import tokens
+from deepinfer_core.serving.protocol import ChatMessage, ChatRequest, CompletionRequest, Limits
 
 log = logging.getLogger("deepinfer")
 
@@ -137,6 +139,10 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):
+        if e.status_code in (404, 405):  # Starlette's routing: say which route was asked for
+            what = "is not a route of this server" if e.status_code == 404 else "is not allowed on this route"
+            return _error(request, e.status_code, f"{request.method} {request.url.path} {what} (see docs/serving.md)",
+                          "not_found_error" if e.status_code == 404 else "invalid_request_error")
         return _error(request, e.status_code, str(e.detail))
 
     @app.exception_handler(Unavailable)
@@ -155,10 +161,22 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
             return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
         return {"status": "ok"}
 
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "deepinfer", "max_model_len": engine.engine.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "deepinfer",
-                                            "max_model_len": engine.engine.max_model_len}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise BadRequest(f"the model {model_id!r} does not exist here; this server serves {model_name!r} (GET /v1/models)",
+                             "model", 404, "not_found_error")
+        return card
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -188,6 +206,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
         from deepinfer_core.serving.anthropic import register
 
         register(app, engine, model_name, limits)  # /v1/messages
+    tokens.register(app, engine, model_name, recipe, lambda messages: _chat_prompt(engine, messages))  # /tokenize, /detokenize
 
     metrics = ServerMetrics(engine.driver.gauges)
     engine.listeners.append(metrics.observe)
@@ -207,7 +226,7 @@ def _register_chat(app: FastAPI, engine: AsyncLLM, model_name: str, limits: Limi
         check_model(body.model, model_name)
         params = sampling_params_of(body, limits, (body.top_logprobs or 0) if body.logprobs else None)
         so_field = body.structured()[1]
-        prompt = _chat_prompt(engine, body)
+        prompt = _chat_prompt(engine, body.messages)
         fit_context(params, [len(prompt)], engine.engine.max_model_len, body.max_tokens is not None, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
@@ -221,9 +240,9 @@ def _register_chat(app: FastAPI, engine: AsyncLLM, model_name: str, limits: Limi
 
 
 # ---- requests -----------------------------------------------------------------------------------
-def _chat_prompt(engine: AsyncLLM, body: ChatRequest) -> list[int]:
+def _chat_prompt(engine: AsyncLLM, messages: list[ChatMessage]) -> list[int]:
     try:
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
         return chat_prompt(engine.tokenizer, messages)
     except ValueError as e:
         raise BadRequest(str(e), "messages") from None

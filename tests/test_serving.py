@@ -84,6 +84,29 @@ def test_stop_strings_and_logprobs(client):
         assert streamed[0] == whole.text, (stop, whole)
 
 
+def test_vllms_stop_token_ids_include_stop_str_in_output_and_skip_special_tokens(client, server):
+    tokenizer = server[1].tokenizer
+    kw = {"model": MODEL, "prompt": "def f(x):\n    return", "max_tokens": 12, "temperature": 0}
+    plain = client.completions.create(**kw).choices[0]
+    ids = tokenizer(plain.text, add_special_tokens=False).input_ids  # the tokens it generated (greedy, this model)
+    stopped = client.completions.create(**kw, extra_body={"stop_token_ids": [ids[2]]}).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.model_extra["stop_reason"] == ids[2] and len(stopped.text) < len(plain.text)
+    word = plain.text.split()[1]
+    kept = client.completions.create(**kw, stop=[word], extra_body={"include_stop_str_in_output": True}).choices[0].text
+    assert kept.endswith(word) and kept == plain.text[:plain.text.index(word) + len(word)]
+    bos = tokenizer.bos_token_id
+    forced = {"logit_bias": {str(bos): 100}, "max_tokens": 2}
+    shown = client.completions.create(**{**kw, **forced}, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    hidden = client.completions.create(**{**kw, **forced}, extra_body={"ignore_eos": True})
+    assert shown.choices[0].text == tokenizer.bos_token * 2 and hidden.choices[0].text == ""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**kw, extra_body={"prompt_logprobs": 1})
+    assert e.value.body["param"] == "prompt_logprobs"
+    with pytest.raises(openai.BadRequestError, match="functions are not supported"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                       functions=[{"name": "f", "parameters": {"type": "object"}}])
+
+
 def test_completion_logprobs_have_each_tokens_text_offset(client):
     """text_offset: where each token's text starts in the choice's text (it was an empty list)."""
     kw = {"model": MODEL, "prompt": "def f(x):\n    return", "max_tokens": 12, "temperature": 0, "logprobs": 1, "extra_body": {"ignore_eos": True}}

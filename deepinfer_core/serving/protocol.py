@@ -141,6 +141,10 @@ class _Common(BaseModel):
     logit_bias: dict[Annotated[int, Strict(False)], float] | None = None  # OpenAI sends the token ids as strings: read as ints
     allowed_token_ids: list[int] | None = None  # vLLM's extensions
     bad_words: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
     best_of: int | None = Field(None, ge=1)
     use_beam_search: bool = False
     # structured outputs: one of these (``structured``)
@@ -167,6 +171,8 @@ class _Common(BaseModel):
                 raise FieldError(f"best_of ({self.best_of}) must be at least n ({self.n})", "best_of")
             raise FieldError(f"best_of={self.best_of} above n={self.n} is not supported (the server does not rank samples); "
                              f"ask for n={self.best_of} samples with logprobs and keep the best yourself", "best_of")
+        if self.prompt_logprobs is not None:
+            raise FieldError("prompt_logprobs is not returned by this server; LLM.generate gives them offline", "prompt_logprobs")
         if self.use_beam_search:
             raise FieldError("use_beam_search is not supported; sample with n and temperature instead", "use_beam_search")
         if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
@@ -225,7 +231,8 @@ class _Common(BaseModel):
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop if self.stop is not None else [], ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=logprobs, so_args=so_args, logit_bias=self.logit_bias,
-            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words, stop_token_ids=self.stop_token_ids or [],
+            include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
         )
 
 
@@ -280,11 +287,13 @@ class ChatRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list | None = None
+    functions: list | None = None  # OpenAI's older spelling of tools
 
     @model_validator(mode="after")
     def _supported(self) -> ChatRequest:
-        if self.tools:
-            raise FieldError("tools are not supported for this model", "tools")
+        if self.tools or self.functions:
+            name = "tools" if self.tools else "functions"
+            raise FieldError(f"{name} are not supported for this model", name)
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("top_logprobs needs logprobs: true; set logprobs to true, or leave top_logprobs out", "top_logprobs")
         if self.max_completion_tokens is not None and self.max_tokens is None:

@@ -1,14 +1,17 @@
 """The OpenAI-compatible HTTP server (FastAPI) over ``AsyncLLM``.
 
 Routes: ``/v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events or
-not), Anthropic's ``/v1/messages`` (``serving.anthropic``), ``/v1/models``, ``/health`` and
-Prometheus' ``/metrics`` (``serving.metrics``). A V4 / V4.1 checkpoint's chat routes are
-``serving.deepseek``'s instead: DeepSeek's protocol through deepseek-recipe. With an
-API key every route but ``/health`` wants ``Authorization: Bearer KEY`` or ``x-api-key: KEY``
-(401 otherwise). Malformed JSON, unknown values, limits exceeded and requests the engine refuses
-(streamed or not) are 4xx answers with OpenAI's error body (Anthropic's on ``/v1/messages``)
-naming the problem; never a 500. A streaming client that disconnects cancels its request (its
-blocks are freed at once). Every response carries usage: prompt, completion and cached prompt tokens.
+not), Anthropic's ``/v1/messages`` (``serving.anthropic``), ``/v1/models`` and
+``/v1/models/{id}``, vLLM's ``/tokenize``, ``/detokenize`` (``serving.tokens``) and
+``/version``, ``/health`` and Prometheus' ``/metrics`` (``serving.metrics``). A V4 / V4.1
+checkpoint's chat routes are ``serving.deepseek``'s instead: DeepSeek's protocol through
+deepseek-recipe. With an API key every route but ``/health`` (``/openapi.json`` included)
+wants ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` (401 otherwise). Malformed JSON,
+unknown values, limits exceeded and requests the engine refuses (streamed or not) are 4xx
+answers with OpenAI's error body (Anthropic's on ``/v1/messages``) naming the problem; never a
+500. A client that disconnects cancels its request (its blocks are freed at once). Every
+non-streamed response carries usage (prompt, completion and cached prompt tokens); a stream
+ends with a usage chunk only when ``stream_options.include_usage`` asks for it.
 """
 
 from __future__ import annotations

@@ -200,6 +200,7 @@ def test_vllms_structured_output_fields_and_response_format_constrain_both_route
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nope"}}}},
      "response_format.json_schema.schema", "response_format.json_schema.schema is not a valid JSON schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format", "schema is missing"),
+    ({"response_format": {"json_schema": {"name": "a", "schema": {}}}}, "response_format", "type is missing"),
     ({"guided_grammar": "root ::= nowhere"}, "guided_grammar", "guided_grammar is not a valid EBNF grammar"),
     ({"guided_choice": []}, "guided_choice", "empty list"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one of"),
@@ -390,7 +391,7 @@ def test_a_refused_streamed_request_is_a_400_not_a_broken_stream(server):
         assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"], (path, r.text)
 
 
-def test_a_client_leaving_mid_stream_frees_its_request(server, monkeypatch):
+def test_a_client_leaving_mid_stream_frees_its_request(server, monkeypatch, caplog):
     url, engine = server
     aborted = []
     abort = engine.engine.abort
@@ -404,6 +405,10 @@ def test_a_client_leaving_mid_stream_frees_its_request(server, monkeypatch):
         assert time.time() < deadline, "the request was not aborted"
         time.sleep(0.05)
     assert aborted[0].startswith("cmpl-") and engine.num_unfinished() == 0
+    gc.collect()
+    time.sleep(0.2)
+    noise = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not noise, noise
 
 
 def test_offline_chat_lays_messages_out_with_the_chat_template():

@@ -189,7 +189,9 @@ class _Common(BaseModel):
         reads them; (None, None) without one. FieldError for two, or for one we cannot honour."""
         given = []
         rf = self.response_format
-        if rf is not None and rf.get("type") not in (None, "text"):
+        if rf is not None and rf.get("type") is None:
+            raise FieldError("response_format.type is missing (text, json_object or json_schema)", "response_format")
+        if rf is not None and rf["type"] != "text":
             given.append(("response_format", _response_format(rf)))
         if self.guided_json is not None:
             given.append(("guided_json", {"json": self.guided_json}))

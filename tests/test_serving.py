@@ -209,6 +209,8 @@ def test_vllms_structured_output_fields_and_response_format_constrain_both_route
     ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend", "xgrammar"),
     ({"best_of": 3}, "best_of", "n=3"),
     ({"best_of": 1, "n": 2}, "best_of", "at least n"),
+    ({"n": 9}, "n", "more than this server allows"),
+    ({"max_tokens": 1000}, "max_tokens", "more than this server allows"),
 ])
 def test_structured_output_and_sampling_fields_it_cannot_honour_are_400s_naming_them(server, path, extra, param, says):
     body = {"max_tokens": 4, **({"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}), **extra}
@@ -259,6 +261,8 @@ def test_version_tokenize_detokenize_and_one_model_by_id(client, server):
         client.models.retrieve("gpt-4")
 
     def post(path, body):
+        if isinstance(body, bytes):
+            return httpx.post(url + path, content=body, headers={**auth, "Content-Type": "application/json"}, timeout=30)
         return httpx.post(url + path, json=body, headers=auth, timeout=30)
 
     got = post("/tokenize", {"prompt": "def f(x):", "model": MODEL}).json()
@@ -278,6 +282,7 @@ def test_version_tokenize_detokenize_and_one_model_by_id(client, server):
                               ("/tokenize", {"prompt": "x", "tools": []}, "tools"),
                               ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.role"),
                               ("/tokenize", {"prompt": "x", "model": "gpt-4"}, "model"),
+                              ("/tokenize", b'{"prompt": "a\\ud800b"}', "prompt"),  # a lone surrogate
                               ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
                               ("/detokenize", {"tokens": "abc"}, "tokens")):
         r = post(path, body)

@@ -224,10 +224,10 @@ class _Common(BaseModel):
     def sampling_params(self, limits: Limits, logprobs: int | None) -> SamplingParams:
         so_args, _ = self.structured()
         if self.n > limits.max_n:
-            raise ValueError(f"n={self.n} is more than this server allows ({limits.max_n})")
+            raise FieldError(f"n={self.n} is more than this server allows ({limits.max_n})", "n")
         max_tokens = self.max_tokens or (min(16, limits.max_tokens) if isinstance(self, CompletionRequest) else limits.max_tokens)
         if max_tokens > limits.max_tokens:
-            raise ValueError(f"max_tokens={max_tokens} is more than this server allows ({limits.max_tokens})")
+            raise FieldError(f"max_tokens={max_tokens} is more than this server allows ({limits.max_tokens})", "max_tokens")
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop if self.stop is not None else [], ignore_eos=self.ignore_eos,
@@ -398,7 +398,7 @@ class MessagesRequest(BaseModel):
 
     def sampling_params(self, limits: Limits, logprobs: int | None = None, so_args: dict | None = None) -> SamplingParams:
         if self.max_tokens > limits.max_tokens:
-            raise ValueError(f"max_tokens={self.max_tokens} is more than this server allows ({limits.max_tokens})")
+            raise FieldError(f"max_tokens={self.max_tokens} is more than this server allows ({limits.max_tokens})", "max_tokens")
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_tokens,
                               stop=self.stop_sequences or [])
 

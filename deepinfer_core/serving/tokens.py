@@ -16,7 +16,11 @@ from pydantic import ValidationError
 
 from deepinfer_core.serving.async_llm import AsyncLLM
 from deepinfer_core.serving.common import BadRequest, check_model, validation_message
-from deepinfer_core.serving.protocol import ChatMessage, DetokenizeRequest, TokenizeRequest
+from deepinfer_core.serving.protocol import (
+    ChatMessage,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 
 
 def register(app: FastAPI, engine: AsyncLLM, model_name: str, recipe, chat_prompt) -> None:
@@ -55,11 +59,11 @@ def register(app: FastAPI, engine: AsyncLLM, model_name: str, recipe, chat_promp
             ids = chat_ids(body)
         else:
             try:
-                ids = list(tokenizer()(body.prompt, add_special_tokens=body.add_special_tokens is not False)["input_ids"])
-            except BadRequest:
-                raise
-            except Exception as e:  # text the tokenizer cannot take (lone surrogates)
-                raise BadRequest(f"prompt cannot be tokenized: {type(e).__name__}: {e}", "prompt") from None
+                body.prompt.encode("utf-8")
+            except UnicodeEncodeError as e:  # the tokenizer would raise a TypeError that says nothing
+                raise BadRequest(f"prompt is not valid Unicode text: {e.reason} at character {e.start} (lone surrogates "
+                                 "cannot be tokenized)", "prompt") from None
+            ids = list(tokenizer()(body.prompt, add_special_tokens=body.add_special_tokens is not False)["input_ids"])
         strs = tokenizer().convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": engine.engine.max_model_len, "tokens": ids, "token_strs": strs}
 

@@ -230,7 +230,8 @@ class _Common(BaseModel):
             raise FieldError(f"max_tokens={max_tokens} is more than this server allows ({limits.max_tokens})", "max_tokens")
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
-            max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop if self.stop is not None else [], ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop if self.stop is not None else [],
+            ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=logprobs, so_args=so_args, logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words, stop_token_ids=self.stop_token_ids or [],

@@ -164,7 +164,8 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
             return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
         return {"status": "ok"}
 
-    card = {"id": model_name, "object": "model", "created": created, "owned_by": "deepinfer", "max_model_len": engine.engine.max_model_len}
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "deepinfer",
+            "max_model_len": engine.engine.max_model_len}
 
     @app.get("/v1/models")
     async def models():

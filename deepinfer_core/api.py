@@ -51,16 +51,46 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
         ) from e
 
 
+# vLLM's parallelism arguments, and what DeepInfer offers for several devices instead
+_PARALLEL_INSTEAD = ("DeepInfer has no tensor or pipeline parallelism; to run on several devices use data_parallel_size=N "
+                     "(N ranks, each with its own engine and share of the requests), with expert_parallel=True to shard "
+                     "the MoE layers' routed experts over them and context_parallel_size=C to prefill long prompts across "
+                     "C of them (docs/scale-out.md)")
+_VLLM_HINTS = {
+    "tensor_parallel_size": _PARALLEL_INSTEAD,
+    "pipeline_parallel_size": _PARALLEL_INSTEAD,
+    "distributed_executor_backend": _PARALLEL_INSTEAD,
+    "enable_expert_parallel": "vLLM's enable_expert_parallel is expert_parallel=True here (with data_parallel_size=N)",
+}
+
+
+def _accepted_arguments() -> list[str]:
+    """LLM()'s keyword arguments, read from its signature (so an error message cannot list stale ones)."""
+    import inspect
+
+    return [name for name, p in inspect.signature(LLM.__init__).parameters.items()
+            if name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
 def _refuse_vllm_names(unsupported: dict, trust_remote_code: bool) -> None:
-    """vLLM's constructor names DeepInfer cannot honour, refused with what to do instead."""
+    """Keyword arguments DeepInfer cannot honour, refused with what to do instead: each one named,
+    a near miss spelled right, vLLM's parallelism arguments pointed at DeepInfer's."""
     if trust_remote_code:
         raise ConfigError("trust_remote_code=True: DeepInfer never runs code shipped with a checkpoint; it implements "
                           "DeepSeek's architectures itself and reads the config with transformers. Drop the argument")
-    if unsupported:
-        names = ", ".join(sorted(unsupported))
-        raise ConfigError(f"LLM() does not take {names}: DeepInfer supports vLLM's model, dtype, max_model_len, block_size, "
-                          "max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, seed, load_format, enforce_eager, "
-                          "enable_prefix_caching and speculative_config (parallelism is not available yet); see help(LLM)")
+    if not unsupported:
+        return
+    import difflib
+
+    accepted = _accepted_arguments()
+    named, notes = [], []
+    for name in sorted(unsupported):
+        close = difflib.get_close_matches(name, accepted, n=1) if name not in _VLLM_HINTS else []
+        named.append(f"{name} (did you mean {close[0]}?)" if close else name)
+        if name in _VLLM_HINTS and _VLLM_HINTS[name] not in notes:
+            notes.append(_VLLM_HINTS[name])
+    raise ConfigError(f"LLM() does not take {', '.join(named)}" + "".join(f": {n}" if i == 0 else f"; {n}" for i, n in enumerate(notes))
+                      + f". It takes {', '.join(accepted)} (see help(LLM))")
 
 
 def _check_quantization(model_dir: Path, quantization: str | None) -> None:

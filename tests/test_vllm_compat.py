@@ -21,6 +21,24 @@ def test_vllm_names_we_cannot_honour_are_refused_clearly(kwargs, match):
         LLM(accelerator="cpu", progress=False, **kwargs)
 
 
+def test_an_unknown_keyword_is_named_with_every_argument_llm_takes():
+    """The list comes from LLM's signature (it cannot go stale), vLLM's tensor parallelism points
+    at what DeepInfer has instead, and a near miss is spelled right; nothing is loaded first."""
+    import inspect
+
+    takes = [name for name in inspect.signature(LLM.__init__).parameters if name not in ("self", "unsupported")]
+    with pytest.raises(ConfigError) as err:
+        LLM(accelerator="cpu", progress=False, tensor_parallel_size=2)
+    message = str(err.value)
+    assert message.startswith("LLM() does not take tensor_parallel_size: DeepInfer has no tensor")
+    assert "not available yet" not in message
+    assert all(s in message for s in ("data_parallel_size=N", "expert_parallel=True", "context_parallel_size=C"))
+    listed = message.split(". It takes ")[1].removesuffix(" (see help(LLM))").split(", ")
+    assert listed == takes
+    with pytest.raises(ConfigError, match=r"does not take max_num_seq \(did you mean max_num_seqs\?\)\. It takes model, "):
+        LLM(accelerator="cpu", progress=False, max_num_seq=4)
+
+
 def test_quantization_naming_the_checkpoints_own_format_is_accepted(tmp_path):
     from deepinfer_core.conformance import checkpoints
 

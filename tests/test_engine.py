@@ -201,6 +201,20 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(v3):
     assert top1.outputs[0].token_ids == greedy.outputs[0].token_ids
 
 
+def test_a_seed_sweep_draws_new_samples(v3):
+    """The n samples of one seed never repeat another seed's: with seed + sample index, seed=7,
+    n=3 drew seed 8's and seed 9's samples again. Sample 0 is the seed's n=1 sample."""
+    llm = make_llm(v3)
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    sweep = llm.generate([PROMPTS[0]], params.model_copy(update={"seed": 7, "n": 3}), use_tqdm=False)[0]
+    alone = [llm.generate([PROMPTS[0]], params.model_copy(update={"seed": s}), use_tqdm=False)[0].outputs[0].token_ids
+             for s in (7, 8, 9)]
+    assert sweep.outputs[0].token_ids == alone[0]
+    assert sweep.outputs[1].token_ids != alone[1] and sweep.outputs[2].token_ids != alone[2]
+    streams = {llm.engine._seed(SamplingParams(seed=s), i, 0) for s in range(64) for i in range(8)}
+    assert len(streams) == 64 * 8 and all(0 <= x < 2**63 for x in streams)
+
+
 def test_penalties_change_the_choice(v3):
     llm = make_llm(v3)
     base = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0].outputs[0]

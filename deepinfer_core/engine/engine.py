@@ -10,6 +10,7 @@ most one extra token, which is dropped).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -32,6 +33,14 @@ from deepinfer_core.engine.spec_decode import rejection
 from deepinfer_core.engine.spec_decode.stats import AcceptanceStats
 
 log = logging.getLogger("deepinfer")
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The random stream of sample ``index`` of a request with ``seed``: (seed, index) hashed, so
+    the samples of one seed never repeat another seed's (with seed + index, seed 7's second
+    sample was seed 8's first: a seed sweep drew the same samples again)."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8, person=b"deepinfer-seed").digest()
+    return int.from_bytes(digest, "little") % 2**63
 
 
 @dataclass
@@ -122,10 +131,11 @@ class Engine:
         return rid
 
     def _seed(self, params: SamplingParams, index: int, seq_id: int) -> int:
-        """Seeded requests: seed + sample index. Others: derived from the engine seed and the
-        sequence id, so a run is reproducible for the same engine seed and request order."""
-        seed = params.seed + index if params.seed is not None else self.config.seed * 1_000_003 + seq_id
-        return seed % 2**63
+        """Seeded requests: ``sample_seed(seed, sample index)``. Others: derived from the engine
+        seed and the sequence id, so a run is reproducible for the same engine seed and request order."""
+        if params.seed is not None:
+            return sample_seed(params.seed, index)
+        return (self.config.seed * 1_000_003 + seq_id) % 2**63
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.in_flight is not None

@@ -337,6 +337,7 @@ class LLM:
             work, seq_id, request_id = [], engine.next_seq_id, engine.next_request_id
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 text, ids = engine.validate(prompt, p, label=f"prompt {i}")
+                p = engine.resolve_params(p, len(ids))  # max_tokens=None counts in the ranks' loads as what it may run to
                 work.append(Work(str(request_id), text, ids, p, seq_id))
                 seq_id, request_id = seq_id + p.n, request_id + 1
             return work, (seq_id, request_id)

@@ -73,13 +73,13 @@ good_values = {
     "presence_penalty": st.floats(-2, 2),
     "frequency_penalty": st.floats(-2, 2),
     "seed": st.integers(0, 2**63 - 1),
-    "max_tokens": st.one_of(st.integers(1, 8), st.just(10**9)),
+    "max_tokens": st.one_of(st.integers(1, 8), st.just(10**9), st.none()),
     "min_tokens": st.integers(0, 3),
     "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2),
     "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=3),
     "ignore_eos": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
-    "logprobs": st.one_of(st.integers(0, 5), st.just(VOCAB)),
+    "logprobs": st.one_of(st.integers(0, 5), st.just(VOCAB), st.just(-1)),
     "prompt_logprobs": st.integers(0, 3),
     "skip_special_tokens": st.booleans(),
 }
@@ -111,7 +111,8 @@ def _check_outputs(outputs, count: int, sampling) -> None:
         assert len(out.outputs) == p.n
         for c in out.outputs:
             assert c.finish_reason in ("stop", "length"), c.finish_reason
-            assert 1 <= len(c.token_ids) <= p.max_tokens and all(0 <= t < VOCAB for t in c.token_ids)
+            limit = p.max_tokens if p.max_tokens is not None else MAX_MODEL_LEN  # None: up to the context
+            assert 1 <= len(c.token_ids) <= limit and all(0 <= t < VOCAB for t in c.token_ids)
             assert isinstance(c.text, str)
             if c.logprobs is not None:
                 assert len(c.logprobs) == len(c.token_ids)

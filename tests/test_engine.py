@@ -187,6 +187,25 @@ def test_max_model_len_is_enforced(v3):
         make_llm(v3, max_model_len=10**7)
 
 
+def test_max_tokens_none_runs_to_the_context_and_logprobs_minus_one_is_the_vocabulary(v3):
+    """vLLM's open values: max_tokens=None generates until max_model_len (prompt + output), and
+    logprobs=-1 / prompt_logprobs=-1 give every token's logprob, those of logprobs=vocab."""
+    llm = make_llm(v3, max_model_len=12)
+    vocab = llm.engine.model_config.vocab_size
+    whole = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True, logprobs=-1, prompt_logprobs=-1)
+    out = llm.generate([PROMPTS[0]], whole, use_tqdm=False)[0]
+    gen = out.outputs[0]
+    assert len(PROMPTS[0]) + len(gen.token_ids) == 12 and gen.finish_reason == "length"
+    assert all(len(top) == vocab for top in gen.logprobs) and all(len(top) == vocab for top in out.prompt_logprobs[1:])
+    named = llm.generate([PROMPTS[0]], whole.model_copy(update={"max_tokens": 5, "logprobs": vocab, "prompt_logprobs": vocab}),
+                         use_tqdm=False)[0]
+    assert named.outputs[0].token_ids == gen.token_ids
+    assert [dict(t) for t in named.outputs[0].logprobs] == [dict(t) for t in gen.logprobs]
+    assert [dict(t) for t in named.prompt_logprobs[1:]] == [dict(t) for t in out.prompt_logprobs[1:]]
+    with pytest.raises(ValidationError, match="logprobs"):
+        SamplingParams(logprobs=-2)
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(v3):
     llm = make_llm(v3)
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=123, max_tokens=8, ignore_eos=True)

@@ -108,6 +108,7 @@ class Engine:
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
                     label: str = "prompt") -> str:
         text, ids = self.validate(prompt, params, label)
+        params = self.resolve_params(params, len(ids))
         rid = request_id if request_id is not None else str(self.next_request_id)
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
@@ -129,6 +130,18 @@ class Engine:
         if request_id is None:
             self.next_request_id += 1
         return rid
+
+    def resolve_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """vLLM's open values made concrete for this engine and a prompt of ``num_prompt_tokens``
+        (checked by ``validate``): ``max_tokens=None`` is what the context leaves (max_model_len
+        less the prompt), ``logprobs=-1`` / ``prompt_logprobs=-1`` the whole vocabulary."""
+        update: dict = {}
+        if params.max_tokens is None:
+            update["max_tokens"] = self.max_model_len - num_prompt_tokens
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(params, name) == -1:
+                update[name] = self.model_config.vocab_size
+        return params.model_copy(update=update) if update else params
 
     def _seed(self, params: SamplingParams, index: int, seq_id: int) -> int:
         """Seeded requests: ``sample_seed(seed, sample index)``. Others: derived from the engine

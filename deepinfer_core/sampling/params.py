@@ -64,7 +64,10 @@ class SamplingParams(BaseModel):
     it runs in; without one, samples derive from the engine seed (``LLM(seed=...)``). Floats
     must be finite. ``n`` is at most 4096 (checked when the request is added); samples beyond
     the engine's ``max_num_seqs`` run in waves. ``so_args`` constrains the output to a JSON
-    schema, regex, grammar or list of choices (``StructuredOutputs``).
+    schema, regex, grammar or list of choices (``StructuredOutputs``). As in vLLM,
+    ``max_tokens=None`` generates up to the context (max_model_len less the prompt's length) and
+    ``logprobs=-1`` / ``prompt_logprobs=-1`` return the whole vocabulary's logprobs; the engine
+    makes them concrete when the request is added (``Engine.resolve_params``).
 
     Logit controls (vLLM's, applied to the raw logits before penalties and temperature, so
     greedy, sampled and speculative rows all see them; reported logprobs stay those of the raw
@@ -86,14 +89,14 @@ class SamplingParams(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1)  # None: up to the context (max_model_len - prompt length), as vLLM
     min_tokens: int = Field(0, ge=0)
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    logprobs: int | None = Field(None, ge=0)
-    prompt_logprobs: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary, as vLLM
+    prompt_logprobs: int | None = Field(None, ge=-1)
     skip_special_tokens: bool = True
     # structured outputs (DeepSeek's name so_args; vLLM's structured_outputs / guided_decoding)
     so_args: StructuredOutputs | None = Field(None, validation_alias=AliasChoices("so_args", "structured_outputs", "guided_decoding"))
@@ -155,6 +158,6 @@ class SamplingParams(BaseModel):
 
     @model_validator(mode="after")
     def _min_within_max(self) -> SamplingParams:
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         return self

@@ -16,7 +16,7 @@ import torch
 from pydantic import ValidationError
 from tqdm.auto import tqdm
 
-from deepinfer_core.chat import chat_prompt
+from deepinfer_core.chat import check_generation_prompt, render_chat
 from deepinfer_core.models.registry import describe, generation_for, read_config
 from deepinfer_core.config import (DEFAULT_MODEL_DIR, ConfigError, EngineConfig, ParallelConfig, configure_logging, settings,
                                    validation_problems)
@@ -230,30 +230,57 @@ class LLM:
         use_tqdm: bool = True,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Reply to one conversation ([{"role": ..., "content": ...}, ...]) or to a list of
         them, as vLLM's ``LLM.chat``: each is laid out as the model's chat format wants it,
-        ending with the assistant's turn, then generated like ``generate``'s prompts. V2/V3: the
-        tokenizer's chat template (``tools`` and ``chat_template_kwargs`` go to it). V4/V4.1:
-        DeepSeek's encoding (deepseek-recipe); ``chat_template_kwargs={"thinking": False}``
-        turns thinking mode off (on by default, as on DeepSeek's API). The text is the raw
-        output: reasoning, then content (the server's chat routes split them)."""
+        ending with the assistant's turn, then generated like ``generate``'s prompts; each
+        output's ``prompt`` is the rendered prompt text. V2/V3: the tokenizer's chat template, or
+        ``chat_template`` (a Jinja template) instead (``tools`` and ``chat_template_kwargs`` go to
+        it). V4/V4.1: DeepSeek's encoding (deepseek-recipe); ``chat_template_kwargs={"thinking":
+        False}`` turns thinking mode off (on by default, as on DeepSeek's API), and it takes no
+        ``chat_template``. vLLM's ``add_generation_prompt=False, continue_final_message=True``
+        leaves the final (assistant) message open for the model to continue (V4: DeepSeek's
+        prefix completion; its encoding always ends with the assistant's turn, so it has no
+        other use for ``add_generation_prompt=False``). The text is the raw output: reasoning,
+        then content (the server's chat routes split them)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         kwargs = dict(chat_template_kwargs or {})
+        check_generation_prompt(add_generation_prompt, continue_final_message)
         recipe = self._recipe
-        if recipe is not None and set(kwargs) - {"thinking"}:
-            raise ValueError(f"chat_template_kwargs {sorted(set(kwargs) - {'thinking'})}: DeepSeek's V4 chat format takes only 'thinking'")
-        prompts = []
+        if recipe is not None:
+            if set(kwargs) - {"thinking"}:
+                raise ValueError(f"chat_template_kwargs {sorted(set(kwargs) - {'thinking'})}: DeepSeek's V4 chat format takes only 'thinking'")
+            if chat_template is not None:
+                raise ValueError("chat_template: V4 / V4.1 conversations are laid out by DeepSeek's encoding "
+                                 "(deepseek-recipe), not by a Jinja template; drop chat_template")
+            if not add_generation_prompt and not continue_final_message:
+                raise ValueError("add_generation_prompt=False: DeepSeek's V4 encoding always ends with the assistant's "
+                                 "turn; to continue a final assistant message pass continue_final_message=True with it")
+        prompts, texts = [], []
         for i, conversation in enumerate(conversations):
             try:
                 if recipe is not None:
-                    ids = recipe.chat_prompt(list(conversation), tools, kwargs.get("thinking"))
+                    text, ids = recipe.render_chat(list(conversation), tools, kwargs.get("thinking"), continue_final_message)
                 else:
-                    ids = chat_prompt(self.engine.tokenizer, list(conversation), tools, kwargs)
-                prompts.append({"prompt_token_ids": ids})
+                    text, ids = render_chat(self.engine.tokenizer, list(conversation), tools, kwargs, chat_template,
+                                            add_generation_prompt, continue_final_message)
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}") from None
-        return self.generate(prompts, sampling_params, use_tqdm)
+            prompts.append({"prompt_token_ids": ids})
+            texts.append(text)
+        try:
+            outputs = self.generate(prompts, sampling_params, use_tqdm)
+        except GenerationError as e:
+            for out, text in zip(e.outputs, texts):
+                out.prompt = text
+            raise
+        for out, text in zip(outputs, texts):
+            out.prompt = text
+        return outputs
 
     @functools.cached_property
     def _recipe(self):

@@ -94,12 +94,26 @@ class Recipe:
 
     def chat_prompt(self, messages: list[dict], tools: list | None = None, thinking: bool | None = None) -> list[int]:
         """``LLM.chat``'s prompt: OpenAI-style messages (and tools) through the encoding."""
+        return self.render_chat(messages, tools, thinking)[1]
+
+    def render_chat(self, messages: list[dict], tools: list | None = None, thinking: bool | None = None,
+                    continue_final_message: bool = False) -> tuple[str, list[int]]:
+        """The rendered text and token ids of ``chat_prompt``. ``continue_final_message``: the
+        final (assistant) message is continued instead of a new turn opened, DeepSeek's prefix
+        completion (``"prefix": true`` on that message)."""
+        if continue_final_message:
+            if not messages or not isinstance(messages[-1], dict) or messages[-1].get("role") != "assistant":
+                raise ValueError("continue_final_message=True: the conversation must end with an assistant message "
+                                 "(DeepSeek's prefix completion continues it)")
+            messages = [*messages[:-1], {**messages[-1], "prefix": True}]
         body: dict = {"model": self.name, "messages": messages}
         if tools:
             body["tools"] = tools
         if thinking is not None:
             body["thinking"] = {"type": "enabled" if thinking else "disabled"}
-        return self.prompt(self.convert(self.request(body)))
+        conversation = self.convert(self.request(body))
+        text = self.encoding.render_conversation(conversation.conversation).prompt
+        return text, self.prompt(conversation)
 
     def sampling_params(self, cr, prompt_len: int, max_model_len: int, max_tokens_cap: int) -> SamplingParams:
         """What the request asks of the sampler. max_tokens: the request's (ProtocolError above

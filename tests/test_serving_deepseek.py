@@ -289,6 +289,30 @@ def test_llm_chat_uses_deepseeks_encoding(checkpoint):
         llm.chat(messages, chat_template_kwargs={"enable_thinking": True})
 
 
+def test_llm_chat_continues_a_final_message_and_refuses_what_deepseeks_encoding_cannot(checkpoint):
+    """vLLM's continue_final_message is DeepSeek's prefix completion; the output's prompt is the
+    rendered text; a Jinja chat_template, or no assistant turn at the end, is refused."""
+    llm = LLM(model=str(checkpoint), accelerator="cpu", progress=False)
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Sure, "}]
+    (out,) = llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False, add_generation_prompt=False,
+                      continue_final_message=True, chat_template_kwargs={"thinking": False})
+    body = {"messages": [messages[0], {**messages[1], "prefix": True}], "thinking": {"type": "disabled"}}
+    assert out.prompt_token_ids == _expected(checkpoint, body)
+    request = dr.ChatCompletionRequest({**body, "model": "DeepSeek-V4-Pro"}).convert(dr.ConversionOptions())
+    assert out.prompt == _encoding(checkpoint).render_conversation(request.conversation).prompt
+    assert out.prompt.endswith("</think>Sure, ")
+    (plain,) = llm.chat(messages[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert plain.prompt.endswith("<｜User｜>hello<｜Assistant｜><think>")
+    with pytest.raises(ValueError, match="not by a Jinja template; drop chat_template"):
+        llm.chat(messages[:1], chat_template="{{ messages }}")
+    with pytest.raises(ValueError, match="always ends with the assistant's turn"):
+        llm.chat(messages[:1], add_generation_prompt=False)
+    with pytest.raises(ValueError, match="conversation 0: continue_final_message=True: the conversation must end with an assistant"):
+        llm.chat(messages[:1], add_generation_prompt=False, continue_final_message=True)
+    with pytest.raises(ValueError, match="pass add_generation_prompt=False to continue it"):
+        llm.chat(messages, continue_final_message=True)
+
+
 def test_a_v41_checkpoint_gets_v41s_encoding(tmp_path):
     write_chat_tokenizer(tmp_path)
     recipe = Recipe(tmp_path, "deepseek_v41")

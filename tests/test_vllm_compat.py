@@ -48,6 +48,28 @@ def test_quantization_naming_the_checkpoints_own_format_is_accepted(tmp_path):
         LLM(model=path, accelerator="cpu", progress=False, quantization="gptq")
 
 
+def test_chat_takes_vllms_template_arguments_and_its_outputs_hold_the_rendered_prompt():
+    llm = LLM(accelerator="cpu", dtype="float32", progress=False)
+    tokenizer = llm.get_tokenizer()
+    user = [{"role": "user", "content": "sort a list"}]
+    params = SamplingParams(max_tokens=4, temperature=0)
+
+    def chat(messages, **kw):
+        (out,) = llm.chat(messages, params, use_tqdm=False, **kw)
+        assert out.prompt_token_ids == tokenizer(out.prompt, add_special_tokens=False)["input_ids"]
+        return out.prompt
+
+    bos = tokenizer.bos_token
+    assert chat(user) == f"{bos}User: sort a list\n\nAssistant:"
+    assert chat(user, add_generation_prompt=False) == f"{bos}User: sort a list\n\n"
+    opened = user + [{"role": "assistant", "content": "def sort(xs):"}]
+    assert chat(opened, add_generation_prompt=False, continue_final_message=True) == (
+        f"{bos}User: sort a list\n\nAssistant: def sort(xs):")
+    assert chat(user, chat_template="Q: {{ messages[-1]['content'] }}\nA:") == "Q: sort a list\nA:"
+    with pytest.raises(ValueError, match="pass add_generation_prompt=False to continue it"):
+        llm.chat(opened, continue_final_message=True)
+
+
 def test_request_metrics_carry_arrival_first_token_and_finish_times():
     llm = LLM(accelerator="cpu", progress=False)
     before = time.time()

@@ -223,6 +223,16 @@ class LLM:
         """The model's Hugging Face tokenizer (None for a checkpoint without one), as vLLM's."""
         return self.engine.tokenizer
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's ``llm.llm_engine``: the request loop of vLLM's LLMEngine (``add_request``,
+        ``step``, ``has_unfinished_requests``, ``abort_request``) over this LLM's engine, which
+        is its ``.engine``. One engine: a data-parallel LLM's ranks step together, through ``generate``."""
+        if self.parallel is not None:
+            raise RuntimeError("llm_engine steps one engine, and this LLM's data-parallel ranks step together; "
+                               "use generate (or the server) instead")
+        return LLMEngine(self.engine)
+
     def chat(
         self,
         messages: list[dict] | Seq[list[dict]],
@@ -328,6 +338,10 @@ class LLM:
         if self.parallel is not None:
             return self._generate_parallel(prompts, params, use_tqdm)
         engine = self.engine
+        if engine.requests:  # generate would step them too and drop their outputs
+            raise RuntimeError(f"the engine holds {len(engine.requests)} request(s) added through llm_engine.add_request; "
+                               "step them to the end (llm_engine.step() until has_unfinished_requests() is False) or "
+                               "abort them before calling generate")
         before = engine.mark()
         order: list[str] = []
         try:
@@ -380,6 +394,50 @@ class LLM:
                 raise
             raise dp.group.failure(e) from e
 
+
+
+class LLMEngine:
+    """``LLM.llm_engine``: vLLM's LLMEngine request loop over a DeepInfer ``Engine`` (``.engine``)::
+
+        engine = llm.llm_engine
+        engine.add_request("0", "def f(x):", SamplingParams(max_tokens=16))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    print(out.outputs[0].text)
+
+    ``step`` returns the requests that finished in that step (vLLM's returns unfinished ones
+    too, with ``finished`` False). A request is checked as ``generate`` checks it: a bad one
+    raises and queues nothing. Not thread-safe, like the engine; ``LLM.generate`` refuses to run
+    while requests added here are unfinished."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams) -> None:
+        """Queue ``prompt`` (as ``generate`` takes it) under ``request_id``, as vLLM's."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params is a {type(params).__name__}, not a SamplingParams (add_request(request_id, prompt, params))")
+        self.engine.add_request(prompt, params, request_id=str(request_id), label=f"request {request_id}")
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; the outputs of the requests that finished in it."""
+        return [to_output(req, self.engine.proposer is not None) for req in self.engine.step()]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.engine.requests)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Stop the requests with these ids (unknown ids are skipped, as vLLM's)."""
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            if rid in self.engine.requests:
+                self.engine.abort(rid)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
 
 
 def _parallel_config(data_parallel_size: int | None, expert_parallel: bool, context_parallel_size: int) -> ParallelConfig:

@@ -70,6 +70,35 @@ def test_chat_takes_vllms_template_arguments_and_its_outputs_hold_the_rendered_p
         llm.chat(opened, continue_final_message=True)
 
 
+def test_llm_engine_runs_vllms_add_request_step_loop():
+    """vLLM's llm.llm_engine loop (examples/offline_inference/llm_engine_example.py's shape) gives
+    what generate gives; generate refuses to run over requests the loop has not finished."""
+    llm = LLM(accelerator="cpu", dtype="float32", progress=False)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = ["def f(x):", "class A:"]
+    want = llm.generate(prompts, params, use_tqdm=False)
+    engine = llm.llm_engine
+    assert engine.engine is llm.engine and engine.get_tokenizer() is llm.get_tokenizer()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"req-{i}", prompt, params)
+    assert engine.get_num_unfinished_requests() == 2
+    got = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.finished
+            got[out.request_id] = out
+    assert [got[f"req-{i}"].outputs[0].token_ids for i in range(2)] == [w.outputs[0].token_ids for w in want]
+    assert got["req-0"].prompt == prompts[0]
+    engine.add_request("left", prompts[0], params)
+    with pytest.raises(RuntimeError, match="1 request.* added through llm_engine.add_request"):
+        llm.generate(prompts, params, use_tqdm=False)
+    engine.abort_request(["left", "unknown"])
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(TypeError, match="not a SamplingParams"):
+        engine.add_request(prompts[0], params, "id")  # DeepInfer's Engine.add_request order, not vLLM's
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == [w.outputs[0].token_ids for w in want]
+
+
 def test_request_metrics_carry_arrival_first_token_and_finish_times():
     llm = LLM(accelerator="cpu", progress=False)
     before = time.time()

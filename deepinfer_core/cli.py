@@ -110,7 +110,7 @@ def _generate(args: argparse.Namespace) -> int:
         return 1
     for out in outputs:
         print(f"=== {out.prompt!r}\n{out.outputs[0].text}")
-    print(llm.engine.summary(), file=sys.stderr)
+    print((llm.parallel or llm.engine).summary(), file=sys.stderr)  # a data-parallel group's: every rank's counts
     return 0
 
 

@@ -12,6 +12,7 @@ import asyncio
 import gc
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -323,6 +324,24 @@ def test_data_parallel_without_expert_parallel_and_preemption_on_one_rank(checkp
         assert [c.token_ids for c in got[0].outputs] == [c.token_ids for c in one.outputs]
     finally:
         llm.close()
+
+
+def test_the_cli_summary_counts_every_ranks_prompts(capsys):
+    """`deepinfer generate`'s summary line under data parallelism counts the prompt tokens of
+    every rank's requests (it counted rank 0's alone: "0 of 6 prompt tokens" for 9)."""
+    from deepinfer_core.cli import main
+    from deepinfer_core.config import DEFAULT_MODEL_DIR
+    from deepinfer_core.engine.startup import load_tokenizer
+
+    prompts = ["def f(x):", "class Stack:", "import os\n"]
+    argv = ["generate", "--max-tokens", "2", "--accelerator", "cpu", "--data-parallel-size", "2"]
+    for prompt in prompts:
+        argv += ["--prompt", prompt]
+    assert main(argv) == 0
+    tokenizer = load_tokenizer(DEFAULT_MODEL_DIR)
+    total = sum(len(tokenizer(p).input_ids) for p in prompts)
+    summary = capsys.readouterr().err.splitlines()[-1]
+    assert re.fullmatch(rf"prefix cache: \d+ of {total} prompt tokens reused \(\d+%\); preemptions: 0", summary), summary
 
 
 @pytest.mark.parametrize("where", ["attention after an exchange", "experts inside an exchange"])

@@ -348,16 +348,19 @@ class Engine:
                 logprobs[j] = (float(row[token]), top_logprobs(row, k, token))
         return tokens, logprobs
 
-    def summary(self) -> str:
-        """One line on what the engine did since start-up: prefix-cache hits, speculative acceptance."""
-        kv = self.kv
-        parts = [f"prefix cache: {kv.num_hit_tokens} of {kv.num_queried_tokens} prompt tokens reused"
-                 + (f" ({self.prefix_hit_rate:.0%})" if self.prefix_hit_rate is not None else "") if kv.prefix_caching else "prefix cache: off"]
+    def summary(self, gauges: dict[str, float] | None = None, preemptions: int | None = None) -> str:
+        """One line on what the engine did since start-up: prefix-cache hits, speculative
+        acceptance, preemptions. ``gauges`` / ``preemptions``: several engines' ``gauges()`` and
+        preemptions summed (a data-parallel group's, ``DataParallel.summary``) instead of this one's."""
+        g = self.gauges() if gauges is None else gauges
+        hit, queried = int(g["prefix_hit_tokens"]), int(g["prefix_queried_tokens"])
+        parts = [f"prefix cache: {hit} of {queried} prompt tokens reused" + (f" ({hit / queried:.0%})" if queried else "")
+                 if self.kv.prefix_caching else "prefix cache: off"]
         if self.proposer is not None:
-            spec = self.spec_stats
-            rate = f" ({spec.acceptance_rate:.0%})" if spec.num_draft_tokens else ""
-            parts.append(f"speculative: {spec.num_accepted_tokens} of {spec.num_draft_tokens} draft tokens accepted{rate}")
-        parts.append(f"preemptions: {self.num_preemptions}")
+            drafts, accepted = int(g["draft_tokens"]), int(g["accepted_tokens"])
+            rate = f" ({accepted / drafts:.0%})" if drafts else ""
+            parts.append(f"speculative: {accepted} of {drafts} draft tokens accepted{rate}")
+        parts.append(f"preemptions: {self.num_preemptions if preemptions is None else preemptions}")
         return "; ".join(parts)
 
     @property

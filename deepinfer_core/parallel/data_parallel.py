@@ -130,6 +130,7 @@ class DataParallel:
         self.eplb_interval = settings().eplb_interval
         self.steps = 0  # lock-step steps since start-up (the same on every rank)
         self.rank_preemptions: list[int] = []  # every rank's engine.num_preemptions after the last generate
+        self.rank_gauges: list[dict[str, float]] = []  # every rank's engine.gauges() after the last generate
         self.served_counts: dict[str, list[int]] = {}  # serving: output tokens per sample already reported, by request
 
     @property
@@ -175,14 +176,23 @@ class DataParallel:
         self._context_parallel_prefills(work)
         done, failure = self._run(len(work), use_tqdm)
         gathered = [None] * self.group.size
-        dist.all_gather_object(gathered, (done, failure, engine.num_preemptions), group=control)
-        self.rank_preemptions = [n for _, _, n in gathered]
-        outputs = {rid: out for part, _, _ in gathered for rid, out in part.items()}
+        dist.all_gather_object(gathered, (done, failure, engine.num_preemptions, engine.gauges()), group=control)
+        self.rank_preemptions = [n for _, _, n, _ in gathered]
+        self.rank_gauges = [g for _, _, _, g in gathered]
+        outputs = {rid: out for part, _, _, _ in gathered for rid, out in part.items()}
         ordered = [dataclasses.replace(outputs[w.request_id], prompt=w.prompt) for w in work]
-        failures = [f for _, f, _ in gathered if f]
+        failures = [f for _, f, _, _ in gathered if f]
         if failures:
             raise GenerationError(f"generation failed: {'; '.join(failures)}; finished results are in .outputs", ordered)
         return ordered
+
+    def summary(self) -> str:
+        """``Engine.summary`` for the whole group: every rank's prefix-cache lookups, drafts and
+        preemptions summed, as they stood after the last ``generate`` (rank 0's alone before one)."""
+        if not self.rank_gauges:
+            return self.engine.summary()
+        totals = {k: sum(g[k] for g in self.rank_gauges) for k in self.rank_gauges[0]}
+        return self.engine.summary(totals, sum(self.rank_preemptions))
 
     def _cp_prefix(self, w: Work) -> int:
         """How many tokens of ``w``'s prompt its CP group prefills: the whole blocks before its

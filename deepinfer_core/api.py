@@ -93,6 +93,13 @@ def _refuse_vllm_names(unsupported: dict, trust_remote_code: bool) -> None:
                       + f". It takes {', '.join(accepted)} (see help(LLM))")
 
 
+def check_kv_cache_dtype(value: str, name: str = "kv_cache_dtype") -> None:
+    """vLLM's ``kv_cache_dtype``: DeepInfer has no separate KV cache dtype, only "auto"."""
+    if value != "auto":
+        raise ConfigError(f"{name} {value!r} is not supported: DeepInfer keeps the KV cache in the compute dtype "
+                          "(V4's compressor states in float32), so 'auto' is the only value; drop it or pass 'auto'")
+
+
 def _check_quantization(model_dir: Path, quantization: str | None) -> None:
     """``quantization`` must name the checkpoint's own format: DeepInfer runs weights as stored."""
     if quantization is None:
@@ -117,7 +124,8 @@ class LLM:
     turns off graph capture of decode steps (otherwise graphs are captured while the engine
     starts). enable_prefix_caching reuses the KV blocks of prompt prefixes computed before.
     block_size: tokens per KV block; None picks the model's (16 for V2/V3, a multiple of every
-    compression rate for V4).
+    compression rate for V4). kv_cache_dtype: only vLLM's "auto" (the KV cache is kept in the
+    compute dtype).
     speculative_config, as vLLM spells it: ``{"method": "ngram", "num_speculative_tokens": k,
     "prompt_lookup_max": n}`` (prompt-lookup drafts, verified exactly).
     batch_invariant: bitwise the same logits and tokens for a request whatever batch it runs in
@@ -154,31 +162,36 @@ class LLM:
         data_parallel_size: int | None = None,
         expert_parallel: bool = False,
         context_parallel_size: int = 1,
+        kv_cache_dtype: str = "auto",
         **unsupported,
     ):
         env = settings()
         configure_logging(env.log_level)
         _refuse_vllm_names(unsupported, trust_remote_code)
+        check_kv_cache_dtype(kv_cache_dtype)
+        try:  # the settings before the model: a bad one is refused before a download or a load
+            config = EngineConfig(
+                block_size=block_size,
+                num_kv_blocks=num_kv_blocks,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                gpu_memory_utilization=gpu_memory_utilization,
+                seed=seed,
+                load_format=load_format,
+                enforce_eager=enforce_eager,
+                enable_prefix_caching=enable_prefix_caching,
+                speculative_config=speculative_config,
+                batch_invariant=env.batch_invariant if batch_invariant is None else batch_invariant,
+            )
+        except ValidationError as e:
+            raise ConfigError(f"bad LLM() arguments: {validation_problems(e)}") from None
+        parallel = _parallel_config(data_parallel_size, expert_parallel, context_parallel_size)
         self.model_dir = resolve_model_dir(model)
         _check_quantization(self.model_dir, quantization)
-        config = EngineConfig(
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            seed=seed,
-            load_format=load_format,
-            enforce_eager=enforce_eager,
-            enable_prefix_caching=enable_prefix_caching,
-            speculative_config=speculative_config,
-            batch_invariant=env.batch_invariant if batch_invariant is None else batch_invariant,
-        )
         if dtype == "auto" and env.dtype:
             dtype = env.dtype
         self.parallel = None  # parallel.data_parallel.DataParallel when several ranks run this LLM
-        parallel = _parallel_config(data_parallel_size, expert_parallel, context_parallel_size)
         if parallel.data_parallel_size > 1:
             config = _parallel_engine_config(config, parallel, self.model_dir)
             self._start_parallel(parallel, (self.model_dir, config, accelerator or env.accelerator, dtype), progress, env.log_level)

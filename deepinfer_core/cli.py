@@ -11,6 +11,7 @@ pass, 1 fail, 2 could not run.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Sequence
@@ -75,37 +76,84 @@ def _backends(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
+# LLM() arguments by the flags that set them (the engine flags generate and serve share)
+ENGINE_FLAGS = {"max_num_seqs": "--max-num-seqs", "max_model_len": "--max-model-len", "seed": "--seed",
+                "gpu_memory_utilization": "--gpu-memory-utilization", "data_parallel_size": "--data-parallel-size",
+                "context_parallel_size": "--context-parallel-size", "speculative_config.num_speculative_tokens": "--ngram / --mtp"}
 
-    from deepinfer_core import LLM, GenerationError, SamplingParams
-    from deepinfer_core.config import validation_problems
+
+class ArgumentError(ValueError):
+    """A command-line value that cannot be used (printed as one ``error:`` line)."""
+
+
+def _load_errors() -> tuple[type[BaseException], ...]:
+    """The errors an LLM's construction (or a generate) reports for what it was given: a bad
+    setting, checkpoint or request (ValueError: ConfigError, RequestError, pydantic's
+    ValidationError), a backend that cannot run here, a failed rank, a failed generation."""
+    from deepinfer_core import GenerationError
     from deepinfer_core.parallel.launch import RankFailure
     from deepinfer_core.plugins import BackendError
 
-    try:  # the parameters first: a bad one is reported before minutes of loading a model
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    except ValidationError as e:
-        flags = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p", "seed": "--seed"}
-        print(f"error: {validation_problems(e, flags)}", file=sys.stderr)
-        return 1
+    return (BackendError, GenerationError, RankFailure, ValueError)
+
+
+def _llm_arguments(args: argparse.Namespace) -> dict:
+    """``LLM(...)``'s keyword arguments from the engine flags (``_engine_arguments``), every one
+    checked first: ArgumentError naming the flag, before minutes of loading a model."""
+    from pydantic import ValidationError
+
+    from deepinfer_core.api import check_kv_cache_dtype
+    from deepinfer_core.config import ConfigError, EngineConfig, ParallelConfig, validation_problems
+
     for flag, k in (("--ngram", args.ngram), ("--mtp", args.mtp)):
         if not 0 <= k <= 16:
-            print(f"error: {flag} {k}: the number of draft tokens per step must be 0 (off) to 16", file=sys.stderr)
-            return 1
+            raise ArgumentError(f"{flag} {k}: the number of draft tokens per step must be 0 (off) to 16")
     if args.ngram and args.mtp:
-        print("error: --ngram and --mtp are two ways to draft; give one", file=sys.stderr)
-        return 1
+        raise ArgumentError("--ngram and --mtp are two ways to draft; give one")
+    try:
+        check_kv_cache_dtype(args.kv_cache_dtype, "--kv-cache-dtype")
+    except ConfigError as e:
+        raise ArgumentError(str(e)) from None
     spec = {"method": "ngram", "num_speculative_tokens": args.ngram, "prompt_lookup_max": 3, "prompt_lookup_min": 1} if args.ngram else None
     spec = {"method": "mtp", "num_speculative_tokens": args.mtp} if args.mtp else spec
-    try:
-        llm = LLM(model=args.model, accelerator=args.accelerator, enable_prefix_caching=not args.no_prefix_caching,
+    kwargs = dict(model=args.model, accelerator=args.accelerator, dtype=args.dtype, max_model_len=args.max_model_len,
+                  max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+                  kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=not args.no_prefix_caching,
                   speculative_config=spec, batch_invariant=args.batch_invariant or None,
                   data_parallel_size=args.data_parallel_size, expert_parallel=args.expert_parallel,
                   context_parallel_size=args.context_parallel_size)
+    try:
+        EngineConfig(**{k: kwargs[k] for k in ("max_model_len", "max_num_seqs", "gpu_memory_utilization", "seed",
+                                                "speculative_config")})
+        ParallelConfig(data_parallel_size=1 if args.data_parallel_size is None else args.data_parallel_size,
+                       expert_parallel=args.expert_parallel,
+                       context_parallel_size=args.context_parallel_size)
+    except ValidationError as e:
+        raise ArgumentError(validation_problems(e, ENGINE_FLAGS)) from None
+    return kwargs
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from deepinfer_core import LLM, SamplingParams
+    from deepinfer_core.config import validation_problems
+
+    try:  # the parameters first: a bad one is reported before minutes of loading a model
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+        llm_args = _llm_arguments(args)
+    except ValidationError as e:
+        flags = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p"}
+        print(f"error: {validation_problems(e, flags)}", file=sys.stderr)
+        return 1
+    except ArgumentError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    try:
+        llm = LLM(**llm_args)
         outputs = llm.generate(args.prompt, params)
         llm.close()
-    except (BackendError, GenerationError, RankFailure, ValueError) as e:  # ValueError: bad config, checkpoint, request or parameter
+    except _load_errors() as e:  # ValueError: bad config, checkpoint, request or parameter
         print(f"error: {_one_line(str(e))}", file=sys.stderr)
         return 1
     for out in outputs:
@@ -188,6 +236,31 @@ def _replay(args: argparse.Namespace, backend: str | None) -> int:
     return _op_report(report, args.json)
 
 
+def _listen_socket(host: str, port: int):
+    """A socket bound to (host, port), for uvicorn to serve on: bound before the model loads, so a
+    busy port is an error at once, not after the load (vLLM's serve binds first too). Not yet
+    listening: a client is refused while the model loads. ArgumentError naming the address."""
+    import errno
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, UnicodeError) as e:
+        raise ArgumentError(f"--host {host}: not an address to listen on ({e})") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait out TIME_WAIT
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        fix = {errno.EADDRINUSE: f"port {port} is in use: stop what holds it or pass another --port",
+               errno.EACCES: "ports below 1024 need privileges: pass a --port above 1023",
+               errno.EADDRNOTAVAIL: f"{host} is not an address of this machine: pass one of its addresses as --host "
+                                    "(0.0.0.0 for every interface)"}.get(e.errno, "check --host and --port")
+        raise ArgumentError(f"cannot listen on {host}:{port}: {e.strerror or e}; {fix}") from None
+    return sock
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -197,23 +270,56 @@ def _serve(args: argparse.Namespace) -> int:
     from deepinfer_core.serving.server import build_app
 
     api_key = args.api_key or os.environ.get("DEEPINFER_API_KEY") or None
-    llm = LLM(model=args.model, accelerator=args.accelerator, max_num_seqs=args.max_num_seqs,
-              data_parallel_size=args.data_parallel_size, expert_parallel=args.expert_parallel,
-              context_parallel_size=args.context_parallel_size)
-    name = args.served_model_name or (args.model or "deepinfer-default")
-    limits = Limits(max_tokens=args.max_tokens, max_n=args.max_n, max_body_bytes=args.max_body_bytes)
-    engine = AsyncLLM(llm)
+    try:  # the flags and the port first: either is reported before minutes of loading a model
+        llm_args = _llm_arguments(args)
+        sock = _listen_socket(args.host, args.port)
+    except ArgumentError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     try:
-        uvicorn.run(build_app(engine, name, api_key, limits), host=args.host, port=args.port, log_level="info")
+        try:
+            llm = LLM(**llm_args)
+        except _load_errors() as e:  # ValueError: a bad setting or checkpoint (ConfigError, pydantic's, ...)
+            print(f"error: {_one_line(str(e))}", file=sys.stderr)
+            return 1
+        name = args.served_model_name or (args.model or "deepinfer-default")
+        limits = Limits(max_tokens=args.max_tokens, max_n=args.max_n, max_body_bytes=args.max_body_bytes)
+        engine = AsyncLLM(llm)
+        try:
+            server = uvicorn.Server(uvicorn.Config(build_app(engine, name, api_key, limits), host=args.host, port=args.port,
+                                                   log_level="info"))
+            host, port = sock.getsockname()[:2]  # --port 0: the port the system chose
+            logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
+                                                    f"[{host}]" if ":" in host else host, port)  # uvicorn logs it only for a socket of its own
+            server.run(sockets=[sock])
+        finally:
+            engine.shutdown()
+            llm.close()
     finally:
-        engine.shutdown()
-        llm.close()
+        sock.close()
     return 0
 
 
-def _parallel_arguments(p: argparse.ArgumentParser, ranks_help: str) -> None:
-    """The scale-out options ``generate`` and ``serve`` share (LLM's data_parallel_size,
-    expert_parallel, context_parallel_size)."""
+def _engine_arguments(p: argparse.ArgumentParser, ranks_help: str) -> None:
+    """The engine options ``generate`` and ``serve`` share, with vLLM's names where vLLM has them
+    (``_llm_arguments`` turns them into LLM's arguments)."""
+    p.add_argument("--accelerator", help="backend to use (default: DEEPINFER_ACCELERATOR, else automatic)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
+                   help="compute dtype, vLLM's names (default auto: DEEPINFER_DTYPE, else the checkpoint's)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="the longest prompt + output, in tokens (default: the model's, as far as the KV cache holds)")
+    p.add_argument("--max-num-seqs", type=int, default=64, metavar="N", help="sequences decoded together (default 64)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                   help="fraction of the device memory for weights, activations and KV cache (default 0.9)")
+    p.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="the engine's seed: requests without a seed of their own draw their samples from it (default 0)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="only 'auto': the KV cache is kept in the compute dtype (vLLM's flag; other values are refused)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="recompute every prompt (no reuse of cached prefixes)")
+    p.add_argument("--ngram", type=int, default=0, metavar="K", help="speculative decoding: K prompt-lookup draft tokens per step")
+    p.add_argument("--mtp", type=int, default=0, metavar="K", help="speculative decoding: K draft tokens per step from the model's MTP module")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="bitwise the same output for a prompt whatever batch it runs in (DEEPINFER_BATCH_INVARIANT=1)")
     p.add_argument("--data-parallel-size", type=int, default=None, metavar="N", help=ranks_help)
     p.add_argument("--expert-parallel", action="store_true",
                    help="shard the MoE layers' routed experts over the data-parallel ranks (with EPLB)")
@@ -222,7 +328,10 @@ def _parallel_arguments(p: argparse.ArgumentParser, ranks_help: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from deepinfer_core import __version__
+
     parser = argparse.ArgumentParser(prog="deepinfer", description="DeepInfer: inference for DeepSeek MoE models.")
+    parser.add_argument("--version", action="version", version=f"deepinfer {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("backends", help="list installed backends, the one selected, and who provides each op")
     p.add_argument("--accelerator", help="backend to select (default: DEEPINFER_ACCELERATOR, else automatic)")
@@ -234,14 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--accelerator", help="backend to use (default: DEEPINFER_ACCELERATOR, else automatic)")
-    g.add_argument("--no-prefix-caching", action="store_true", help="recompute every prompt (no reuse of cached prefixes)")
-    g.add_argument("--ngram", type=int, default=0, metavar="K", help="speculative decoding: K prompt-lookup draft tokens per step")
-    g.add_argument("--mtp", type=int, default=0, metavar="K", help="speculative decoding: K draft tokens per step from the model's MTP module")
-    g.add_argument("--batch-invariant", action="store_true",
-                   help="bitwise the same output for a prompt whatever batch it runs in (DEEPINFER_BATCH_INVARIANT=1)")
-    _parallel_arguments(g, "N ranks, one process each with its own engine and share of the prompts (under torchrun: WORLD_SIZE)")
+    _engine_arguments(g, "N ranks, one process each with its own engine and share of the prompts (under torchrun: WORLD_SIZE)")
     g.set_defaults(func=_generate)
     v = sub.add_parser("serve", help="serve a model over an OpenAI- and Anthropic-compatible HTTP API")
     v.add_argument("model", nargs="?", default=None,
@@ -250,12 +352,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--api-key", help="require Authorization: Bearer KEY on every route but /health (also DEEPINFER_API_KEY)")
     v.add_argument("--served-model-name", help="the model name clients send and /v1/models lists (default: MODEL)")
-    v.add_argument("--accelerator", help="backend to use (default: DEEPINFER_ACCELERATOR, else automatic)")
-    v.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together")
     v.add_argument("--max-tokens", type=int, default=4096, help="the most tokens one request may ask for")
     v.add_argument("--max-n", type=int, default=16, help="the most samples one request may ask for")
     v.add_argument("--max-body-bytes", type=int, default=4 << 20, help="the largest request body accepted")
-    _parallel_arguments(v, "N ranks (processes started here), each with its own engine; each request runs on the least loaded")
+    _engine_arguments(v, "N ranks (processes started here), each with its own engine; each request runs on the least loaded")
     v.set_defaults(func=_serve)
     from deepinfer_core.conformance.ops_suite import DEFAULT_EXAMPLES, DEFAULT_EXPLORE_MAX_ELEMENTS
 

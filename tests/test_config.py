@@ -73,6 +73,13 @@ def test_dtype_resolution():
         resolve_dtype("float16", config, (torch.float32,))
 
 
+def test_dtype_takes_vllms_spellings():
+    config = read_config(DEFAULT_MODEL_DIR)
+    every = (torch.float32, torch.bfloat16, torch.float16)
+    assert resolve_dtype("half", config, every) == torch.float16 and resolve_dtype("float", config, every) == torch.float32
+    assert resolve_dtype("bf16", config, every) == torch.bfloat16
+
+
 def test_settings_read_the_environment(monkeypatch):
     monkeypatch.setenv("DEEPINFER_ACCELERATOR", "nvidia")
     monkeypatch.setenv("DEEPINFER_HF_MODEL_DIR", "/models/x")

@@ -444,6 +444,116 @@ def test_deepinfer_serve_is_a_command():
     assert args.model is None and args.port == 9000 and args.api_key == "k" and args.host == "127.0.0.1"
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["/nonexistent"], "error: model '/nonexistent' is not a directory"),
+    (["--accelerator", "no-such-chip"], "error: backend 'no-such-chip'"),
+    (["--max-num-seqs", "0"], "error: --max-num-seqs: Input should be greater than 0"),
+    (["--gpu-memory-utilization", "1.5"], "error: --gpu-memory-utilization: Input should be less than or equal to 1"),
+    (["--kv-cache-dtype", "fp8"], "error: --kv-cache-dtype 'fp8' is not supported"),
+    (["--data-parallel-size", "0"], "error: --data-parallel-size: Input should be greater than 0"),
+    (["--mtp", "17"], "error: --mtp 17: the number of draft tokens per step must be 0 (off) to 16"),
+])
+def test_serve_reports_a_configuration_error_in_one_line(capsys, argv, message):
+    """As generate does: exit status 1, one error: line, no traceback (it printed 16-22 lines)."""
+    from deepinfer_core.cli import main
+
+    assert main(["serve", "--port", "0", *argv]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(message) and "Traceback" not in err
+    assert [line for line in err.splitlines() if not line.startswith("INFO ")] == [err.splitlines()[-1]]
+
+
+def test_serve_takes_the_port_before_loading_the_model(monkeypatch, capsys):
+    import socket
+
+    import deepinfer_core
+    from deepinfer_core.cli import main
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the port was taken")
+
+    monkeypatch.setattr(deepinfer_core, "LLM", no_model)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 1
+    assert capsys.readouterr().err == (f"error: cannot listen on 127.0.0.1:{port}: Address already in use; port {port} is "
+                                       "in use: stop what holds it or pass another --port\n")
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_generate_and_serve_take_the_same_engine_flags(monkeypatch, command):
+    """One definition of the engine flags (vLLM's names), handed to LLM() alike by both commands."""
+    import deepinfer_core
+    from deepinfer_core.cli import main
+    from deepinfer_core.config import ConfigError
+
+    seen = {}
+
+    def llm(**kwargs):
+        seen.update(kwargs)
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(deepinfer_core, "LLM", llm)
+    flags = ["--dtype", "half", "--max-model-len", "256", "--max-num-seqs", "3", "--seed", "5", "--kv-cache-dtype", "auto",
+             "--gpu-memory-utilization", "0.5", "--mtp", "2", "--no-prefix-caching", "--batch-invariant", "--accelerator", "cpu",
+             "--data-parallel-size", "2", "--expert-parallel", "--context-parallel-size", "2"]
+    argv = ["generate", "--prompt", "x", *flags] if command == "generate" else ["serve", "--port", "0", *flags]
+    assert main(argv) == 1
+    assert seen == dict(model=None, accelerator="cpu", dtype="half", max_model_len=256, max_num_seqs=3, seed=5,
+                        gpu_memory_utilization=0.5, kv_cache_dtype="auto", enable_prefix_caching=False,
+                        speculative_config={"method": "mtp", "num_speculative_tokens": 2}, batch_invariant=True,
+                        data_parallel_size=2, expert_parallel=True, context_parallel_size=2)
+
+
+def test_deepinfer_version(capsys):
+    import deepinfer_core
+    from deepinfer_core.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"deepinfer {deepinfer_core.__version__}\n"
+
+
+def test_deepinfer_serve_serves_on_the_port_it_took(tmp_path):
+    """The command end to end in its own process: the port bound first, then the model loaded
+    with the engine flags, then uvicorn serving on that socket; SIGTERM stops it cleanly."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "deepinfer_core.cli", "serve", "--port", str(port), "--accelerator", "cpu",
+                             "--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "64", "--served-model-name", "m"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": "m", "prompt": "def f(x):", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": "m", "prompt": "x " * 100, "max_tokens": 4})
+        assert r.status_code == 400 and "max_model_len is 64" in r.text  # the flag reached the engine
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    text = (tmp_path / "serve.log").read_text()
+    assert f"Uvicorn running on http://127.0.0.1:{port}" in text and "dtype torch.float32" in text
+    assert "Application shutdown complete" in text and "Traceback" not in text
+
+
 def test_concurrent_streams_with_cancellations_and_bad_requests(server):
     """200 requests at once, 20 streams dropped midway and 10 malformed: every other one streams
     the text it gets alone (checked on 10 of them), nothing else fails, and afterwards no request

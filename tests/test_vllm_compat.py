@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.config import ConfigError
@@ -37,6 +38,19 @@ def test_an_unknown_keyword_is_named_with_every_argument_llm_takes():
     assert listed == takes
     with pytest.raises(ConfigError, match=r"does not take max_num_seq \(did you mean max_num_seqs\?\)\. It takes model, "):
         LLM(accelerator="cpu", progress=False, max_num_seq=4)
+
+
+def test_bad_settings_are_refused_before_the_model_is_looked_for():
+    """Every argument is checked before a checkpoint is resolved (a download) or loaded: one
+    ConfigError naming each bad one (pydantic's dump before), and vLLM's kv_cache_dtype and
+    dtype spellings."""
+    with pytest.raises(ConfigError, match=r"^bad LLM\(\) arguments: max_num_seqs: Input should be greater than 0; "
+                                          r"gpu_memory_utilization: Input should be less than or equal to 1$"):
+        LLM(model="/nonexistent", max_num_seqs=0, gpu_memory_utilization=1.5)
+    with pytest.raises(ConfigError, match="kv_cache_dtype 'fp8' is not supported: DeepInfer keeps the KV cache in the compute dtype"):
+        LLM(model="/nonexistent", kv_cache_dtype="fp8")
+    llm = LLM(accelerator="cpu", dtype="float", kv_cache_dtype="auto", progress=False)
+    assert llm.engine.dtype == torch.float32
 
 
 def test_quantization_naming_the_checkpoints_own_format_is_accepted(tmp_path):

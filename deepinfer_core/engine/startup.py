@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from deepinfer_core.config import ConfigError, EngineConfig, settings
-from deepinfer_core.dtypes import DTYPES
+from deepinfer_core.dtypes import DTYPES, dtype_from_name
 from deepinfer_core.engine.graphs import DecodeGraphs, max_blocks_per_group
 from deepinfer_core.engine.kv_cache import KVCache, KVCacheManager
 from deepinfer_core.engine.output import OutputProcessor
@@ -267,10 +267,12 @@ def resolve_dtype(dtype: str | torch.dtype, config, supported: tuple[torch.dtype
     elif dtype == "auto":
         name = (config.torch_dtype or "").replace("torch.", "")
         resolved = DTYPES.get(name, torch.bfloat16)
-    elif dtype in DTYPES:
-        resolved = DTYPES[dtype]
     else:
-        raise ConfigError(f"dtype {dtype!r} is not supported; use 'auto', {', '.join(DTYPES)}")
+        try:
+            resolved = dtype_from_name(dtype)
+        except (ValueError, AttributeError):
+            raise ConfigError(f"dtype {dtype!r} is not supported; use 'auto', {', '.join(DTYPES)} (or vLLM's half, "
+                              "float)") from None
     if resolved not in supported:
         raise ConfigError(f"dtype {resolved} is not supported by this backend (supported: {supported})")
     return resolved

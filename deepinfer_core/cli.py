@@ -305,7 +305,7 @@ def _engine_arguments(p: argparse.ArgumentParser, ranks_help: str) -> None:
     (``_llm_arguments`` turns them into LLM's arguments)."""
     p.add_argument("--accelerator", help="backend to use (default: DEEPINFER_ACCELERATOR, else automatic)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
-                   help="compute dtype, vLLM's names (default auto: DEEPINFER_DTYPE, else the checkpoint's)")
+                   help="compute dtype, vLLM's names (default auto: DEEPINFER_DTYPE, else the checkpoint's; float32 on the CPU)")
     p.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="the longest prompt + output, in tokens (default: the model's, as far as the KV cache holds)")
     p.add_argument("--max-num-seqs", type=int, default=64, metavar="N", help="sequences decoded together (default 64)")

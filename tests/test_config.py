@@ -73,6 +73,17 @@ def test_dtype_resolution():
         resolve_dtype("float16", config, (torch.float32,))
 
 
+def test_auto_dtype_is_float32_on_the_cpu():
+    """The reference backend is the numeric ground truth: a bf16 checkpoint runs in float32 on the
+    CPU unless a dtype is named; elsewhere, or where the backend has no float32, the checkpoint's."""
+    config = read_config(DEFAULT_MODEL_DIR)
+    every = (torch.float32, torch.bfloat16, torch.float16)
+    assert resolve_dtype("auto", config, every, "cpu") == torch.float32
+    assert resolve_dtype("bfloat16", config, every, "cpu") == torch.bfloat16
+    assert resolve_dtype("auto", config, every, "cuda") == torch.bfloat16
+    assert resolve_dtype("auto", config, (torch.bfloat16,), "cpu") == torch.bfloat16
+
+
 def test_dtype_takes_vllms_spellings():
     config = read_config(DEFAULT_MODEL_DIR)
     every = (torch.float32, torch.bfloat16, torch.float16)

@@ -53,6 +53,11 @@ def test_bad_settings_are_refused_before_the_model_is_looked_for():
     assert llm.engine.dtype == torch.float32
 
 
+def test_the_default_dtype_on_the_cpu_is_float32():
+    assert LLM(accelerator="cpu", progress=False).engine.dtype == torch.float32  # the default model is stored bf16
+    assert LLM(accelerator="cpu", dtype="bfloat16", progress=False).engine.dtype == torch.bfloat16
+
+
 def test_quantization_naming_the_checkpoints_own_format_is_accepted(tmp_path):
     from deepinfer_core.conformance import checkpoints
 

@@ -59,7 +59,7 @@ def start(self, model_dir: Path, engine_config: EngineConfig, backend_name: str 
                                                                                engine_config.batch_invariant)
     self.device = self.platform.torch_device
     self.platform.activate()  # kernel launches and graph captures use the current device
-    self.dtype = resolve_dtype(dtype, self.model_config, self.platform.supported_dtypes)
+    self.dtype = resolve_dtype(dtype, self.model_config, self.platform.supported_dtypes, self.device.type)
     keep_fp8 = bool(self.platform.fp8_weights and self.model_config.fp8_block)
     if keep_fp8 and self.model_config.n_routed_experts and self.model_config.moe_intermediate_size % self.model_config.fp8_block[0]:
         log.warning(
@@ -261,12 +261,22 @@ def activation_bytes(self, groups, block_size: int, max_len: int) -> int:
     return int(peak + long_context + logits + 256 * 2**20)
 
 
-def resolve_dtype(dtype: str | torch.dtype, config, supported: tuple[torch.dtype, ...]) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, config, supported: tuple[torch.dtype, ...], device_type: str | None = None) -> torch.dtype:
+    """The compute dtype: ``dtype`` by name (vLLM's spellings too), or for "auto" the checkpoint's,
+    except on the CPU (``device_type`` "cpu"), where a half-precision checkpoint runs in float32:
+    the reference backend is the numeric ground truth, and in bf16 a request's greedy tokens can
+    change with the prefix cache (a reused prefix is summed in another order than a fresh
+    prefill) and with the CPU's instruction set (``specs/baselines/README.md``). Float32 doubles
+    the weights' host memory; pass dtype="bfloat16" to keep the checkpoint's."""
     if isinstance(dtype, torch.dtype):
         resolved = dtype
     elif dtype == "auto":
         name = (config.torch_dtype or "").replace("torch.", "")
         resolved = DTYPES.get(name, torch.bfloat16)
+        if device_type == "cpu" and resolved in (torch.bfloat16, torch.float16) and torch.float32 in supported:
+            log.info("dtype auto on the CPU: float32 (the checkpoint's is %s; dtype=%r keeps it)", resolved,
+                     str(resolved).removeprefix("torch."))
+            resolved = torch.float32
     else:
         try:
             resolved = dtype_from_name(dtype)

@@ -79,7 +79,7 @@ def _backends(args: argparse.Namespace) -> int:
 # LLM() arguments by the flags that set them (the engine flags generate and serve share)
 ENGINE_FLAGS = {"max_num_seqs": "--max-num-seqs", "max_model_len": "--max-model-len", "seed": "--seed",
                 "gpu_memory_utilization": "--gpu-memory-utilization", "data_parallel_size": "--data-parallel-size",
-                "context_parallel_size": "--context-parallel-size", "speculative_config.num_speculative_tokens": "--ngram / --mtp"}
+                "context_parallel_size": "--context-parallel-size"}
 
 
 class ArgumentError(ValueError):
@@ -272,6 +272,9 @@ def _serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("DEEPINFER_API_KEY") or None
     try:  # the flags and the port first: either is reported before minutes of loading a model
         llm_args = _llm_arguments(args)
+        for flag, value in (("--max-tokens", args.max_tokens), ("--max-n", args.max_n), ("--max-body-bytes", args.max_body_bytes)):
+            if value < 1:
+                raise ArgumentError(f"{flag} {value}: a request's limit must be at least 1")
         sock = _listen_socket(args.host, args.port)
     except ArgumentError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -452,6 +452,7 @@ def test_deepinfer_serve_is_a_command():
     (["--kv-cache-dtype", "fp8"], "error: --kv-cache-dtype 'fp8' is not supported"),
     (["--data-parallel-size", "0"], "error: --data-parallel-size: Input should be greater than 0"),
     (["--mtp", "17"], "error: --mtp 17: the number of draft tokens per step must be 0 (off) to 16"),
+    (["--max-tokens", "0"], "error: --max-tokens 0: a request's limit must be at least 1"),
 ])
 def test_serve_reports_a_configuration_error_in_one_line(capsys, argv, message):
     """As generate does: exit status 1, one error: line, no traceback (it printed 16-22 lines)."""

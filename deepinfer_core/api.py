@@ -119,8 +119,9 @@ class LLM:
 
     model: local HF checkpoint directory, HF repo id, or None for DEEPINFER_HF_MODEL_DIR / the
     embedded default. dtype "auto": DEEPINFER_DTYPE, else the checkpoint's (float32 on the CPU
-    for a bf16/fp16 checkpoint: the reference is the numeric ground truth). accelerator: backend name (cpu, nvidia, ascend, ...); None reads
-    DEEPINFER_ACCELERATOR, else picks automatically. load_format "dummy" fills the weights with
+    for a bf16/fp16 checkpoint: the reference is the numeric ground truth). accelerator:
+    backend name (cpu, nvidia, ascend, ...); None reads DEEPINFER_ACCELERATOR, else picks
+    automatically. load_format "dummy" fills the weights with
     random values instead of reading them (benchmarks: only config.json is needed). enforce_eager
     turns off graph capture of decode steps (otherwise graphs are captured while the engine
     starts). enable_prefix_caching reuses the KV blocks of prompt prefixes computed before.

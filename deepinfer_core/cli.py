@@ -116,12 +116,12 @@ def _llm_arguments(args: argparse.Namespace) -> dict:
         raise ArgumentError(str(e)) from None
     spec = {"method": "ngram", "num_speculative_tokens": args.ngram, "prompt_lookup_max": 3, "prompt_lookup_min": 1} if args.ngram else None
     spec = {"method": "mtp", "num_speculative_tokens": args.mtp} if args.mtp else spec
-    kwargs = dict(model=args.model, accelerator=args.accelerator, dtype=args.dtype, max_model_len=args.max_model_len,
-                  max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-                  kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=not args.no_prefix_caching,
-                  speculative_config=spec, batch_invariant=args.batch_invariant or None,
-                  data_parallel_size=args.data_parallel_size, expert_parallel=args.expert_parallel,
-                  context_parallel_size=args.context_parallel_size)
+    kwargs = {"model": args.model, "accelerator": args.accelerator, "dtype": args.dtype, "max_model_len": args.max_model_len,
+              "max_num_seqs": args.max_num_seqs, "gpu_memory_utilization": args.gpu_memory_utilization, "seed": args.seed,
+              "kv_cache_dtype": args.kv_cache_dtype, "enable_prefix_caching": not args.no_prefix_caching,
+              "speculative_config": spec, "batch_invariant": args.batch_invariant or None,
+              "data_parallel_size": args.data_parallel_size, "expert_parallel": args.expert_parallel,
+              "context_parallel_size": args.context_parallel_size}
     try:
         EngineConfig(**{k: kwargs[k] for k in ("max_model_len", "max_num_seqs", "gpu_memory_utilization", "seed",
                                                 "speculative_config")})

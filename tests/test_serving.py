@@ -502,10 +502,10 @@ def test_generate_and_serve_take_the_same_engine_flags(monkeypatch, command):
              "--data-parallel-size", "2", "--expert-parallel", "--context-parallel-size", "2"]
     argv = ["generate", "--prompt", "x", *flags] if command == "generate" else ["serve", "--port", "0", *flags]
     assert main(argv) == 1
-    assert seen == dict(model=None, accelerator="cpu", dtype="half", max_model_len=256, max_num_seqs=3, seed=5,
-                        gpu_memory_utilization=0.5, kv_cache_dtype="auto", enable_prefix_caching=False,
-                        speculative_config={"method": "mtp", "num_speculative_tokens": 2}, batch_invariant=True,
-                        data_parallel_size=2, expert_parallel=True, context_parallel_size=2)
+    assert seen == {"model": None, "accelerator": "cpu", "dtype": "half", "max_model_len": 256, "max_num_seqs": 3, "seed": 5,
+                    "gpu_memory_utilization": 0.5, "kv_cache_dtype": "auto", "enable_prefix_caching": False,
+                    "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}, "batch_invariant": True,
+                    "data_parallel_size": 2, "expert_parallel": True, "context_parallel_size": 2}
 
 
 def test_deepinfer_version(capsys):
@@ -528,10 +528,10 @@ def test_deepinfer_serve_serves_on_the_port_it_took(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "deepinfer_core.cli", "serve", "--port", str(port), "--accelerator", "cpu",
-                             "--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "64", "--served-model-name", "m"],
-                            stdout=log, stderr=subprocess.STDOUT)
+    with open(tmp_path / "serve.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "deepinfer_core.cli", "serve", "--port", str(port), "--accelerator", "cpu",
+                                 "--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "64", "--served-model-name", "m"],
+                                stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 120
         while True:

@@ -546,7 +546,8 @@ def test_deepinfer_serve_serves_on_the_port_it_took(tmp_path):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"model": "m", "prompt": "x " * 100, "max_tokens": 4})
-        assert r.status_code == 400 and "max_model_len is 64" in r.text  # the flag reached the engine
+        # --max-model-len reached the engine: the server's context check answers with it
+        assert r.status_code == 400 and "maximum context length is 64 tokens" in r.text
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)

@@ -100,19 +100,21 @@ class Engine:
     def validate(self, prompt: str | list[int] | dict, params: SamplingParams, label: str = "prompt") -> tuple[str | None, list[int]]:
         """Every check ``add_request`` makes, without queueing anything: (prompt text, token ids).
         Raises RequestError naming what is wrong (``engine/requests.py``)."""
+        return self._checked(prompt, params, label)[:2]
+
+    def _checked(self, prompt, params: SamplingParams, label: str) -> tuple[str | None, list[int], list[list[int]]]:
+        """``validate``'s checks: (prompt text, token ids, the bad words' token ids they tokenised)."""
         text, ids = encode_prompt(self, prompt, label)
         check_request(self, ids, params, label)
-        bad_words_token_ids(self, params, label)
-        return text, ids
+        return text, ids, bad_words_token_ids(self, params, label)
 
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
                     label: str = "prompt") -> str:
-        text, ids = self.validate(prompt, params, label)
+        text, ids, bad_words = self._checked(prompt, params, label)
         params = self.resolve_params(params, len(ids))
         rid = request_id if request_id is not None else str(self.next_request_id)
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
-        bad_words = bad_words_token_ids(self, params, label)
         req = Request(rid, text, ids, params)
         first = self.next_seq_id
         compiled = self.compile_grammar(params, label) if params.so_args is not None else None  # cached by check()

@@ -128,3 +128,22 @@ def test_shared_experts_in_the_grouped_pass_drive_the_engine(tmp_path, use_kerne
     assert moe and all(m.with_shared is not None for m in moe)
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     assert_same_greedy(expected, got)
+
+
+@pytest.mark.parametrize("name", ["v4_flash_like", "v4_swa_nohash"])
+def test_v4_kernels_drive_the_engine(tmp_path, use_kernels, name):
+    """DeepSeek-V4 on the plugin's table (its V4 kernels, the reference for the ops it leaves to it)
+    gives the CPU reference's greedy tokens, through chunked prefill beside decodes."""
+    from deepinfer_nvidia_sm100 import backend as nvidia
+    from tests.hf_checkpoints_v4 import write_checkpoint_v4
+
+    path = tmp_path / name
+    write_checkpoint_v4(name, path)
+    prompts = [[(7 * i + 3) % 150 + 2 for i in range(n)] for n in (40, 9)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    expected = LLM(model=str(path), accelerator="cpu", dtype="float32", progress=False).generate(prompts, params, use_tqdm=False)
+    use_kernels()
+    llm = LLM(model=str(path), accelerator="cpu", dtype="float32", max_num_batched_tokens=16, progress=False)
+    ours = {op for op, p in llm.engine.ops.providers.items() if p == "nvidia"}
+    assert ours == set(REFERENCE_OPS) - nvidia.LEFT_TO_REFERENCE
+    assert_same_greedy(expected, llm.generate(prompts, params, use_tqdm=False))

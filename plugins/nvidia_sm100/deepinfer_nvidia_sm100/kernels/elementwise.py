@@ -1,4 +1,5 @@
-"""Row-wise and elementwise ops: RMSNorm (plain and fused with the residual add), SiLU-and-mul, RoPE.
+"""Row-wise and elementwise ops: RMSNorm (plain, fused with the residual add, and DeepSeek-V4's
+float32-weight and unweighted variants), SiLU-and-mul (plain and V4's clamped), RoPE.
 
 Each kernel reproduces the reference's rounding points (deepinfer_core.ops.norm / activation /
 rope): where the reference casts an intermediate to the input dtype, so do these, so that
@@ -33,6 +34,7 @@ def _rms_norm_kernel(
     stride_xm, stride_xd, stride_rm, stride_rd,
     stride_om, stride_rom,
     ADD_RESIDUAL: tl.constexpr,
+    MODE: tl.constexpr,  # NORM_V3, NORM_F32 or NORM_UNWEIGHTED: where the reference rounds
     BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     await_inputs(PDL)
@@ -44,7 +46,16 @@ def _rms_norm_kernel(
         r = tl.load(res_ptr + row * stride_rm + cols * stride_rd, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)  # x + residual in x's dtype
         tl.store(res_out_ptr + row * stride_rom + cols, x, mask=mask)
-    tl.store(out_ptr + row * stride_om + cols, rms_norm_row(x.to(tl.float32), w_ptr, cols, mask, D, eps, out_ptr), mask=mask)
+    x32 = x.to(tl.float32)
+    if MODE == 0:
+        y = rms_norm_row(x32, w_ptr, cols, mask, D, eps, out_ptr)
+    elif MODE == 1:  # rms_norm_f32: the float32 weight multiplies before the one rounding
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (w * (x32 * tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / D + eps))).to(out_ptr.dtype.element_ty)
+    else:  # rms_normalize: the factor rounded to x's dtype, the product rounded once
+        rstd = tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / D + eps).to(out_ptr.dtype.element_ty).to(tl.float32)
+        y = (x32 * rstd).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_om + cols, y, mask=mask)
 
 
 @triton.jit
@@ -62,7 +73,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+NORM_V3, NORM_F32, NORM_UNWEIGHTED = 0, 1, 2
+
+
+def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float, mode: int = NORM_V3):
     d = x.shape[-1]
     x2 = _rows(x)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -72,11 +86,12 @@ def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     r2 = _rows(residual) if residual is not None else x2
     block_d = triton.next_power_of_2(d)
     _rms_norm_kernel[(x2.shape[0],)](
-        x2, r2, weight, out, res_out if res_out is not None else out,
+        x2, r2, x2 if weight is None else weight, out, res_out if res_out is not None else out,
         d, eps,
         x2.stride(0), x2.stride(1), r2.stride(0), r2.stride(1),
         d, d,
         ADD_RESIDUAL=residual is not None,
+        MODE=mode,
         BLOCK_D=block_d,
         num_warps=norm_warps(block_d), **launch_options(x2.device),
     )
@@ -97,11 +112,24 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return _launch_norm(x, residual, weight, eps)
 
 
+def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = cast_in(weight_f32 * x_f32 * rsqrt(mean(x_f32^2, -1) + eps)); x [..., D], weight [D] (any float dtype)."""
+    if weight.stride(0) != 1:
+        weight = weight.contiguous()
+    return _launch_norm(x, None, weight, eps, NORM_F32)[0]
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = x * cast_in(rsqrt(mean(x_f32^2, -1) + eps)), multiplied in x's dtype; x [..., D]."""
+    return _launch_norm(x, None, None, eps, NORM_UNWEIGHTED)[0]
+
+
 @triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr,
-    I,
+    I, limit,
     stride_xm, stride_xd, stride_om,
+    CLAMP: tl.constexpr,  # V4: silu(min(gate, limit)) * clamp(up, -limit, limit)
     BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     await_inputs(PDL)
@@ -110,6 +138,9 @@ def _silu_and_mul_kernel(
     mask = cols < I
     gate = tl.load(x_ptr + row * stride_xm + cols * stride_xd, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_xm + (cols + I) * stride_xd, mask=mask, other=0.0).to(tl.float32)
+    if CLAMP:  # exact in any dtype: the limit is compared, never rounded into a value
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
     # F.silu rounds to the input dtype before the multiply by up; so does this.
     act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_om + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
@@ -117,6 +148,15 @@ def _silu_and_mul_kernel(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [..., 2I] = [gate | up]; returns silu(gate) * up, [..., I], in x's dtype."""
+    return _silu_and_mul(x, None)
+
+
+def silu_and_mul_clamped(x: torch.Tensor, limit: float) -> torch.Tensor:
+    """x: [..., 2I] = [gate | up]; returns silu(min(gate, limit)) * clamp(up, -limit, limit), [..., I]."""
+    return _silu_and_mul(x, float(limit))
+
+
+def _silu_and_mul(x: torch.Tensor, limit: float | None) -> torch.Tensor:
     inter = x.shape[-1] // 2
     out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
     x2 = _rows(x)
@@ -124,8 +164,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, SILU_BLOCK))](
         x2, out,
-        inter,
+        inter, 0.0 if limit is None else limit,
         x2.stride(0), x2.stride(1), inter,
+        CLAMP=limit is not None,
         BLOCK=SILU_BLOCK,
         num_warps=SILU_NUM_WARPS, **launch_options(x2.device),
     )
@@ -227,10 +268,16 @@ rms_norm.impl = "triton: one program per row, float32 sum of squares, reference 
 add_rms_norm.impl = "triton: fused residual add + RMSNorm, one program per row"
 silu_and_mul.impl = "triton: fused SiLU(gate) * up, rounding like F.silu then mul"
 rotary_embedding.impl = "triton: one kernel for q and k, strided inputs, interleaved or NeoX pairs"
+rms_norm_f32.impl = "triton: one program per row, float32 weight multiply, one rounding"
+rms_normalize.impl = "triton: one program per row, the factor rounded to the input dtype as the reference does"
+silu_and_mul_clamped.impl = "triton: fused clamped SiLU(gate) * up (V4's swiglu_limit)"
 
 OPS = {
     "rms_norm": rms_norm,
     "add_rms_norm": add_rms_norm,
     "silu_and_mul": silu_and_mul,
     "rotary_embedding": rotary_embedding,
+    "rms_norm_f32": rms_norm_f32,
+    "rms_normalize": rms_normalize,
+    "silu_and_mul_clamped": silu_and_mul_clamped,
 }

@@ -47,7 +47,8 @@ DECODE_WARMUP_STEPS = 3  # untimed steps of decode_point before the timed ones (
 
 
 def _sync() -> None:
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def step_weight_bytes(model, batch: int) -> float:

@@ -9,12 +9,16 @@ linears kept in FP8 where the backend says it can, routed experts dequantised to
 the backend lacks runs its reference implementation on the GPU.
 
 1. ``generate``: batches of B prompts of P tokens, N greedy tokens each; the first call at a
-   batch size and a repeat, wall time and output tokens per second.
+   batch size and a repeat, wall time and output tokens per second; then the decode cadence
+   through ``LLM.generate``: (time of N tokens - time of 1 token) / (N - 1), both repeats, set
+   beside the step's HBM floor (``step_floor_bytes``) over the copy bandwidth of the same run.
 2. ``profile``: decode steps of a batch at a context length (after a real prefill). Each op of
    the op table is timed between two device synchronisations (its wall time: host work,
    launches and kernels; their sum is the step), then steps run under torch.profiler for the
    GPU kernel time per step (how busy the GPU is) and, per op, the time of the aten kernels
    inside its range (Triton kernels are not attributed to a range; they count in the total).
+3. ``--hf-peer``: transformers' DeepseekV4ForCausalLM on the very same weight tensors
+   (``benchmarks.e2e.hf_peer``: prefill of B x P, then greedy decode steps with its cache).
 Writes JSON to --out and prints a summary.
 """
 
@@ -46,6 +50,72 @@ def build(max_num_seqs: int, max_model_len: int, accelerator: str, model_dir: Pa
     llm = LLM(model=str(model_dir), accelerator=accelerator, dtype="bfloat16", load_format="dummy",
               max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_kv_blocks=blocks, progress=False, **kwargs)
     return llm, time.perf_counter() - t0
+
+
+def step_floor_bytes(model, batch: int, context: int) -> dict:
+    """Bytes one V4 decode step of ``batch`` sequences at ``context`` tokens must read: every dense
+    weight once, the expected distinct routed experts E (1 - (1 - k/E)^B) per MoE layer in their
+    stored format (uniform routing), B embedding rows, the LM head; per layer and sequence its
+    window (min(L, sliding_window) rows), on CSA layers the selected entries (min(top-k, L/m)) and
+    every indexer key (the indexer scores them all), on HCA layers every entry (L/m). No MTP block."""
+    c = model.config
+    weights = 0.0
+    for name, p in model.named_parameters(remove_duplicate=False):
+        nbytes = p.numel() * p.element_size()
+        if name.startswith("mtp.") or nbytes == 0:
+            continue
+        if ".mlp.experts." in name:
+            e, k = c.n_routed_experts, c.num_experts_per_tok
+            weights += nbytes * (1 - (1 - k / e) ** batch)
+        elif "embed_tokens" in name:
+            weights += batch * p.shape[-1] * p.element_size()
+        else:
+            weights += nbytes
+    elem = torch.empty((), dtype=model.dtype).element_size()
+    cache = 0.0
+    for kind in c.layer_types:
+        rows = min(context, c.sliding_window) * c.head_dim
+        if kind == "compressed_sparse_attention":
+            entries = context // c.csa_ratio
+            rows += min(c.index_topk, entries) * c.head_dim + entries * c.index_head_dim
+        elif kind == "heavily_compressed_attention":
+            rows += (context // c.hca_ratio) * c.head_dim
+        cache += batch * rows * elem
+    return {"weight_bytes": weights, "cache_bytes": cache, "bytes": weights + cache}
+
+
+def cadence_points(llm, batches, prompt_len: int, new_tokens: int, bandwidth: float | None) -> list[dict]:
+    """Decode cadence through LLM.generate: (t(new_tokens) - t(1)) / (new_tokens - 1), each timed
+    on the second of two calls (new random prompts every call: no prefix-cache hit)."""
+    from deepinfer_core import SamplingParams
+
+    vocab = llm.engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(1000)
+    out = []
+    for batch in batches:
+        times = {}
+        for n in (1, new_tokens):
+            params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+            for _ in range(2):  # the second call is timed
+                prompts = [torch.randint(2, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+                _sync()
+                t0 = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                _sync()
+                times[n] = time.perf_counter() - t0
+        step = (times[new_tokens] - times[1]) / (new_tokens - 1)
+        floor = step_floor_bytes(llm.engine.model, batch, prompt_len + new_tokens // 2)
+        row = {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "seconds_1": times[1],
+               "seconds_n": times[new_tokens], "decode_step_ms": step * 1e3, "prefill_tokens_per_s": batch * prompt_len / times[1],
+               **floor}
+        if bandwidth:
+            row["floor_ms"] = floor["bytes"] / bandwidth * 1e3
+            row["step_over_floor"] = step / (floor["bytes"] / bandwidth)
+        print(f"cadence B={batch} P={prompt_len}: decode {step * 1e3:.2f} ms/step"
+              + (f", HBM floor {row['floor_ms']:.3f} ms ({row['step_over_floor']:.1f}x)" if bandwidth else "")
+              + f"; prefill {row['prefill_tokens_per_s']:.0f} tok/s", flush=True)
+        out.append(row)
+    return out
 
 
 def generate_points(llm, batches, prompt_len: int, new_tokens: int) -> list[dict]:
@@ -171,16 +241,40 @@ def main() -> None:
     parser.add_argument("--profile", action="append", default=None, help="BATCHxCONTEXT of a decode profile (repeatable)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--model-dir", type=Path, default=None, help="another V4 config.json directory (smoke tests)")
+    parser.add_argument("--cadence", action="store_true", help="decode cadence through LLM.generate against the HBM floor")
+    parser.add_argument("--hf-peer", action="append", default=None, metavar="BATCHxCONTEXT",
+                        help="transformers on the same weights at this point (repeatable)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     batches = args.batch or [1, 8, 32]
     points = [tuple(map(int, p.split("x"))) for p in (args.profile or ["1x2048", "8x2048", "32x2048"])]
     pb, pc = max(b for b, _ in points), max(c for _, c in points)
+    model_dir = args.model_dir or write_config("v4-flash-slice", Path(tempfile.mkdtemp(prefix="deepinfer-v4-")))
     llm, load_s = build(max(max(batches), pb), max(args.prompt_len, pc) + args.new_tokens + args.steps + 64, args.accelerator,
-                        args.model_dir)
+                        model_dir)
     result = {"model": "v4-flash-slice", "load_seconds": load_s, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "generate": generate_points(llm, batches, args.prompt_len, args.new_tokens),
               "profile": [profile_decode(llm, b, c, args.steps) for b, c in points]}
+    if args.cadence:
+        bandwidth = None
+        if torch.cuda.is_available():
+            from benchmarks.ceilings import copy_bandwidth
+
+            bandwidth = copy_bandwidth()
+            print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+        result["copy_bandwidth"] = bandwidth
+        result["cadence"] = cadence_points(llm, batches, args.prompt_len, args.new_tokens, bandwidth)
+    for point in args.hf_peer or []:
+        from benchmarks.e2e import hf_peer
+
+        b, c = map(int, point.split("x"))
+        try:
+            peer = hf_peer(llm, model_dir, b, c, args.steps)
+            print(f"transformers B={b} L={c}: decode {peer['step_s'] * 1e3:.2f} ms/step, prefill {peer['prefill_s']:.3f} s", flush=True)
+        except Exception as e:  # recorded, not fatal: the engine's numbers stand on their own
+            peer = {"batch": b, "context": c, "error": f"{type(e).__name__}: {e}"}
+            print(f"transformers B={b} L={c}: {peer['error']}", flush=True)
+        result.setdefault("transformers", []).append(peer)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "v4_slice.json").write_text(json.dumps(result, indent=1))
 

@@ -81,6 +81,10 @@ GATE_MAX_BLOCK_E = 4
 GATE_BLOCK_D = 512
 GATE_NUM_WARPS = 4
 INTERPRETER_SMS = 4  # "SM count" under TRITON_INTERPRET: small, so that tests see several experts per program
+# V4 hash layers (moe_route_sqrtsoftplus with fixed ids): a program per token gathers its k gate
+# rows, BLOCK_D channels per step.
+HASH_ROUTE_BLOCK_D = 512
+HASH_ROUTE_NUM_WARPS = 4
 
 
 class ExpertTiles(NamedTuple):
@@ -360,6 +364,152 @@ moe_route.impl = (f"triton: gate GEMV from x's own dtype up to {ROUTE_GEMV_MAX_T
 assert TOPK_METHODS == ("noaux_tc", "greedy", "group_limited_greedy")  # METHOD codes of the kernel
 
 
+# ---- DeepSeek-V4 routing: sqrt(softplus) scores, top-k of s + bias, or the hash layers' fixed ids ----
+
+
+@triton.jit
+def _sqrt_softplus(z):
+    """sqrt(softplus(z)) in float32, softplus as max(z, 0) + log1p(exp(-|z|)) (torch's threshold 20
+    lands on z itself too: log1p(exp(-20)) is below half an ulp of 20). log1p(u) = log(1 + u) *
+    u / ((1 + u) - 1) (exact to float32 where 1 + u rounds), so s keeps its relative accuracy
+    down to large negative logits, where log(1 + exp(z)) would round to 0."""
+    u = tl.exp(-tl.abs(z))
+    v = 1.0 + u
+    log1p = tl.where(v == 1.0, u, tl.log(v) * (u / (v - 1.0)))
+    return tl.sqrt_rn(tl.maximum(z, 0.0) + log1p)
+
+
+@triton.jit
+def _store_route(weights_ptr, ids_ptr, row, w, ids, slots, scaling, TOP_K: tl.constexpr, RENORM: tl.constexpr):
+    """One token's k slots: w renormalised (+1e-20) when RENORM, times scaling; ids as int64."""
+    w = tl.where(slots < TOP_K, w, 0.0)
+    if RENORM:
+        w = w / (tl.sum(w, axis=0) + 1e-20)
+    tl.store(weights_ptr + row * TOP_K + slots, w * scaling, mask=slots < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + slots, ids.to(tl.int64), mask=slots < TOP_K)
+
+
+@triton.jit
+def _sqrtsoftplus_topk_kernel(
+    parts_ptr, bias_ptr, weights_ptr, ids_ptr,
+    num_experts, scaling, part_stride,
+    NUM_PARTS: tl.constexpr, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    """One token: its logits (the gate partials added in order), s = sqrt(softplus), top-k of
+    s + bias by iterative argmax (ties: lowest expert id), the weights s at the chosen ids."""
+    await_inputs(PDL)
+    NEG: tl.constexpr = float("-inf")
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    valid = e < num_experts
+    logits = tl.load(parts_ptr + row * num_experts + e, mask=valid, other=0.0)
+    for part in tl.static_range(1, NUM_PARTS):
+        logits += tl.load(parts_ptr + part * part_stride + row * num_experts + e, mask=valid, other=0.0)
+    scores = _sqrt_softplus(logits)
+    select = scores
+    if HAS_BIAS:
+        select += tl.load(bias_ptr + e, mask=valid, other=0.0)
+    taken = ~valid
+    slots = tl.arange(0, BLOCK_K)
+    w = tl.zeros([BLOCK_K], tl.float32)
+    ids = tl.zeros([BLOCK_K], tl.int32)
+    for i in tl.static_range(TOP_K):
+        cand = tl.where(taken, NEG, select)
+        best = tl.max(cand, axis=0)
+        pick = tl.min(tl.where((cand == best) & ~taken, e, BLOCK_E), axis=0)
+        chosen = e == pick
+        taken = taken | chosen
+        w = tl.where(slots == i, tl.sum(tl.where(chosen, scores, 0.0), axis=0), w)
+        ids = tl.where(slots == i, pick, ids)
+    _store_route(weights_ptr, ids_ptr, row, w, ids, slots, scaling, TOP_K, RENORM)
+
+
+@triton.jit
+def _sqrtsoftplus_fixed_kernel(
+    x_ptr, gate_ptr, fixed_ptr, weights_ptr, ids_ptr,
+    scaling, s_xt, s_xd, s_ge, s_gd, s_ft, s_fk,
+    HIDDEN: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+):
+    """One token of a hash layer: the float32 logits of its k given experts only (their gate rows
+    gathered, x and the rows widened in registers), s = sqrt(softplus) at them, the weights."""
+    await_inputs(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    slots = tl.arange(0, BLOCK_K)
+    slot_ok = slots < TOP_K
+    ids = tl.load(fixed_ptr + row * s_ft + slots * s_fk, mask=slot_ok, other=0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
+    for d0 in range(0, HIDDEN, BLOCK_D):
+        d_ok = (d0 + d) < HIDDEN
+        xs = tl.load(x_ptr + row * s_xt + (d0 + d) * s_xd, mask=d_ok, other=0.0)
+        ws = tl.load(gate_ptr + ids[:, None] * s_ge + (d0 + d)[None, :] * s_gd, mask=slot_ok[:, None] & d_ok[None, :], other=0.0)
+        acc += xs.to(tl.float32)[None, :] * ws.to(tl.float32)
+    scores = _sqrt_softplus(tl.sum(acc, axis=1))
+    _store_route(weights_ptr, ids_ptr, row, scores, ids, slots, scaling, TOP_K, RENORM)
+
+
+def moe_route_sqrtsoftplus(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    fixed_ids: torch.Tensor | None,
+    *,
+    top_k: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4 routing. Returns (weights [T, k] float32, ids [T, k] int64).
+
+    Contract: deepinfer_core.ops.moe.moe_route_sqrtsoftplus. Without ``fixed_ids``: the gate
+    logits as ``moe_route``'s (``gate_partials``), then one program per token (scores, bias,
+    top-k by iterative argmax, ties to the lowest expert id; the slots in selection order). With
+    ``fixed_ids`` (hash layers): one launch, one program per token computing only its k logits
+    from the gathered gate rows (k x D reads instead of E x D); ids are ``fixed_ids`` in their
+    order, which must lie in [0, E) (not checked: that would synchronise).
+    """
+    num_tokens, hidden = x.shape
+    num_experts = gate_weight.shape[0]
+    if gate_weight.shape[1] != hidden:
+        raise ValueError(f"moe_route_sqrtsoftplus: the gate weight is {tuple(gate_weight.shape)} but the tokens have "
+                         f"{hidden} channels; it must be [num_experts, {hidden}]")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k ({top_k}) must be between 1 and the number of experts ({num_experts})")
+    if fixed_ids is not None and tuple(fixed_ids.shape) != (num_tokens, top_k):
+        raise ValueError(f"fixed_ids is {tuple(fixed_ids.shape)}; it must be [tokens, top_k] = [{num_tokens}, {top_k}]")
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=x.device)
+    if num_tokens == 0:
+        return weights, ids
+    block_k = triton.next_power_of_2(top_k)
+    if fixed_ids is not None:
+        _sqrtsoftplus_fixed_kernel[(num_tokens,)](
+            x, gate_weight, fixed_ids, weights, ids, float(routed_scaling_factor),
+            *x.stride(), *gate_weight.stride(), *fixed_ids.stride(),
+            HIDDEN=hidden, TOP_K=top_k, RENORM=bool(norm_topk_prob),
+            BLOCK_K=block_k, BLOCK_D=min(HASH_ROUTE_BLOCK_D, triton.next_power_of_2(hidden)),
+            num_warps=HASH_ROUTE_NUM_WARPS, **launch_options(x.device),
+        )
+        return weights, ids
+    parts = gate_partials(x, gate_weight)
+    has_bias = correction_bias is not None
+    block_e = triton.next_power_of_2(num_experts)
+    _sqrtsoftplus_topk_kernel[(num_tokens,)](
+        parts, correction_bias.float().contiguous() if has_bias else parts, weights, ids,
+        num_experts, float(routed_scaling_factor), num_tokens * num_experts,
+        NUM_PARTS=parts.shape[0], TOP_K=top_k, HAS_BIAS=has_bias, RENORM=bool(norm_topk_prob),
+        BLOCK_E=block_e, BLOCK_K=block_k,
+        num_warps=max(1, min(8, block_e // ROUTE_ELEMS_PER_WARP)), **launch_options(parts.device),
+    )
+    return weights, ids
+
+
+moe_route_sqrtsoftplus.impl = (f"triton: gate logits as moe_route's, then one program per token (sqrt-softplus, "
+                               f"bias, top-k argmax, renorm); hash layers: one launch, only the k given experts' "
+                               f"gate rows per token")
+
+
 # ============================================================================================
 # Align: pairs grouped by expert, padded to BLOCK_M
 # ============================================================================================
@@ -571,7 +721,7 @@ def _accumulate(acc, a, a_scale, w, w_scale,
 def _expert_gemm_kernel(
     a_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr,
     sorted_ptr, block_expert_ptr, num_padded_ptr,
-    num_pairs, a_row_div, num_m_blocks,
+    num_pairs, a_row_div, num_m_blocks, limit,
     stride_am, stride_ak,
     stride_we, stride_wn, stride_wk,
     stride_se, stride_sn, stride_sk,
@@ -579,6 +729,7 @@ def _expert_gemm_kernel(
     N: tl.constexpr, K: tl.constexpr,  # output columns (I with GATED: gate and up are 2I rows of w)
     BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,  # FP8 weight block (bn, bk)
     GATED: tl.constexpr,  # GEMM 1: gate and up tiles, store silu(gate) * up
+    CLAMP: tl.constexpr,  # with GATED: V4's clamped SwiGLU, silu(min(gate, limit)) * clamp(up, -limit, limit)
     WEIGHTED: tl.constexpr,  # GEMM 2: multiply each row by its pair's routing weight
     W_FP8: tl.constexpr, ACT_QUANT: tl.constexpr, INTERPRET: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
@@ -636,6 +787,9 @@ def _expert_gemm_kernel(
         w_ptrs += BLOCK_K * stride_wk
 
     if GATED:
+        if CLAMP:  # exact and continuous: the clamp adds no rounding of its own
+            acc = tl.minimum(acc, limit)
+            acc_up = tl.clamp(acc_up, -limit, limit)
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
     if WEIGHTED:
         acc = acc * tl.load(route_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
@@ -703,7 +857,8 @@ def _num_stages(tiles: ExpertTiles, block_n: int, block_k: int, a_bytes: int, w_
 
 
 def _run_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, tiles: ExpertTiles,
-                 act_quant: bool) -> torch.Tensor:
+                 act_quant: bool, limit: float | None = None) -> torch.Tensor:
+    """The grouped expert pass; ``limit``: V4's clamped SwiGLU in GEMM 1's epilogue (None: plain SwiGLU)."""
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     top_k = topk_ids.shape[1]
@@ -734,12 +889,12 @@ def _run_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block,
     _expert_gemm_kernel[grid](
         x, w13, w13_scale, h, route_w,
         layout.sorted_pairs, layout.block_expert, layout.num_padded,
-        num_pairs, top_k, layout.max_blocks,
+        num_pairs, top_k, layout.max_blocks, 0.0 if limit is None else float(limit),
         x.stride(0), x.stride(1),
         w13.stride(0), w13.stride(1), w13.stride(2),
         w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2),
         h.stride(0), h.stride(1),
-        N=inter, K=hidden, GATED=True, WEIGHTED=False, BLOCK_N=tiles.block_n_up,
+        N=inter, K=hidden, GATED=True, CLAMP=limit is not None, WEIGHTED=False, BLOCK_N=tiles.block_n_up,
         num_stages=_num_stages(tiles, tiles.block_n_up, block_k, a_bytes, w_bytes, True), **common,
     )
 
@@ -749,12 +904,12 @@ def _run_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block,
     _expert_gemm_kernel[grid](
         h, w2, w2_scale, y, route_w,
         layout.sorted_pairs, layout.block_expert, layout.num_padded,
-        num_pairs, 1, layout.max_blocks,
+        num_pairs, 1, layout.max_blocks, 0.0,
         h.stride(0), h.stride(1),
         w2.stride(0), w2.stride(1), w2.stride(2),
         w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2),
         y.stride(0), y.stride(1),
-        N=hidden, K=inter, GATED=False, WEIGHTED=True, BLOCK_N=tiles.block_n_down,
+        N=hidden, K=inter, GATED=False, CLAMP=False, WEIGHTED=True, BLOCK_N=tiles.block_n_down,
         num_stages=_num_stages(tiles, tiles.block_n_down, block_k, a_bytes, w_bytes, False), **common,
     )
     if top_k > 1:
@@ -782,6 +937,25 @@ def moe_experts(
     return _run_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, tiles, act_quant)
 
 
+def moe_experts_clamped(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    limit: float,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """``moe_experts`` with DeepSeek-V4's clamped SwiGLU, down(silu(min(gate, limit)) * clamp(up,
+    -limit, limit)): the same grouped GEMMs, the clamp in GEMM 1's epilogue (``limit`` a runtime
+    argument: one compile for every limit). Contract: deepinfer_core.ops.moe.moe_experts_clamped."""
+    tiles = expert_tiles(topk_ids.numel(), w13.shape[0])
+    act_quant = FP8_W8A8_MIN_BLOCK_M is not None and tiles.block_m >= FP8_W8A8_MIN_BLOCK_M
+    return _run_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, tiles, act_quant, limit=limit)
+
+
 def invariant_moe_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -802,7 +976,10 @@ moe_experts.shared_expert_max_tokens = SHARED_EXPERT_MAX_TOKENS
 invariant_moe_route.impl = f"triton, batch-invariant: gate logits by the invariant GEMM, then {_ROUTE_PROGRAM}"
 invariant_moe_experts.impl = "triton, batch-invariant: " + moe_experts.impl.removeprefix("triton: ") + ", one tile for every batch"
 moe_experts.impl += f"; bf16 shared experts as extra experts up to {SHARED_EXPERT_MAX_TOKENS[torch.bfloat16]} tokens"
+moe_experts_clamped.impl = ("triton only (DeepGEMM's provider takes moe_experts alone): expert-sorted padded M-blocks, "
+                            "grouped GEMMs (clamped SwiGLU fused, runtime limit; FP8 W8A16), slot sum")
 
 
-OPS = {"moe_route": moe_route, "moe_experts": moe_experts}
+OPS = {"moe_route": moe_route, "moe_experts": moe_experts, "moe_route_sqrtsoftplus": moe_route_sqrtsoftplus,
+       "moe_experts_clamped": moe_experts_clamped}
 INVARIANT_OPS = {"moe_route": invariant_moe_route, "moe_experts": invariant_moe_experts}

@@ -375,7 +375,7 @@ def _sqrt_softplus(z):
     down to large negative logits, where log(1 + exp(z)) would round to 0."""
     u = tl.exp(-tl.abs(z))
     v = 1.0 + u
-    log1p = tl.where(v == 1.0, u, tl.log(v) * (u / (v - 1.0)))
+    log1p = tl.where(v == 1.0, u, tl.log(v) * (u / tl.where(v == 1.0, 1.0, v - 1.0)))
     return tl.sqrt_rn(tl.maximum(z, 0.0) + log1p)
 
 

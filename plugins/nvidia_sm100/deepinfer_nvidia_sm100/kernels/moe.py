@@ -13,6 +13,18 @@ as a [groups, experts per group] tile: scoring (sigmoid / softmax), correction b
 topk_group best groups, top-k by iterative argmax (ties: lowest expert id), the gather of the
 unbiased weights, renormalisation and scaling.
 
+``moe_route_sqrtsoftplus`` (DeepSeek-V4): s = sqrt(softplus(logits)). Top-k layers: the same gate
+logits (``gate_partials``), then one program per token (s, + bias, top-k by iterative argmax,
+ties to the lowest id, renormalisation and scaling). Hash layers (``fixed_ids``): one launch, a
+program per token that gathers only its k gate rows and dots them with x in float32 (k x D
+reads instead of E x D, and no top-k). softplus is max(z, 0) + log1p(exp(-|z|)), so s keeps its
+relative accuracy at very negative logits.
+
+``moe_experts_clamped`` (DeepSeek-V4): ``moe_experts``' pass below with the clamp of V4's SwiGLU
+(silu(min(gate, limit)) * clamp(up, -limit, limit)) in GEMM 1's epilogue, behind the CLAMP
+constexpr (``moe_experts`` compiles without it) with ``limit`` a runtime float (one compile for
+every limit). Triton only: DeepGEMM's provider (``deepgemm.py``) wraps ``moe_experts`` alone.
+
 ``moe_experts``: no per-expert loop and no host synchronisation (CUDA-graph safe):
 
 1. align: the T*k (token, slot) pairs are grouped by expert, each expert's segment padded to a
@@ -59,6 +71,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 from deepinfer_core.ops.moe import SCORING_FUNCS, TOPK_METHODS
 from deepinfer_nvidia_sm100.kernels.device import await_inputs, launch_options, num_sms
@@ -368,14 +381,18 @@ assert TOPK_METHODS == ("noaux_tc", "greedy", "group_limited_greedy")  # METHOD 
 
 
 @triton.jit
-def _sqrt_softplus(z):
+def _sqrt_softplus(z, LIBDEVICE: tl.constexpr):
     """sqrt(softplus(z)) in float32, softplus as max(z, 0) + log1p(exp(-|z|)) (torch's threshold 20
-    lands on z itself too: log1p(exp(-20)) is below half an ulp of 20). log1p(u) = log(1 + u) *
-    u / ((1 + u) - 1) (exact to float32 where 1 + u rounds), so s keeps its relative accuracy
-    down to large negative logits, where log(1 + exp(z)) would round to 0."""
+    lands on z itself too: log1p(exp(-20)) is below half an ulp of 20), so s keeps its relative
+    accuracy down to large negative logits, where log(1 + exp(z)) would round to 0. log1p is
+    CUDA's (LIBDEVICE) or, in the interpreter (no libdevice), log(1 + u) * u / ((1 + u) - 1),
+    exact to float32 where 1 + u rounds."""
     u = tl.exp(-tl.abs(z))
-    v = 1.0 + u
-    log1p = tl.where(v == 1.0, u, tl.log(v) * (u / tl.where(v == 1.0, 1.0, v - 1.0)))
+    if LIBDEVICE:
+        log1p = libdevice.log1p(u)
+    else:
+        v = 1.0 + u
+        log1p = tl.where(v == 1.0, u, tl.log(v) * (u / tl.where(v == 1.0, 1.0, v - 1.0)))
     return tl.sqrt_rn(tl.maximum(z, 0.0) + log1p)
 
 
@@ -394,7 +411,7 @@ def _sqrtsoftplus_topk_kernel(
     parts_ptr, bias_ptr, weights_ptr, ids_ptr,
     num_experts, scaling, part_stride,
     NUM_PARTS: tl.constexpr, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    LIBDEVICE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """One token: its logits (the gate partials added in order), s = sqrt(softplus), top-k of
     s + bias by iterative argmax (ties: lowest expert id), the weights s at the chosen ids."""
@@ -406,7 +423,7 @@ def _sqrtsoftplus_topk_kernel(
     logits = tl.load(parts_ptr + row * num_experts + e, mask=valid, other=0.0)
     for part in tl.static_range(1, NUM_PARTS):
         logits += tl.load(parts_ptr + part * part_stride + row * num_experts + e, mask=valid, other=0.0)
-    scores = _sqrt_softplus(logits)
+    scores = _sqrt_softplus(logits, LIBDEVICE)
     select = scores
     if HAS_BIAS:
         select += tl.load(bias_ptr + e, mask=valid, other=0.0)
@@ -429,7 +446,7 @@ def _sqrtsoftplus_topk_kernel(
 def _sqrtsoftplus_fixed_kernel(
     x_ptr, gate_ptr, fixed_ptr, weights_ptr, ids_ptr,
     scaling, s_xt, s_xd, s_ge, s_gd, s_ft, s_fk,
-    HIDDEN: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr,
+    HIDDEN: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr, LIBDEVICE: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """One token of a hash layer: the float32 logits of its k given experts only (their gate rows
@@ -446,7 +463,7 @@ def _sqrtsoftplus_fixed_kernel(
         xs = tl.load(x_ptr + row * s_xt + (d0 + d) * s_xd, mask=d_ok, other=0.0)
         ws = tl.load(gate_ptr + ids[:, None] * s_ge + (d0 + d)[None, :] * s_gd, mask=slot_ok[:, None] & d_ok[None, :], other=0.0)
         acc += xs.to(tl.float32)[None, :] * ws.to(tl.float32)
-    scores = _sqrt_softplus(tl.sum(acc, axis=1))
+    scores = _sqrt_softplus(tl.sum(acc, axis=1), LIBDEVICE)
     _store_route(weights_ptr, ids_ptr, row, scores, ids, slots, scaling, TOP_K, RENORM)
 
 
@@ -487,7 +504,7 @@ def moe_route_sqrtsoftplus(
         _sqrtsoftplus_fixed_kernel[(num_tokens,)](
             x, gate_weight, fixed_ids, weights, ids, float(routed_scaling_factor),
             *x.stride(), *gate_weight.stride(), *fixed_ids.stride(),
-            HIDDEN=hidden, TOP_K=top_k, RENORM=bool(norm_topk_prob),
+            HIDDEN=hidden, TOP_K=top_k, RENORM=bool(norm_topk_prob), LIBDEVICE=x.is_cuda,
             BLOCK_K=block_k, BLOCK_D=min(HASH_ROUTE_BLOCK_D, triton.next_power_of_2(hidden)),
             num_warps=HASH_ROUTE_NUM_WARPS, **launch_options(x.device),
         )
@@ -498,7 +515,7 @@ def moe_route_sqrtsoftplus(
     _sqrtsoftplus_topk_kernel[(num_tokens,)](
         parts, correction_bias.float().contiguous() if has_bias else parts, weights, ids,
         num_experts, float(routed_scaling_factor), num_tokens * num_experts,
-        NUM_PARTS=parts.shape[0], TOP_K=top_k, HAS_BIAS=has_bias, RENORM=bool(norm_topk_prob),
+        NUM_PARTS=parts.shape[0], TOP_K=top_k, HAS_BIAS=has_bias, RENORM=bool(norm_topk_prob), LIBDEVICE=x.is_cuda,
         BLOCK_E=block_e, BLOCK_K=block_k,
         num_warps=max(1, min(8, block_e // ROUTE_ELEMS_PER_WARP)), **launch_options(parts.device),
     )

@@ -406,7 +406,7 @@ def _store_route(weights_ptr, ids_ptr, row, w, ids, slots, scaling, TOP_K: tl.co
     tl.store(ids_ptr + row * TOP_K + slots, ids.to(tl.int64), mask=slots < TOP_K)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["part_stride"])  # T x E: one compile, not one per value class
 def _sqrtsoftplus_topk_kernel(
     parts_ptr, bias_ptr, weights_ptr, ids_ptr,
     num_experts, scaling, part_stride,

@@ -42,7 +42,7 @@ KERNEL_MODULES = ("elementwise", "fp8_linear", "cache", "mla_decode", "mla_prefi
 # The ops this plugin has no kernel for yet: the engine runs their reference implementations on the
 # GPU (``deepinfer backends`` shows them as "reference"). Every other op of deepinfer_core.ops is a kernel here.
 LEFT_TO_REFERENCE = frozenset({
-    "moe_route_sqrtsoftplus", "moe_experts_clamped", "mhc_pre", "mhc_post", "mhc_head", "write_cache", "compress_pool",
+    "mhc_pre", "mhc_post", "mhc_head", "write_cache", "compress_pool",
     "indexer_topk", "sparse_attention", "mhc_pre_delayed", "mhc_collapse", "indexer_block_candidates", "engram_hash_ids",
     "engram_gate",
 })

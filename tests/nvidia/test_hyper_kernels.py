@@ -13,15 +13,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deepinfer_core.conformance.checks import check_close
+from deepinfer_core.conformance.inputs import HC_EPS, NORM_EPS, make_case
+from deepinfer_core.conformance.ops_suite import run_op
+from deepinfer_core.conformance.spec import shapes
+from deepinfer_core.ops import REFERENCE_OPS
+
 pytest.importorskip("triton", reason="triton is not installed (pip install triton): the NVIDIA kernels cannot run")
 
-from deepinfer_core.conformance.checks import check_close  # noqa: E402
-from deepinfer_core.conformance.inputs import HC_EPS, NORM_EPS, make_case  # noqa: E402
-from deepinfer_core.conformance.ops_suite import run_op  # noqa: E402
-from deepinfer_core.conformance.spec import shapes  # noqa: E402
-from deepinfer_core.ops import REFERENCE_OPS  # noqa: E402
-from deepinfer_nvidia_sm100.kernels import hyper  # noqa: E402
-from tests.op_spec import assert_close  # noqa: E402
+from deepinfer_nvidia_sm100.kernels import hyper
+from tests.op_spec import assert_close
 
 ON_GPU = torch.cuda.is_available()
 CPU_MAX_ELEMENTS = 1 << 21  # as test_conformance_kit.py: the real V4 mHC shapes fit (~0.7M values)
@@ -157,7 +158,7 @@ def test_strided_inputs(device, dtype):
     assert_close(hyper.mhc_post(out, x, post, comb), REFERENCE_OPS["mhc_post"](out, x, post, comb), "mhc_post", dtype)
     fn = (torch.randn(24, hc * d, generator=g) / (hc * d) ** 0.5).to(device)
     base, scale = (0.1 * torch.randn(48, generator=g)).to(device)[::2], (1 + 0.1 * torch.randn(3, generator=g)).to(device)
-    kw = dict(hc_eps=HC_EPS, rms_eps=NORM_EPS, sinkhorn_iters=20)
+    kw = {"hc_eps": HC_EPS, "rms_eps": NORM_EPS, "sinkhorn_iters": 20}
     for got, ref, what in zip(hyper.mhc_pre(x, fn, base, scale, **kw), REFERENCE_OPS["mhc_pre"](x, fn, base, scale, **kw),
                               ("post", "comb", "collapsed")):
         assert_close(got, ref, "mhc_pre", dtype, f" {what}")
@@ -235,7 +236,7 @@ def test_a_sublayer_under_cuda_graph(tokens, device):
 
     def step():
         post, comb, y = hyper.mhc_pre(x, fn, base, scale, **case.kwargs)
-        pre, post_d, comb_d, y_d = hyper.mhc_pre_delayed(x, pre_in, fn, base, scale, **case.kwargs)
+        pre, _, _, y_d = hyper.mhc_pre_delayed(x, pre_in, fn, base, scale, **case.kwargs)
         return hyper.mhc_post(block_out, x, post, comb), y, pre, y_d, hyper.mhc_collapse(x, pre)
 
     side = torch.cuda.Stream()

@@ -224,7 +224,7 @@ def _token_pass(mode: int, x: torch.Tensor, parts, base, scale, w_in, outs, *, h
 
 def _coefficient_outputs(x: torch.Tensor):
     tokens, hc, hidden = x.shape
-    f32 = dict(dtype=torch.float32, device=x.device)
+    f32 = {"dtype": torch.float32, "device": x.device}
     return (torch.empty((tokens, hc), **f32), torch.empty((tokens, hc), **f32), torch.empty((tokens, hc, hc), **f32),
             torch.empty((tokens, hidden), dtype=x.dtype, device=x.device))
 

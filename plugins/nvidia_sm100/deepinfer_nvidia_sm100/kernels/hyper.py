@@ -3,10 +3,11 @@ mhc_pre_delayed, mhc_head, mhc_collapse, mhc_post (contracts: deepinfer_core.ops
 
 ``mhc_pre`` / ``mhc_pre_delayed`` / ``mhc_head``: two launches, where the reference takes dozens.
 
-1. ``_mixes_kernel``, a split-K GEMM: flatten(x) [T, hc D] (read in its own dtype, widened in
-   registers) times fn^T [hc D, N] (N = (2 + hc) hc, or hc for the head) with tl.dot in tf32x3
-   (three TF32 products: float32-accurate on the tensor cores; plain TF32 would round fn to 10
-   bits), summing the squares of x in the same pass. Program (K split, token block) walks its
+1. ``_mixes_kernel``, a split-K GEMM: flatten(x) [T, hc D] (read in its own dtype) times fn^T
+   [hc D, N] (N = (2 + hc) hc, or hc for the head) on the tensor cores at float32 accuracy
+   (plain TF32 or bf16 would round fn to 11 / 8 bits: ~1e-3 off in M): bf16 x against fn split
+   into three bf16 terms (exact: 8 + 8 + 8 significant bits; each product exact in the float32
+   accumulator), other dtypes in tf32x3; summing the squares of x in the same pass. Program (K split, token block) walks its
    share of the (stream, channel block) steps and writes float32 partials [T, P, N + 1] (column
    N: the sum of squares). No program reads more than its share of fn, and at decode the P
    splits keep every SM streaming fn at once.
@@ -34,7 +35,9 @@ import triton.language as tl
 from deepinfer_nvidia_sm100.kernels.device import await_inputs, launch_options, num_sms
 
 # ---- tunables (sweep on the GPU) -------------------------------------------------------------
-MIX_BLOCK_K = 128  # channels of one stream per GEMM step (fewer when the hidden size is smaller)
+# GEMM program tiles: 4 warps, BLOCK_K 64 compile for sm_90 without spills at BLOCK_T 16 / 32 / 64
+# (bf16: 96 / 168 / 128 registers; float32 148 / 251 / 192); BLOCK_K 128 spills from BLOCK_T 32.
+MIX_BLOCK_K = 64  # channels of one stream per GEMM step (fewer when the hidden size is smaller)
 MIX_MAX_BLOCK_T = 64  # tokens per GEMM program (at least 16: tl.dot's smallest M)
 MIX_NUM_WARPS = 4
 MIX_PROGRAMS_PER_SM = 2  # split K until (splits x token blocks) reaches this many programs per SM ...
@@ -75,13 +78,30 @@ def _mixes_kernel(
         j = step // d_blocks
         d = (step - j * d_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
         d_ok = d < hidden
-        xs = tl.load(x_rows + j * s_xh + d[None, :] * s_xd, mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        xs = tl.load(x_rows + j * s_xh + d[None, :] * s_xd, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
         ws = tl.load(fn_ptr + n[None, :] * s_fn + (j * hidden + d)[:, None] * s_fk, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(xs, ws.to(tl.float32), acc, input_precision="tf32x3")
-        squares += tl.sum(xs * xs, axis=1)
+        acc = _dot_exact(xs, ws.to(tl.float32), acc)
+        x32 = xs.to(tl.float32)
+        squares += tl.sum(x32 * x32, axis=1)
     acc = tl.where(n[None, :] == N_OUT, squares[:, None], acc)
     out = parts_ptr + (t.to(tl.int64)[:, None] * num_parts + split) * (N_OUT + 1) + n[None, :]
     tl.store(out, acc, mask=t_ok[:, None] & (n <= N_OUT)[None, :])
+
+
+@triton.jit
+def _dot_exact(xs, ws, acc):
+    """acc + xs @ ws to float32 accuracy on the tensor cores, ws float32. bf16 xs: ws as the sum
+    of three bf16 terms (24 significant bits), three bf16 products, each exact in the float32
+    accumulator. Other dtypes: tf32x3 (the three-term TF32 split of both operands)."""
+    if xs.dtype == tl.bfloat16:
+        hi = ws.to(tl.bfloat16)
+        rest = ws - hi.to(tl.float32)
+        mid = rest.to(tl.bfloat16)
+        lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+        acc = tl.dot(xs, hi, acc)
+        acc = tl.dot(xs, mid, acc)
+        return tl.dot(xs, lo, acc)
+    return tl.dot(xs.to(tl.float32), ws, acc, input_precision="tf32x3")
 
 
 @triton.jit
@@ -324,7 +344,7 @@ def mhc_post(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch
     return new
 
 
-_MIXES = f"split-K tl.dot tf32x3 GEMM of x (own dtype) by fn + sum of squares, at most {MIX_MAX_PARTS} partials"
+_MIXES = f"split-K tensor-core GEMM (fn as 3 bf16 terms for bf16 x, tf32x3 otherwise) of x (own dtype) by fn + sum of squares, at most {MIX_MAX_PARTS} partials"
 mhc_pre.impl = f"triton: 2 launches: {_MIXES}; one program per (token, channel chunk): rms, sigmoid / softmax, Sinkhorn in registers, collapse"
 mhc_pre_delayed.impl = f"triton: 2 launches as mhc_pre ({_MIXES}; coefficients + collapse with pre_in per token)"
 mhc_head.impl = f"triton: 2 launches: {_MIXES}; per-token sigmoid weights + collapse"

@@ -1,0 +1,250 @@
+"""DeepSeek-V4's sparse-attention ops in Triton: attention with sinks over the keys each query
+names, the compressors' pooling, the lightning indexer's top-k and a plain cache-row write
+(contracts: ``deepinfer_core.ops.sparse``).
+
+``sparse_attention`` has the shape of absorbed-MLA decode (``mla_decode.py``): every head of a
+query reads the same 512-wide rows, each row both key and value. So, as there:
+
+* a program holds BLOCK_H heads of one query (the M of both tensor-core dots; padded heads are
+  masked, so any head count works) and walks its query's index row BLOCK_N columns at a time,
+  gathering the named pool rows (-1: masked, never read); one gathered tile feeds ``q @ kv^T``
+  and ``p @ kv``; the online softmax runs in base 2, in float32;
+* the grid is 1-D, (query, split, head block) with head blocks fastest: the programs that read a
+  query's rows run together and share them in L2 (and T is not bound by the 65535 of grid axes
+  1 and 2);
+* at small T the index row is cut into splits (from shapes only: T, heads, K, SM count, so the
+  grid is CUDA-graph safe); each split writes a normalised float32 partial and its log-sum-exp
+  and a combine kernel merges them, adding the sink to the denominator there. With one split the
+  first kernel adds the sink and writes the output itself.
+
+A block of columns all -1 (or a whole query) leaves the running max at -inf: the exponents are
+then taken against 0 instead, so nothing is NaN and a query with no valid key gets zeros.
+P is rounded to the kv dtype for P V in 16-bit (the spec allows it), kept float32 in float32.
+
+Every op is free of host synchronisation; the grids follow from shapes only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_nvidia_sm100.kernels.device import await_inputs, launch_options, num_sms
+
+LOG2E = 1.4426950408889634
+
+# ---- tunables (sweep on the GPU) -------------------------------------------------------------
+# sparse_attention: key columns per inner iteration (16-bit pools; float32 pools use the FP32_
+# tiles: no tensor cores for them and twice the bytes per tile).
+ATTN_BLOCK_N = 32
+ATTN_FP32_BLOCK_N = 16
+ATTN_FP32_BLOCK_H = 16
+ATTN_NUM_STAGES = 2
+# A split covers at least this many key columns: fewer the fewer the queries (one decode query
+# of 64 heads over 640 keys is otherwise 1 program on a 132-SM GPU).
+ONE_QUERY_MIN_SPLIT = 32
+FEW_QUERIES = 8
+FEW_QUERIES_MIN_SPLIT = 64
+MIN_SPLIT = 128
+# Splits are added while (queries x head blocks x splits) fits in this many waves of SMs.
+SPLIT_WAVES = 1.0
+SPLIT_WAVES_SMALL_HEAD_BLOCKS = 4.0  # programs of fewer than 64 heads are light
+MAX_SPLITS = 64
+COMBINE_BLOCK_S = 8  # splits loaded together by the combine
+COMBINE_NUM_WARPS = 4
+INTERPRETER_SMS = 4  # under the interpreter: small, so the tests exercise the splits
+
+# write_cache: columns per program
+WRITE_BLOCK_C = 256
+WRITE_NUM_WARPS = 2
+
+# compress_pool: a program pools one window; slots per tile = POOL_TILE // channels (pow2)
+POOL_TILE = 4096
+POOL_NUM_WARPS = 4
+
+# indexer_topk: candidates scored per program
+INDEX_BLOCK_C = 64
+INDEX_NUM_WARPS = 4
+
+
+# =============================================================================================
+# sparse_attention
+# =============================================================================================
+
+def _attn_tiles(num_heads: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_N, num_warps): the [BLOCK_H, 512] float32 accumulator lives in registers
+    (64 heads need 8 warps, as in mla_decode); tl.dot needs M >= 16."""
+    if dtype == torch.float32:
+        return ATTN_FP32_BLOCK_H, ATTN_FP32_BLOCK_N, 4
+    if num_heads >= 64:
+        return 64, ATTN_BLOCK_N, 8
+    if num_heads >= 32:
+        return 32, ATTN_BLOCK_N, 4
+    return 16, ATTN_BLOCK_N, 4
+
+
+def _attn_splits(queries: int, head_blocks: int, block_h: int, keys: int, block_n: int,
+                 device: torch.device) -> tuple[int, int]:
+    """(splits, key columns per split, a positive multiple of block_n), from shapes only; every
+    split starts inside the row."""
+    waves = SPLIT_WAVES if block_h >= 64 else SPLIT_WAVES_SMALL_HEAD_BLOCKS
+    target = math.floor(waves * num_sms(device, INTERPRETER_SMS) / max(1, queries * head_blocks))
+    shortest = ONE_QUERY_MIN_SPLIT if queries <= 1 else FEW_QUERIES_MIN_SPLIT if queries <= FEW_QUERIES else MIN_SPLIT
+    splits = max(1, min(target, triton.cdiv(keys, shortest), MAX_SPLITS))
+    per = max(block_n, triton.cdiv(triton.cdiv(max(keys, 1), splits), block_n) * block_n)
+    return max(1, triton.cdiv(keys, per)), per
+
+
+@triton.jit(do_not_specialize=["num_keys", "split_len", "num_splits", "s_it"])
+def _sparse_attn_kernel(
+    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, part_ptr, lse_ptr,
+    scale_log2,
+    num_heads, num_keys, split_len, num_splits,
+    s_qt, s_qh, s_qd,
+    s_kn, s_kd,
+    s_it, s_ik,
+    s_ot, s_oh, s_od,
+    s_pt, s_ps, s_ph,
+    s_lt, s_ls,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+):
+    await_inputs(PDL)
+    pid = tl.program_id(0)
+    hb = pid % HEAD_BLOCKS
+    rest = pid // HEAD_BLOCKS
+    split = rest % num_splits
+    t = (rest // num_splits).to(tl.int64)
+
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < num_heads
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < D
+    kv_ty = kv_ptr.dtype.element_ty
+    q = tl.load(q_ptr + t * s_qt + heads[:, None] * s_qh + d[None, :] * s_qd,
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0).to(kv_ty)
+
+    start = split * split_len
+    end = tl.minimum(start + split_len, num_keys)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    idx_row = idx_ptr + t * s_it
+    for n0 in range(start, end, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_row + cols * s_ik, mask=cols < end, other=-1)
+        valid = idx >= 0
+        rows = kv_ptr + tl.maximum(idx, 0).to(tl.int64) * s_kn
+        kv = tl.load(rows[:, None] + d[None, :] * s_kd, mask=valid[:, None] & d_mask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: nothing is NaN
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(kv_ty), kv, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if SPLIT:
+        has = l_i > 0.0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]  # zeros for a split without a valid key
+        lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + t * s_lt + split * s_ls + heads, lse, mask=h_mask)
+        tl.store(part_ptr + t * s_pt + split * s_ps + heads[:, None] * s_ph + d[None, :], o,
+                 mask=h_mask[:, None] & d_mask[None, :])
+    else:
+        sink = tl.load(sink_ptr + heads, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_f = tl.maximum(m_i, sink)  # finite: the sink is
+        w = tl.math.exp2(m_i - m_f)
+        o = acc * w[:, None] / (l_i * w + tl.math.exp2(sink - m_f))[:, None]
+        tl.store(out_ptr + t * s_ot + heads[:, None] * s_oh + d[None, :] * s_od, o.to(out_ptr.dtype.element_ty),
+                 mask=h_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _sparse_attn_combine_kernel(
+    part_ptr, lse_ptr, sink_ptr, out_ptr,
+    num_heads, num_splits,
+    s_pt, s_ps, s_ph,
+    s_lt, s_ls,
+    s_ot, s_oh, s_od,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program (query, head): o = sum_s 2^lse_s o_s / (sum_s 2^lse_s + 2^sink), against the
+    largest of them. A split without a valid key has lse -inf (weight 0) and a zero partial."""
+    await_inputs(PDL)
+    pid = tl.program_id(0)
+    t = (pid // num_heads).to(tl.int64)
+    h = pid % num_heads
+    sink = tl.load(sink_ptr + h).to(tl.float32) * 1.4426950408889634
+    m = sink
+    for s0 in range(0, num_splits, BLOCK_S):
+        sp = s0 + tl.arange(0, BLOCK_S)
+        lse = tl.load(lse_ptr + t * s_lt + sp * s_ls + h, mask=sp < num_splits, other=float("-inf"))
+        m = tl.maximum(m, tl.max(lse, axis=0))
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < D
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    total = tl.math.exp2(sink - m)
+    for s0 in range(0, num_splits, BLOCK_S):
+        sp = s0 + tl.arange(0, BLOCK_S)
+        ok = sp < num_splits
+        w = tl.math.exp2(tl.load(lse_ptr + t * s_lt + sp * s_ls + h, mask=ok, other=float("-inf")) - m)
+        part = tl.load(part_ptr + t * s_pt + sp[:, None] * s_ps + h * s_ph + d[None, :],
+                       mask=ok[:, None] & d_mask[None, :], other=0.0)
+        total += tl.sum(w, axis=0)
+        acc += tl.sum(w[:, None] * part, axis=0)
+    tl.store(out_ptr + t * s_ot + h * s_oh + d * s_od, (acc / total).to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Shared-KV attention with per-head sinks over the named pool rows (contract:
+    deepinfer_core.ops.sparse.sparse_attention). Graph-capture safe."""
+    t_all, heads, d = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if t_all == 0 or heads == 0:
+        return out
+    keys = indices.shape[1]
+    block_h, block_n, num_warps = _attn_tiles(heads, kv.dtype)
+    head_blocks = triton.cdiv(heads, block_h)
+    num_splits, split_len = _attn_splits(t_all, head_blocks, block_h, keys, block_n, q.device)
+    split = num_splits > 1
+    if split:
+        partial = torch.empty((t_all, num_splits, heads, d), dtype=torch.float32, device=q.device)
+        lse = torch.empty((t_all, num_splits, heads), dtype=torch.float32, device=q.device)
+    else:
+        partial = lse = out  # unused without splits
+    block_d = max(16, triton.next_power_of_2(d))
+    precision = "ieee" if kv.dtype == torch.float32 else "tf32"
+    _sparse_attn_kernel[(t_all * num_splits * head_blocks,)](
+        q, kv, indices, sinks, out, partial, lse,
+        scale * LOG2E,
+        heads, keys, split_len, num_splits,
+        *q.stride(), *kv.stride(), *indices.stride(), *out.stride(),
+        *(partial.stride()[:3] if split else (0, 0, 0)),
+        *(lse.stride()[:2] if split else (0, 0)),
+        D=d, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_N=block_n, HEAD_BLOCKS=head_blocks,
+        SPLIT=split, DOT_PRECISION=precision,
+        num_warps=num_warps, num_stages=ATTN_NUM_STAGES, **launch_options(q.device),
+    )
+    if split:
+        _sparse_attn_combine_kernel[(t_all * heads,)](
+            partial, lse, sinks, out,
+            heads, num_splits,
+            *partial.stride()[:3], *lse.stride()[:2], *out.stride(),
+            D=d, BLOCK_D=block_d, BLOCK_S=min(COMBINE_BLOCK_S, triton.next_power_of_2(num_splits)),
+            num_warps=COMBINE_NUM_WARPS, **launch_options(q.device),
+        )
+    return out
+
+
+sparse_attention.impl = ("triton: gathered-key flash-decoding, (query, key split, head block) programs, "
+                         "log-sum-exp combine with the sink in the denominator")
+
+
+OPS = {"sparse_attention": sparse_attention}

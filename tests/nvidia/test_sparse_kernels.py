@@ -161,3 +161,46 @@ def test_compress_pool_finite_slots_only_in_a_later_tile(device, dtype):
     # one finite slot: the entry is that slot's row, normalised
     torch.testing.assert_close(out[0].float(), ref.rms_norm_f32(kv[0, -1], w, 1e-6).float(), atol=tol, rtol=tol)
     assert sparse.compress_pool(kv[:0], score[:0], w, 1e-6).shape == (0, c)
+
+
+# ---- indexer_topk ------------------------------------------------------------------------------
+
+def test_indexer_scores_match_the_reference(device, dtype):
+    """20 heads (a padded head block), 24-dim keys (padded), 150 candidates over 3 blocks."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 20, 24, generator=gen).to(device, dtype)
+    w = (torch.randn(3, 20, generator=gen) / 20**0.5).to(device)
+    keys = torch.randn(200, 24, generator=gen).to(device, dtype)
+    cands = _index_rows([150, 40, 0], 150, 200, gen).to(device)
+    got = sparse.indexer_scores(q, w, keys, cands, 24**-0.5)
+    want = ref._scores(q, w, keys, cands, 24**-0.5)
+    assert torch.equal(got == float("-inf"), cands < 0)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_indexer_zero_ties_go_to_the_earlier_columns(device, dtype):
+    """Every head weighed negatively and every key opposite the queries: all scores are exactly 0
+    (+0.0 or -0.0 before the kernel's +0.0), so the first top_k valid columns must be chosen."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.rand(2, 4, 16, generator=gen).add(0.1).to(device, dtype)
+    w = -torch.rand(2, 4, generator=gen).add(0.1).to(device)
+    keys = -torch.rand(30, 16, generator=gen).add(0.1).to(device, dtype)
+    cands = torch.randperm(30, generator=gen)[:20].repeat(2, 1).to(device)
+    cands[1, :5] = -1
+    got = sparse.indexer_topk(q, w, keys, cands, 6, 0.25)
+    assert torch.equal(got[0], cands[0, :6])
+    assert torch.equal(got[1], cands[1, 5:11])
+
+
+def test_indexer_short_rows_and_wide_k(device, dtype):
+    """top_k above C: rows of C; a query without valid candidates: all -1."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 2, 16, generator=gen).to(device, dtype)
+    w = torch.randn(2, 2, generator=gen).to(device)
+    keys = torch.randn(10, 16, generator=gen).to(device, dtype)
+    cands = torch.tensor([[3, -1, 7, 1], [-1, -1, -1, -1]], device=device)
+    got = sparse.indexer_topk(q, w, keys, cands, 9, 0.25)
+    assert got.shape == (2, 4)
+    assert sorted(got[0].tolist()) == [-1, 1, 3, 7]
+    assert got[1].tolist() == [-1] * 4
+    assert sparse.indexer_topk(q[:0], w[:0], keys, cands[:0], 9, 0.25).shape == (0, 4)

@@ -345,4 +345,74 @@ compress_pool.impl = ("triton: one program per window, per-channel softmax over 
                       "reference's roundings, rms_norm_f32 in the same program")
 
 
-OPS = {"sparse_attention": sparse_attention, "write_cache": write_cache, "compress_pool": compress_pool}
+# =============================================================================================
+# indexer_topk
+# =============================================================================================
+
+@triton.jit(do_not_specialize=["C", "s_ct", "s_st"])
+def _indexer_scores_kernel(q_ptr, w_ptr, key_ptr, cand_ptr, score_ptr, scale, HI, DI, C,
+                           s_qt, s_qh, s_qd, s_wt, s_wh, s_kn, s_kd, s_ct, s_cc, s_st,
+                           BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_C: tl.constexpr,
+                           DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """Program (query, candidate block): score_j = sum_h w_h relu(q_h . key_j) scale in float32,
+    -inf for -1 and past C, +0.0 for a zero (the sort below would rank -0.0 under +0.0). A
+    column's score is computed the same way wherever it sits, so equal keys score equal bits."""
+    await_inputs(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    h = tl.arange(0, BLOCK_HI)
+    dd = tl.arange(0, BLOCK_DI)
+    h_mask = h < HI
+    d_mask = dd < DI
+    key_ty = key_ptr.dtype.element_ty
+    q = tl.load(q_ptr + t * s_qt + h[:, None] * s_qh + dd[None, :] * s_qd,
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0).to(key_ty)
+    w = tl.load(w_ptr + t * s_wt + h * s_wh, mask=h_mask, other=0.0).to(tl.float32)
+    cand = tl.load(cand_ptr + t * s_ct + cols * s_cc, mask=cols < C, other=-1)
+    valid = cand >= 0
+    keys = tl.load(key_ptr + tl.maximum(cand, 0).to(tl.int64)[:, None] * s_kn + dd[None, :] * s_kd,
+                   mask=valid[:, None] & d_mask[None, :], other=0.0)
+    dots = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION)  # [BLOCK_HI, BLOCK_C]
+    score = tl.sum(tl.maximum(dots, 0.0) * scale * w[:, None], axis=0)
+    score = tl.where(valid, score + 0.0, float("-inf"))
+    tl.store(score_ptr + t * s_st + cols, score, mask=cols < C)
+
+
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """[T, C] float32 scores of the candidates (-inf where -1), as indexer_topk ranks them."""
+    t, c = candidates.shape
+    hi, di = q.shape[1], q.shape[2]
+    scores = torch.empty((t, c), dtype=torch.float32, device=candidates.device)
+    if t == 0 or c == 0:
+        return scores
+    _indexer_scores_kernel[(t, triton.cdiv(c, INDEX_BLOCK_C))](
+        q, weights, keys, candidates, scores, scale, hi, di, c,
+        *q.stride(), *weights.stride(), *keys.stride(), *candidates.stride(), scores.stride(0),
+        BLOCK_HI=max(16, triton.next_power_of_2(hi)), BLOCK_DI=max(16, triton.next_power_of_2(di)),
+        BLOCK_C=INDEX_BLOCK_C, DOT_PRECISION="ieee" if keys.dtype == torch.float32 else "tf32",
+        num_warps=INDEX_NUM_WARPS, **launch_options(candidates.device),
+    )
+    return scores
+
+
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor, top_k: int,
+                 scale: float) -> torch.Tensor:
+    """The lightning indexer (contract: deepinfer_core.ops.sparse.indexer_topk): the scores in
+    Triton, the choice by torch's stable descending sort (of equal scores the earlier column
+    first, the contract's tie rule), -1 where a query runs out of valid candidates."""
+    t, c = candidates.shape
+    k = min(top_k, c)
+    if k == 0 or t == 0:
+        return candidates.new_full((t, k), -1)
+    scores = indexer_scores(q, weights, keys, candidates, scale)
+    best, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    chosen = candidates.gather(1, order[:, :k])
+    return torch.where(best[:, :k] > float("-inf"), chosen, torch.full_like(chosen, -1))
+
+
+indexer_topk.impl = "triton scores (one program per query and candidate block) + torch stable sort for the top-k"
+
+
+OPS = {"sparse_attention": sparse_attention, "write_cache": write_cache, "compress_pool": compress_pool,
+       "indexer_topk": indexer_topk}

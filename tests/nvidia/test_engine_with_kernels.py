@@ -130,18 +130,24 @@ def test_shared_experts_in_the_grouped_pass_drive_the_engine(tmp_path, use_kerne
     assert_same_greedy(expected, got)
 
 
-@pytest.mark.parametrize("name", ["v4_flash_like", "v4_swa_nohash"])
+@pytest.mark.parametrize("name", ["v4_flash_like", "v4_swa_nohash", "v41-tiny"])
 def test_v4_kernels_drive_the_engine(tmp_path, use_kernels, name):
-    """DeepSeek-V4 on the plugin's table (its V4 kernels, the reference for the ops it leaves to it)
-    gives the CPU reference's greedy tokens, through chunked prefill beside decodes."""
+    """DeepSeek-V4 and V4.1 on the plugin's table (its V4 kernels, the reference for the ops it
+    leaves to it) give the CPU reference's greedy tokens, through chunked prefill beside decodes."""
     from deepinfer_nvidia_sm100 import backend as nvidia
     from tests.hf_checkpoints_v4 import write_checkpoint_v4
+    from tests.v41_checkpoints import write_checkpoint_v41
 
     path = tmp_path / name
-    write_checkpoint_v4(name, path)
+    if name.startswith("v41"):
+        write_checkpoint_v41(name, path)
+    else:
+        write_checkpoint_v4(name, path)
     prompts = [[(7 * i + 3) % 150 + 2 for i in range(n)] for n in (40, 9)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
-    expected = LLM(model=str(path), accelerator="cpu", dtype="float32", progress=False).generate(prompts, params, use_tqdm=False)
+    # the same 16-token budget on both sides: V4.1's bounded replay approximates by chunk
+    expected = LLM(model=str(path), accelerator="cpu", dtype="float32", max_num_batched_tokens=16,
+                   progress=False).generate(prompts, params, use_tqdm=False)
     use_kernels()
     llm = LLM(model=str(path), accelerator="cpu", dtype="float32", max_num_batched_tokens=16, progress=False)
     ours = {op for op, p in llm.engine.ops.providers.items() if p == "nvidia"}

@@ -38,14 +38,10 @@ DRIVER_FILES: tuple[str, ...] = ("/dev/nvidiactl", "/proc/driver/nvidia/version"
 log = logging.getLogger("deepinfer")
 SUPPORTED = "sm_90 and sm_100"
 # Kernel modules under deepinfer_nvidia_sm100.kernels, each exporting OPS = {op name: callable}.
-KERNEL_MODULES = ("elementwise", "fp8_linear", "cache", "mla_decode", "mla_prefill", "moe", "sampling", "bitmask")
+KERNEL_MODULES = ("elementwise", "fp8_linear", "cache", "mla_decode", "mla_prefill", "moe", "sampling", "bitmask", "hyper", "sparse")
 # The ops this plugin has no kernel for yet: the engine runs their reference implementations on the
 # GPU (``deepinfer backends`` shows them as "reference"). Every other op of deepinfer_core.ops is a kernel here.
-LEFT_TO_REFERENCE = frozenset({
-    "mhc_pre", "mhc_post", "mhc_head", "write_cache", "compress_pool",
-    "indexer_topk", "sparse_attention", "mhc_pre_delayed", "mhc_collapse", "indexer_block_candidates", "engram_hash_ids",
-    "engram_gate",
-})
+LEFT_TO_REFERENCE = frozenset({"indexer_block_candidates", "engram_hash_ids", "engram_gate"})
 # Decode batch sizes captured as CUDA graphs (capped by the engine's max_num_seqs).
 # The step budget (prefill chunk) by measurement: H200, V2-Lite shape (27 layers, bf16), 128 prompts
 # of 1024 tokens through LLM.generate prefill at 27.6k tokens/s with 2048, 81.2k with 8192 and

@@ -545,6 +545,32 @@ def test_clamped_experts_match_hf_eager_experts(limit, std, block):
     assert moe.moe_experts_clamped(x[:0], w13, w2, w[:0], ids[:0], limit).shape == (0, 48)
 
 
+@pytest.mark.parametrize("op", ["moe_experts", "moe_experts_clamped"])
+def test_mxfp4_experts_are_the_dequantised_experts(op):
+    """uint8 w13 / w2 (packed E2M1, low nibble first) with UE8M0 scales: exactly the experts
+    dequantised by ops.linear.dequantize_mxfp4, in any compute dtype; bad shapes are refused."""
+    from deepinfer_core.conformance.checkpoints import quantize_mxfp4
+
+    e, hidden, inter = 4, 64, 48  # I = 48: a partial scale group
+    q13, s13 = quantize_mxfp4(randn(e, 2 * inter, hidden, scale=hidden**-0.5))  # w13 from float weights
+    q2 = torch.randint(0, 256, (e, hidden, inter // 2), dtype=torch.uint8, generator=GEN)  # w2 random codes
+    s2 = torch.randint(118, 123, (e, hidden, 2), dtype=torch.uint8, generator=GEN)
+    q13, s13 = q13.view(torch.uint8), s13.view(torch.uint8)
+    extra = (1.0,) if op == "moe_experts_clamped" else ()
+    x = randn(6, hidden)
+    ids = torch.stack([torch.randperm(3, generator=GEN)[:2] for _ in range(6)])  # expert 3 never chosen
+    w = randn(6, 2).abs()
+    fn = getattr(moe, op)
+    for dtype in (torch.float32, torch.bfloat16):
+        ours = fn(x.to(dtype), q13, q2, w, ids, *extra, s13, s2)
+        deq = [linear.dequantize_mxfp4(q, s, dtype) for q, s in ((q13, s13), (q2, s2))]
+        assert torch.equal(ours, fn(x.to(dtype), *deq, w, ids, *extra))
+    with pytest.raises(ValueError, match="MXFP4 experts"):
+        fn(x, q13, q2, w, ids, *extra, s13[..., :1], s2)
+    with pytest.raises(ValueError, match="MXFP4 experts"):
+        fn(x[:, :32], q13, q2, w, ids, *extra, s13, s2)
+
+
 def _hf_hyper(cls: str, hidden: int, hc: int = 4, iters: int = 20):
     module = _v4(cls)(_v4_config(hidden_size=hidden, hc_mult=hc, hc_sinkhorn_iters=iters))
     fn_name, base_name, scale_name = ("fn", "base", "scale") if cls == "DeepseekV4HyperConnection" else ("hc_fn", "hc_base", "hc_scale")

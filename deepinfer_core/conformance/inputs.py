@@ -94,6 +94,14 @@ class _Draw:
     def randn(self, *shape, dtype=torch.float32, scale: float = 1.0) -> torch.Tensor:
         return (self.normal(*shape) * scale).to(device=self.device, dtype=dtype)
 
+    def bytes(self, *shape, low: int = 0, high: int = 256) -> torch.Tensor:
+        """uint8 in [low, high) on the CPU, counted against ``max_elements`` as ``normal``'s values."""
+        if self.left is not None:
+            self.left -= math.prod(shape)
+            if self.left < 0:
+                raise CaseTooLarge("too many values drawn")
+        return torch.randint(low, high, shape, generator=self.gen, dtype=torch.uint8)
+
     def perm(self, n: int) -> torch.Tensor:
         return torch.randperm(n, generator=self.gen)
 
@@ -191,9 +199,12 @@ def _moe_route(d: dict, dtype, r: _Draw):
 def _moe_experts(d: dict, dtype, r: _Draw):
     t, hidden, inter, e, k = (d[n] for n in ("tokens", "hidden", "intermediate", "experts", "top_k"))
     x = r.randn(t, hidden, dtype=dtype)
-    w13 = r.normal(e, 2 * inter, hidden) / math.sqrt(hidden)
-    w2 = r.normal(e, hidden, inter) / math.sqrt(inter)
-    w13, w2, s13, s2 = _expert_weights(d, w13, w2, dtype, r)
+    if d.get("mxfp4"):
+        (w13, s13), (w2, s2) = _mxfp4(r, (e, 2 * inter, hidden), hidden**-0.5), _mxfp4(r, (e, hidden, inter), inter**-0.5)
+    else:
+        w13 = r.normal(e, 2 * inter, hidden) / math.sqrt(hidden)
+        w2 = r.normal(e, hidden, inter) / math.sqrt(inter)
+        w13, w2, s13, s2 = _expert_weights(d, w13, w2, dtype, r)
     weights, ids = _expert_routes(t, e, k, r)
     return (x, w13, w2, weights, ids, s13, s2, tuple(d["fp8_block"]) or None), {}
 
@@ -207,6 +218,23 @@ def _expert_weights(d: dict, w13: torch.Tensor, w2: torch.Tensor, dtype, r: _Dra
     else:
         w13, w2, s13, s2 = w13.to(dtype), w2.to(dtype), None, None
     return w13.to(r.device), w2.to(r.device), s13, s2
+
+
+# E2M1 codes drawn uniformly: their values' root mean square (sqrt of the mean of 0, 0.25, 1,
+# 2.25, 4, 9, 16, 36) is 2.93, so a block's scale 2^e puts its weights' rms at 2.93 * 2^e.
+E2M1_UNIFORM_RMS = 2.93
+
+
+def _mxfp4(r: _Draw, shape: tuple[int, ...], std: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 expert weights of logical ``shape`` [..., N, K] on the device, as DeepSeek-V4 stores
+    them (ops.moe.moe_experts' packed convention): random codes two a byte (uint8 [..., N, K/2]),
+    and UE8M0 scales (uint8 [..., N, ceil(K/32)]) spread over +-1 binade around the scale
+    that gives the weights a root mean square of ``std`` (a weight ~ N(0, std^2)'s scale)."""
+    *lead, n, k = shape
+    centre = 127 + round(math.log2(std / E2M1_UNIFORM_RMS))
+    codes = r.bytes(*lead, n, k // 2)
+    scales = r.bytes(*lead, n, -(-k // 32), low=centre - 1, high=centre + 2)
+    return codes.to(r.device), scales.to(r.device)
 
 
 def _expert_routes(t: int, e: int, k: int, r: _Draw) -> tuple[torch.Tensor, torch.Tensor]:
@@ -390,9 +418,13 @@ def _moe_experts_clamped(d: dict, dtype, r: _Draw):
     x = r.randn(t, hidden, dtype=dtype)
     # gate and up ~ N(0, gate_up_std^2): beyond the limit where gate_up_std is large; the down
     # projection scaled by 1 / gate_up_std^2 keeps the outputs O(1)
-    w13 = r.normal(e, 2 * inter, hidden) * (std / math.sqrt(hidden))
-    w2 = r.normal(e, hidden, inter) / (math.sqrt(inter) * max(1.0, std) ** 2)
-    w13, w2, s13, s2 = _expert_weights(d, w13, w2, dtype, r)
+    if d.get("mxfp4"):
+        w13, s13 = _mxfp4(r, (e, 2 * inter, hidden), std / math.sqrt(hidden))
+        w2, s2 = _mxfp4(r, (e, hidden, inter), 1 / (math.sqrt(inter) * max(1.0, std) ** 2))
+    else:
+        w13 = r.normal(e, 2 * inter, hidden) * (std / math.sqrt(hidden))
+        w2 = r.normal(e, hidden, inter) / (math.sqrt(inter) * max(1.0, std) ** 2)
+        w13, w2, s13, s2 = _expert_weights(d, w13, w2, dtype, r)
     weights, ids = _expert_routes(t, e, k, r)
     return (x, w13, w2, weights, ids, float(d["limit"]), s13, s2, tuple(d["fp8_block"]) or None), {}
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer_core.ops.activation import silu_and_mul, silu_and_mul_clamped
-from deepinfer_core.ops.linear import dequantize_fp8_block
+from deepinfer_core.ops.linear import MXFP4_GROUP, dequantize_fp8_block, dequantize_mxfp4
 
 SCORING_FUNCS = ("sigmoid", "softmax")
 TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
@@ -129,8 +129,20 @@ def moe_experts(
     x: [T, D]; w13: [E, 2I, D] (gate rows first, then up); w2: [E, D, I]; topk_weights: [T, k]
     float32; topk_ids: [T, k] int64. With block-FP8 experts, w13/w2 are float8_e4m3fn and
     w13_scale [E, ceil(2I/bn), ceil(D/bk)], w2_scale [E, ceil(D/bn), ceil(I/bk)], block=(bn, bk).
-    The reference follows transformers' eager path: experts in ascending id, the weighted
-    expert output accumulated into a buffer of x's dtype.
+
+    MXFP4 experts (DeepSeek-V4's ``expert_dtype: fp4``) are said by the weights' dtype: w13 and
+    w2 **uint8** (``is_mxfp4``), block None. They are packed two E2M1 codes a byte along the
+    input dimension, byte j holding input 2j in its low nibble and 2j+1 in its high one: w13
+    [E, 2I, D/2], w2 [E, D, I/2]; w13_scale [E, 2I, ceil(D/32)] and w2_scale [E, D, ceil(I/32)]
+    are uint8 UE8M0 bytes s, each scaling its row's 32 inputs by 2^(s - 127) (byte 255 is NaN).
+    W[n, j] = E2M1(code[n, j]) * 2^(s[n, j // 32] - 127), as ``ops.linear.dequantize_mxfp4``
+    computes it; every such value is exact in bfloat16 and float16 (within their range), so a
+    W4A16 backend that dequantises in registers differs from the reference only in summation
+    order. Activations are never quantised.
+
+    The reference follows transformers' eager path: experts in ascending id (each used expert's
+    weights dequantised to x's dtype first), the weighted expert output accumulated into a
+    buffer of x's dtype.
 
     A backend's callable may carry ``shared_expert_max_tokens`` ({expert weight dtype: int}, a
     hint, not part of the results' contract): up to that many tokens, the V2/V3 model appends
@@ -156,7 +168,8 @@ def moe_experts_clamped(
     block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """``moe_experts`` with DeepSeek-V4's clamped SwiGLU: each expert computes
-    down(silu(min(gate, limit)) * clamp(up, -limit, limit)). Same arguments and layout otherwise."""
+    down(silu(min(gate, limit)) * clamp(up, -limit, limit)). Same arguments and layout otherwise,
+    MXFP4 experts (uint8 w13 / w2 with their UE8M0 scales, block None) included."""
     return routed_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block,
                           lambda h: silu_and_mul_clamped(h, limit), F.linear)
 
@@ -164,19 +177,52 @@ def moe_experts_clamped(
 def routed_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, act, matmul) -> torch.Tensor:
     """The expert loop of ``moe_experts`` (activation ``act``; the products by ``matmul``, F.linear's
     signature: the batch-invariant reference passes its own)."""
+    mxfp4 = is_mxfp4(w13, w2)
+    if mxfp4:
+        check_mxfp4_experts(x, w13, w2, w13_scale, w2_scale, block)
     out = torch.zeros_like(x)
     if x.shape[0] == 0:
         return out
     for expert in torch.unique(topk_ids).tolist():
         token_idx, slot = torch.where(topk_ids == expert)
         gate_up, down = w13[expert], w2[expert]
-        if w13_scale is not None:
+        if mxfp4:
+            gate_up = dequantize_mxfp4(gate_up, w13_scale[expert], x.dtype)
+            down = dequantize_mxfp4(down, w2_scale[expert], x.dtype)
+        elif w13_scale is not None:
             gate_up = dequantize_fp8_block(gate_up, w13_scale[expert], block, x.dtype)
             down = dequantize_fp8_block(down, w2_scale[expert], block, x.dtype)
         h = act(matmul(x[token_idx], gate_up))
         y = matmul(h, down) * topk_weights[token_idx, slot, None]
         out.index_add_(0, token_idx, y.to(x.dtype))
     return out
+
+
+def is_mxfp4(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether expert weights are packed MXFP4 (``moe_experts``' convention: uint8 weights)."""
+    return w13.dtype == torch.uint8 and w2.dtype == torch.uint8
+
+
+def check_mxfp4_experts(x, w13, w2, w13_scale, w2_scale, block) -> None:
+    """ValueError unless packed MXFP4 experts and their scales have ``moe_experts``' shapes for
+    x's hidden size (shapes only: no device value is read)."""
+    hidden = x.shape[-1]
+    e, rows, half_d = w13.shape
+    inter = rows // 2
+    want = {
+        "w13": ((e, 2 * inter, hidden // 2), w13),
+        "w2": ((e, hidden, inter // 2), w2),
+        "w13_scale": ((e, 2 * inter, -(-hidden // MXFP4_GROUP)), w13_scale),
+        "w2_scale": ((e, hidden, -(-inter // MXFP4_GROUP)), w2_scale),
+    }
+    bad = [f"{name} {None if t is None else tuple(t.shape)} (needs {shape})" for name, (shape, t) in want.items()
+           if t is None or tuple(t.shape) != shape or t.dtype != torch.uint8]
+    if block is not None or hidden % 2 or inter % 2 or bad:
+        raise ValueError(
+            f"MXFP4 experts (uint8 weights) for hidden size {hidden}: need even hidden and intermediate sizes, "
+            f"uint8 weights and UE8M0 scales of these shapes and block=None; got block={block}"
+            + (f", {', '.join(bad)}" if bad else "")
+        )
 
 
 def moe_route_sqrtsoftplus(

@@ -69,6 +69,7 @@ PLATFORM_RULES = {
     "supported_dtypes": (lambda v: isinstance(v, (tuple, list)) and v and all(isinstance(d, torch.dtype) for d in v),
                          "a non-empty tuple of torch dtypes"),
     "fp8_weights": (lambda v: isinstance(v, bool), "a bool"),
+    "fp4_experts": (lambda v: isinstance(v, bool), "a bool"),
     "graph_capture": (lambda v: isinstance(v, bool), "a bool"),
     "batch_invariant": (lambda v: isinstance(v, bool), "a bool"),
     "graphs": (lambda v: v is None or callable(v), "None or a callable returning a GraphBackend"),

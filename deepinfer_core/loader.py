@@ -28,8 +28,9 @@ checks, errors) is shared, here:
   V4 ships them): dequantised to the parameter's dtype (W8A16) unless the model keeps FP8 weights
   (``keep_fp8=True``), then copied as is (e8m0 scales converted bit-exactly to float32).
 * MXFP4 (V4 routed experts, ``expert_dtype: fp4``): int8 / uint8 / ``float4_e2m1fn_x2`` weights
-  [out, in/2] with e8m0 scales [out, in/32], always dequantised into the parameter
-  (``dequantize_mxfp4``).
+  [out, in/2] with e8m0 scales [out, in/32], dequantised into the parameter
+  (``dequantize_mxfp4``) unless the model keeps them packed (uint8 parameters: ``keep_fp4``,
+  ``layers.Experts``), then copied byte for byte, codes and UE8M0 scales alike.
 * tensors are read one at a time through ``safe_open`` (memory-mapped) and copied into their
   parameter straight away; dtype conversion happens in that copy.
 * every loaded tensor (and every FP8 scale) is checked for NaN / inf after the copy, so a
@@ -200,11 +201,13 @@ def load_model(model_dir: str | Path, config, model: torch.nn.Module, *, progres
                 raise CheckpointError(f"{index} maps {key} to {name} but that shard does not hold it: fix the index or the shard")
 
     fmt = checkpoint_format(model)
+    scale_keys: set[str] = set()  # the scales of the quantised weights
     for key, path in key_file.items():
         dtype = handles[path].get_slice(key).get_dtype()
         if dtype not in FP8_HEADER_DTYPES and dtype not in FP4_HEADER_DTYPES:
             continue
         scales = fmt.scale_keys(key)
+        scale_keys.update(s for s in scales if s in key_file)
         if scales and not any(scale in key_file for scale in scales):
             what, fix = (
                 ("FP8 weight", "the checkpoint is incomplete or not DeepSeek block-FP8")
@@ -240,6 +243,9 @@ def load_model(model_dir: str | Path, config, model: torch.nn.Module, *, progres
         want = tuple(slot.view(param).shape)
         if slot.source is not None:  # the whole fused tensor is in the checkpoint: every expert
             want = (config.n_routed_experts, *want[1:])
+        if param.dtype == torch.uint8:  # packed MXFP4 kept as stored (keep_fp4): codes or their scales
+            _check_packed(key, shape, dtype, want, config, key in scale_keys, key_file)
+            continue
         if dtype in FP4_HEADER_DTYPES and param.is_floating_point() and param.dtype != torch.float8_e4m3fn:
             _check_mxfp4(key, shape, dtype, want, config, companions, handles, key_file)
             continue
@@ -280,7 +286,11 @@ def load_model(model_dir: str | Path, config, model: torch.nn.Module, *, progres
                 # converts the dtype); FP8 / MXFP4 weights that the model does not keep are first
                 # moved to the model's device and dequantised there, not on the host.
                 src = _read(handles, key_file, key, slot.source)
-                if src.dtype == torch.float8_e4m3fn and dst.dtype != torch.float8_e4m3fn:
+                if dst.dtype == torch.uint8:  # packed MXFP4 codes / UE8M0 scale bytes, kept as stored
+                    if src.dtype == torch.float8_e8m0fnu:
+                        finite.append((key, all_finite(src)))  # byte 255 (NaN)
+                    src = src.view(torch.uint8)
+                elif src.dtype == torch.float8_e4m3fn and dst.dtype != torch.float8_e4m3fn:
                     scale = _read(handles, key_file, companions[key], slot.source).to(dst.device)
                     finite.append((companions[key], all_finite(scale)))
                     src = dequantize_fp8_block(src.to(dst.device), e8m0_to_float(scale), config.fp8_block, dst.dtype)
@@ -306,15 +316,45 @@ def _companion(key: str, fmt, companions: dict[str, str], key_file: dict[str, Pa
     return companions[key]
 
 
-def _check_mxfp4(key, shape, dtype, want, config, companions, handles, key_file) -> None:
-    """Header checks of a packed FP4 weight going into a parameter of shape ``want``."""
+def _check_packed(key, shape, dtype, want, config, is_scale: bool, key_file) -> None:
+    """Header checks of a tensor going into a packed MXFP4 parameter (uint8 ``want``): a packed
+    FP4 weight of the same bytes, or (``is_scale``) its e8m0 / uint8 scales of the same shape."""
     path = key_file[key]
+    if is_scale:
+        if dtype not in ("F8_E8M0", "U8") or shape != want:
+            raise CheckpointError(
+                f"{path}: {key} is {dtype} {list(shape)}, but the model keeps MXFP4 experts packed and needs their "
+                f"scales as e8m0 (or its uint8 bytes) {list(want)}: load with the platform's fp4_experts off "
+                "(dequantised experts) or use DeepSeek's MXFP4 checkpoint"
+            )
+        return
+    if dtype not in FP4_HEADER_DTYPES:
+        raise CheckpointError(
+            f"{path}: {key} is {dtype}, but the model keeps MXFP4 experts packed (keep_fp4=True): load it with "
+            "keep_fp4=False (the platform's fp4_experts off) or use a checkpoint with MXFP4 experts"
+        )
+    _check_expert_dtype(key, dtype, config, path)
+    stored = (*want[:-1], want[-1] * 2) if dtype == "F4" else want  # F4 headers count values, not bytes
+    if shape != stored:
+        raise CheckpointError(
+            f"{path}: {key} has shape {list(shape)} but config.json implies {list(stored)} (packed FP4, two values "
+            "a byte): the checkpoint and its config.json disagree"
+        )
+
+
+def _check_expert_dtype(key, dtype, config, path) -> None:
     expert_dtype = getattr(config, "expert_dtype", None)
     if expert_dtype != "fp4":
         raise CheckpointError(
             f"{path}: {key} is packed FP4 ({dtype}) but config.json's expert_dtype is {expert_dtype!r}, not 'fp4': "
             "set expert_dtype to 'fp4' in config.json (as DeepSeek-V4 ships it) or use a matching checkpoint"
         )
+
+
+def _check_mxfp4(key, shape, dtype, want, config, companions, handles, key_file) -> None:
+    """Header checks of a packed FP4 weight going into a parameter of shape ``want``."""
+    path = key_file[key]
+    _check_expert_dtype(key, dtype, config, path)
     packed = want if dtype == "F4" else (*want[:-1], want[-1] // 2)
     if shape != packed or want[-1] % 2:
         raise CheckpointError(

@@ -58,6 +58,10 @@ class Platform:
     supported_dtypes: compute dtypes the backend's ops accept.
     fp8_weights: keep block-FP8 weights quantised (the op table has fast FP8 ops); when False the
         loader dequantises FP8 checkpoints to the compute dtype (W8A16).
+    fp4_experts: keep MXFP4 routed experts packed (DeepSeek-V4's ``expert_dtype: fp4``: uint8
+        codes two a byte and UE8M0 scales, 0.53 bytes a weight; the op table's
+        ``moe_experts_clamped`` / ``moe_experts`` take them as their MXFP4 convention says);
+        when False the loader dequantises them to the compute dtype (4x their bytes in bf16).
     graph_capture: decode steps can be captured as graphs (every decode-path op is free of host
         synchronisation); ``graphs`` must then be set.
     graphs: a factory of the platform's GraphBackend (None: no graphs).
@@ -72,6 +76,7 @@ class Platform:
     backend: str = "reference"
     supported_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
     fp8_weights: bool = False
+    fp4_experts: bool = False
     graph_capture: bool = False
     batch_invariant: bool = False
     graphs: Callable[[], GraphBackend] | None = None

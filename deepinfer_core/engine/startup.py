@@ -74,7 +74,10 @@ def start(self, model_dir: Path, engine_config: EngineConfig, backend_name: str 
 
         c = self.model_config
         slots = initial_slots(c.n_routed_experts, *expert_parallel, num_groups=getattr(c, "n_group", None) or 1)
-    self.model = model_cls(self.model_config, self.ops, self.dtype, self.device, keep_fp8=keep_fp8, expert_slots=slots)
+    # MXFP4 routed experts stay packed where the platform's expert ops take them (V4-family checkpoints
+    # with expert_dtype fp4 only: no other model is asked)
+    fp4 = {"keep_fp4": True} if self.platform.fp4_experts and getattr(self.model_config, "expert_dtype", None) == "fp4" else {}
+    self.model = model_cls(self.model_config, self.ops, self.dtype, self.device, keep_fp8=keep_fp8, expert_slots=slots, **fp4)
     if engine_config.load_format == "dummy":
         init_dummy_weights(self.model, seed=engine_config.seed, progress=progress)
     else:

@@ -37,7 +37,9 @@ class CausalLM(Protocol):
       last layer (``forward_streams`` / ``head_hidden``) rather than the final hidden state.
     * ``draft_method``: what the checkpoint's draft layers are, ``"mtp"`` or ``"dspark"``.
 
-    Built as ``cls(config, ops, dtype, device, keep_fp8=..., expert_slots=...)`` (parameters
+    Built as ``cls(config, ops, dtype, device, keep_fp8=..., expert_slots=...)``, plus
+    ``keep_fp4=True`` for a checkpoint with MXFP4 experts (config ``expert_dtype`` "fp4") on a
+    platform with ``fp4_experts`` (its routed experts then stay packed) (parameters
     empty until ``loader.load_model`` or ``dummy_weights.init_dummy_weights`` fills them and
     calls ``post_load``). An instance has ``config``, ``expert_slots`` (None, or the logical
     expert of each routed-expert slot it holds), ``default_block_size`` (the engine's block size

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from deepinfer_core.ops import OpTable
-from deepinfer_core.ops.linear import dequantize_fp8_block
+from deepinfer_core.ops.linear import MXFP4_GROUP, dequantize_fp8_block
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -29,17 +29,18 @@ class Alloc:
     """Where and in which dtypes a model's parameters are created."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device, fp8_block: tuple[int, int] | None,
-                 expert_slots: tuple[int, ...] | None = None):
+                 expert_slots: tuple[int, ...] | None = None, fp4_experts: bool = False):
         self.dtype = dtype
         self.device = device
         self.fp8_block = fp8_block  # set only when block-FP8 weights are kept quantised
         # Expert parallelism: the logical expert of each routed-expert slot this process holds
         # (the same in every MoE layer at load); None: every expert, slot e = expert e.
         self.expert_slots = expert_slots
+        self.fp4_experts = fp4_experts  # routed experts kept packed MXFP4 (uint8), as V4 checkpoints store them
 
     def every_expert(self) -> Alloc:
         """The same allocation with every routed expert (no expert-parallel slots)."""
-        return Alloc(self.dtype, self.device, self.fp8_block)
+        return Alloc(self.dtype, self.device, self.fp8_block, fp4_experts=self.fp4_experts)
 
 
 class Linear(nn.Module):
@@ -134,6 +135,10 @@ class MLP(nn.Module):
 class Experts(nn.Module):
     """Routed experts, fused: gate_up_proj [E, 2I, D] (gate rows, then up rows), down_proj [E, D, I];
     under expert parallelism E is the number of this process's slots (``alloc.expert_slots``).
+    With ``alloc.fp4_experts`` they stay packed MXFP4 as the checkpoint holds them (``fp4``; the
+    convention of ops.moe.moe_experts): gate_up_proj uint8 [E, 2I, D/2], down_proj uint8
+    [E, D, I/2], and their UE8M0 scale bytes in ``*_scale_inv`` (uint8 [E, 2I, ceil(D/32)],
+    [E, D, ceil(I/32)]: the name the checkpoint formats map scales to; they multiply).
     ``room``: rows for that many more experts are allocated past the E (each parameter is a view of
     the first E rows of its ``whole`` tensor), where ``MoE.fuse_shared`` appends the shared experts
     without copying the routed ones."""
@@ -145,6 +150,7 @@ class Experts(nn.Module):
             raise ValueError(f"expert_slots {alloc.expert_slots} name experts outside 0..{config.n_routed_experts - 1}")
         d, i = config.hidden_size, config.moe_intermediate_size
         self.block = alloc.fp8_block
+        self.fp4 = alloc.fp4_experts
         self.slots = alloc.expert_slots  # None: every routed expert, slot e = expert e
         self.num_experts = config.n_routed_experts  # the model's logical experts (this process may hold fewer)
         self.whole: dict[str, torch.Tensor] = {}  # name -> [E + room, ...] (only with room)
@@ -155,7 +161,14 @@ class Experts(nn.Module):
                 self.whole[name] = whole
             return nn.Parameter(whole[: shape[0]], requires_grad=False)
 
-        if self.block is None:
+        if self.fp4:
+            if d % 2 or i % 2 or self.block is not None:
+                raise ValueError(f"packed MXFP4 experts need even hidden ({d}) and intermediate ({i}) sizes and no FP8 block")
+            self.gate_up_proj = slot_param("gate_up_proj", (e, 2 * i, d // 2), torch.uint8)
+            self.down_proj = slot_param("down_proj", (e, d, i // 2), torch.uint8)
+            self.gate_up_proj_scale_inv = slot_param("gate_up_proj_scale_inv", (e, 2 * i, -(-d // MXFP4_GROUP)), torch.uint8)
+            self.down_proj_scale_inv = slot_param("down_proj_scale_inv", (e, d, -(-i // MXFP4_GROUP)), torch.uint8)
+        elif self.block is None:
             self.gate_up_proj = slot_param("gate_up_proj", (e, 2 * i, d), alloc.dtype)
             self.down_proj = slot_param("down_proj", (e, d, i), alloc.dtype)
             self.gate_up_proj_scale_inv = self.down_proj_scale_inv = None

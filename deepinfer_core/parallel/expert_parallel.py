@@ -46,7 +46,8 @@ FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 @dataclass
 class ExpertShard:
     """One rank's slots of one MoE layer: ``w13`` [S, 2I, D] and ``w2`` [S, D, I] for its S =
-    slots_per_gpu physical slots (FP8 scales alongside when blocked), and the layer's placement
+    slots_per_gpu physical slots (FP8 scales alongside when blocked; packed MXFP4 experts: uint8
+    [S, 2I, D/2], [S, D, I/2] and their UE8M0 scales, block None), and the layer's placement
     (``layer`` picks the row of a multi-layer Placement)."""
 
     w13: torch.Tensor
@@ -186,8 +187,8 @@ class ExpertParallel:
         """The MoE exchanges of one forward pass with no tokens: what a rank without work runs
         while the others step (from layer ``first``: the rest of a pass that stopped there)."""
         for moe in self.layers[first:]:
-            w13 = moe.ep.shard.w13
-            moe.ep.exchange(w13.new_empty((0, w13.shape[2]), dtype=self.dtype), w13.new_empty((0, 1), dtype=torch.float32),
+            w13, hidden = moe.ep.shard.w13, moe.ep.shard.w2.shape[1]  # w2 [S, D, I] (or I/2 packed MXFP4)
+            moe.ep.exchange(w13.new_empty((0, hidden), dtype=self.dtype), w13.new_empty((0, 1), dtype=torch.float32),
                             torch.zeros((0, 1), dtype=torch.int64, device=w13.device))
 
     def finish_pass(self, exchanged: int) -> None:

@@ -340,19 +340,21 @@ class MoE(nn.Module):
         else:
             self.gate.e_score_correction_bias = param((config.n_routed_experts,), torch.float32, alloc.device)
         self.hashed = hashed
-        # MXFP4/FP8 experts dequantised at load
-        self.experts = Experts(config, Alloc(alloc.dtype, alloc.device, None, alloc.expert_slots))
+        # routed experts: kept packed MXFP4 where the model keeps FP4 experts, else dequantised at load
+        # (FP8 experts always are)
+        self.experts = Experts(config, Alloc(alloc.dtype, alloc.device, None, alloc.expert_slots, alloc.fp4_experts))
         inter = config.moe_intermediate_size * config.n_shared_experts
         self.shared_experts = ClampedMLP(config.hidden_size, inter, ops, alloc, config.swiglu_limit) if inter else None
         self.ep = None  # set by parallel.expert_parallel.ExpertParallel: the routed experts run across ranks
 
     def experts_op(self, x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, block=None) -> torch.Tensor:
         """The routed experts (V4's clamped SwiGLU where the config has a limit) over the given
-        expert weights (all of them, or one rank's slots); V4 keeps them dequantised, no scales."""
+        expert weights (all of them, or one rank's slots): dequantised (no scales), or packed
+        MXFP4 (uint8 weights, their UE8M0 scales, block None: moe_experts' MXFP4 convention)."""
         limit = self.config.swiglu_limit
         if limit is None:
-            return self.ops.moe_experts(x, w13, w2, topk_weights, topk_ids)
-        return self.ops.moe_experts_clamped(x, w13, w2, topk_weights, topk_ids, limit)
+            return self.ops.moe_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)
+        return self.ops.moe_experts_clamped(x, w13, w2, topk_weights, topk_ids, limit, w13_scale, w2_scale, block)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         c, ops = self.config, self.ops
@@ -367,7 +369,7 @@ class MoE(nn.Module):
         if self.ep is not None:  # the shared expert computes while the routed rows travel to their ranks
             out, shared_out = self.ep(x, weights, ids, None if shared is None else lambda: shared(x))
         else:
-            out = self.experts_op(x, ex.gate_up_proj, ex.down_proj, weights, ids)
+            out = self.experts_op(x, ex.gate_up_proj, ex.down_proj, weights, ids, ex.gate_up_proj_scale_inv, ex.down_proj_scale_inv)
             shared_out = None if shared is None else shared(x)
         return out if shared_out is None else out + shared_out
 
@@ -441,17 +443,21 @@ class V4FamilyLM(nn.Module):
     lookback_tokens = 0  # a forward reads no token before a sequence's new ones (V4.1's Engram does)
 
     def __init__(self, config, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool,
-                 expert_slots: tuple[int, ...] | None = None):
+                 expert_slots: tuple[int, ...] | None = None, keep_fp4: bool = False):
         super().__init__()
         self.config, self.ops, self.dtype = config, ops, dtype
         self.device = torch.device(device)
         self.keep_fp8 = keep_fp8 and config.fp8_block is not None
+        # routed experts kept packed MXFP4 (what the checkpoint stores) where it has them (expert_dtype fp4)
+        self.keep_fp4 = keep_fp4 and getattr(config, "expert_dtype", None) == "fp4"
         self.expert_slots = expert_slots  # expert parallelism: see deepseek_v3.Alloc
         self._all_groups: dict[str, CacheGroup] | None = None
 
     def _alloc(self) -> Alloc:
-        """Where and in which dtypes the layers' parameters go (block FP8 kept when keep_fp8)."""
-        return Alloc(self.dtype, self.device, tuple(self.config.fp8_block) if self.keep_fp8 else None, self.expert_slots)
+        """Where and in which dtypes the layers' parameters go (block FP8 kept when keep_fp8, MXFP4
+        routed experts when keep_fp4)."""
+        return Alloc(self.dtype, self.device, tuple(self.config.fp8_block) if self.keep_fp8 else None, self.expert_slots,
+                     self.keep_fp4)
 
     def _add_head(self) -> None:
         c = self.config
@@ -507,8 +513,8 @@ class DeepseekV4ForCausalLM(V4FamilyLM):
     checkpoint_format = V4Checkpoint()  # how its checkpoints name their tensors (loader.load_model)
 
     def __init__(self, config: V4ModelConfig, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False,
-                 expert_slots: tuple[int, ...] | None = None):
-        super().__init__(config, ops, dtype, device, keep_fp8, expert_slots)
+                 expert_slots: tuple[int, ...] | None = None, keep_fp4: bool = False):
+        super().__init__(config, ops, dtype, device, keep_fp8, expert_slots, keep_fp4)
         alloc = self._alloc()
         self.model = DeepseekV4Backbone(config, ops, alloc)
         self._add_head()

@@ -315,8 +315,8 @@ class DeepseekV41ForCausalLM(V4FamilyLM):
     mtp_reads_streams = False  # no MTP layers: DSpark's stages read their taps (forward_dspark)
 
     def __init__(self, config: V41ModelConfig, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False,
-                 expert_slots: tuple[int, ...] | None = None):
-        super().__init__(config, ops, dtype, device, keep_fp8, expert_slots)
+                 expert_slots: tuple[int, ...] | None = None, keep_fp4: bool = False):
+        super().__init__(config, ops, dtype, device, keep_fp8, expert_slots, keep_fp4)
         alloc = self._alloc()
         self.model = DeepseekV41Backbone(config, ops, alloc)
         self._add_head()

@@ -1,0 +1,230 @@
+"""MXFP4 routed experts kept packed: a W4A16 grouped GEMM (Triton, sm_90 / sm_100).
+
+DeepSeek-V4's routed experts (``expert_dtype: fp4``) arrive as ops.moe.moe_experts' MXFP4
+convention: uint8 w13 [E, 2I, D/2] and w2 [E, D, I/2], two E2M1 codes a byte (input 2j in the
+low nibble, 2j+1 in the high), and uint8 UE8M0 scales [E, 2I, ceil(D/32)], [E, D, ceil(I/32)]
+(2^(s - 127) per 32 inputs). Kept so, an expert weighs 0.53 bytes a parameter instead of 2.
+
+The structure is moe.py's grouped GEMM (its routing layout, ``align_pairs``, and its slot sum,
+``sum_slots``, are used as they are): the T*k (token, slot) pairs sorted by expert into BLOCK_M
+tiles; GEMM 1 multiplies each tile's x rows by the gate AND up rows of w13[e] in one K loop and
+stores the clamped SwiGLU silu(min(gate, limit)) * clamp(up, -limit, limit) (plain SwiGLU with
+no limit); GEMM 2 multiplies h by w2[e] and by the pair's routing weight; then the k slots are
+summed per token in float32, in slot order.
+
+The weights are dequantised in registers, as Marlin does on Hopper: each K step loads the
+weight tile packed ([BLOCK_N, BLOCK_K/2] bytes, contiguous along K) with its [BLOCK_N,
+BLOCK_K/32] scale bytes, splits the nibbles (``tl.join`` puts code 2j before 2j+1), builds each
+E2M1 value's float32 bits (sign, exponent e + 126, one mantissa bit; code 1 is 0.5, codes 0 and
+8 zero), multiplies by the block's 2^(s - 127) (float32 bits s << 23) and feeds tl.dot in x's
+dtype. Every e2m1 * 2^k is exact in bf16 (and in float32), so the products are the reference's
+(ops.moe dequantises to x's dtype first); only the summation order differs. Activations are
+never quantised (W4A16). The weight stream, what decode is bound by, is a quarter of bf16's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_core.ops.moe import check_mxfp4_experts
+from deepinfer_nvidia_sm100.kernels.device import await_inputs, launch_options
+from deepinfer_nvidia_sm100.kernels.moe import ExpertTiles, align_pairs, sum_slots
+
+# ---- tunables (sweep on the GPU; not yet measured) -------------------------------------------
+# As moe.py's EXPERT_TILES, chosen by the average pairs per active expert. BLOCK_K is a multiple
+# of the 32-input scale group (the scales are broadcast over [BLOCK_N, BLOCK_K/32, 32]).
+MXFP4_TILES: tuple[tuple[float, ExpertTiles], ...] = (
+    (16, ExpertTiles(16, 64, 64, 128, 4, 4)),
+    (32, ExpertTiles(32, 64, 64, 128, 4, 4)),
+    (96, ExpertTiles(64, 64, 128, 64, 4, 3)),
+    (float("inf"), ExpertTiles(128, 64, 128, 64, 8, 3)),
+)
+MXFP4_GROUP_M = 8  # grouped program order: GROUP_M M-blocks sweep the column tiles together
+MXFP4_SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles per program; num_stages is lowered to fit
+SCALE_GROUP = 32  # inputs per UE8M0 scale (the format's, not a tunable)
+
+
+@triton.jit
+def _dequantize(packed, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K/2] uint8 codes (low nibble first) and [BLOCK_N, BLOCK_K/32] UE8M0 bytes ->
+    the [BLOCK_N, BLOCK_K] float32 weights E2M1(code) * 2^(s - 127), exactly."""
+    b = packed.to(tl.int32)
+    codes = tl.reshape(tl.join(b & 0xF, b >> 4), [BLOCK_N, BLOCK_K])  # join: [..., 2], code 2j then 2j+1
+    e = (codes >> 1) & 3
+    m = codes & 1
+    bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22)) | ((codes & 8) << 28)
+    values = bits.to(tl.float32, bitcast=True)
+    s = scales.to(tl.int32)
+    s_bits = tl.where(s == 0, 0x00400000, tl.where(s == 255, 0x7FC00000, s << 23))  # 2^-127; NaN
+    scale = s_bits.to(tl.float32, bitcast=True)
+    w = tl.reshape(values, [BLOCK_N, BLOCK_K // 32, 32]) * scale[:, :, None]
+    return tl.reshape(w, [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
+def _load_weights(w_ptrs, s_ptrs, mask_w, mask_s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    packed = tl.load(w_ptrs, mask=mask_w, other=0)
+    scales = tl.load(s_ptrs, mask=mask_s, other=127)  # masked inputs: code 0 (value 0) times 1
+    return _dequantize(packed, scales, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _dot(acc, a, w, IEEE: tl.constexpr):
+    """acc + a [BLOCK_M, BLOCK_K] @ w^T (w [BLOCK_N, BLOCK_K] float32, rounded to a's dtype: exact)."""
+    wt = tl.trans(w.to(a.dtype))
+    if IEEE:
+        return acc + tl.dot(a, wt, input_precision="ieee")
+    return acc + tl.dot(a, wt)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])  # per-step sizes: one compile, not one per value class
+def _mxfp4_expert_gemm_kernel(
+    a_ptr, w_ptr, s_ptr, out_ptr, route_w_ptr,
+    sorted_ptr, block_expert_ptr, num_padded_ptr,
+    num_pairs, a_row_div, num_m_blocks, limit,
+    stride_am, stride_ak,
+    stride_we, stride_wn, stride_wk,  # packed codes [E, rows, K/2]
+    stride_se, stride_sn, stride_sk,  # UE8M0 scales [E, rows, ceil(K/32)]
+    stride_om, stride_on,
+    N: tl.constexpr, K: tl.constexpr,  # output columns (I with GATED: gate and up are 2I rows of w); inputs
+    GATED: tl.constexpr,  # GEMM 1: gate and up tiles, store the (clamped) SwiGLU
+    CLAMP: tl.constexpr,  # GATED: silu(min(gate, limit)) * clamp(up, -limit, limit)
+    WEIGHTED: tl.constexpr,  # GEMM 2: multiply each row by its pair's routing weight
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+):
+    await_inputs(PDL)
+    pid = tl.program_id(0)
+    tiles_n: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    width = GROUP_M * tiles_n
+    first_m = (pid // width) * GROUP_M
+    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_rows
+    pid_n = (pid % width) // group_rows
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pair < num_pairs
+    a_row = (pair // a_row_div).to(tl.int64)  # GEMM 1: the pair's token; GEMM 2: the pair
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    kb = tl.arange(0, BLOCK_K // 2)  # packed bytes of a K step
+    kg = tl.arange(0, BLOCK_K // 32)  # scale groups of a K step
+    HALF_K: tl.constexpr = K // 2
+    GROUPS_K: tl.constexpr = (K + 31) // 32
+
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :] * stride_ak
+    rows = cols[:, None].to(tl.int64)
+    w_ptrs = w_ptr + expert * stride_we + rows * stride_wn + kb[None, :] * stride_wk
+    s_ptrs = s_ptr + expert * stride_se + rows * stride_sn + kg[None, :] * stride_sk
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if GATED:
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
+        mask_w = col_ok[:, None] & ((k0 // 2 + kb) < HALF_K)[None, :]
+        mask_s = col_ok[:, None] & ((k0 // 32 + kg) < GROUPS_K)[None, :]
+        w = _load_weights(w_ptrs, s_ptrs, mask_w, mask_s, BLOCK_N, BLOCK_K)
+        acc = _dot(acc, a, w, IEEE)
+        if GATED:  # the up rows: N rows further down w13[e]
+            w_up = _load_weights(w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask_w, mask_s, BLOCK_N, BLOCK_K)
+            acc_up = _dot(acc_up, a, w_up, IEEE)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += (BLOCK_K // 2) * stride_wk
+        s_ptrs += (BLOCK_K // 32) * stride_sk
+
+    if GATED:
+        if CLAMP:
+            acc = tl.minimum(acc, limit)
+            acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
+    if WEIGHTED:
+        acc = acc * tl.load(route_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
+    out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def mxfp4_tiles(num_pairs: int, num_experts: int) -> ExpertTiles:
+    """Tiles for T*k pairs over E experts, from the average pairs per active expert."""
+    per_expert = num_pairs / max(1, min(num_pairs, num_experts))
+    return next(tiles for bound, tiles in MXFP4_TILES if per_expert <= bound)
+
+
+def _num_stages(tiles: ExpertTiles, block_n: int, a_bytes: int, gated: bool) -> int:
+    """tiles.num_stages, lowered until the pipelined tiles (activations, packed codes and their
+    scales) fit MXFP4_SMEM_BUDGET."""
+    k = tiles.block_k
+    per_stage = tiles.block_m * k * a_bytes + (2 if gated else 1) * block_n * (k // 2 + k // SCALE_GROUP)
+    stages = tiles.num_stages
+    while stages > 2 and (stages - 1) * per_stage > MXFP4_SMEM_BUDGET:
+        stages -= 1
+    return stages
+
+
+def _gemm(a, w, scales, out, route_w, layout, tiles: ExpertTiles, *, n: int, k: int, block_n: int, num_pairs: int,
+          row_div: int, gated: bool, limit: float | None, weighted: bool) -> None:
+    grid = (layout.max_blocks * triton.cdiv(n, block_n),)
+    _mxfp4_expert_gemm_kernel[grid](
+        a, w, scales, out, route_w,
+        layout.sorted_pairs, layout.block_expert, layout.num_padded,
+        num_pairs, row_div, layout.max_blocks, 0.0 if limit is None else float(limit),
+        a.stride(0), a.stride(1),
+        w.stride(0), w.stride(1), w.stride(2),
+        scales.stride(0), scales.stride(1), scales.stride(2),
+        out.stride(0), out.stride(1),
+        N=n, K=k, GATED=gated, CLAMP=limit is not None, WEIGHTED=weighted, IEEE=a.dtype == torch.float32,
+        BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=tiles.block_k, GROUP_M=MXFP4_GROUP_M,
+        num_warps=tiles.num_warps, num_stages=_num_stages(tiles, block_n, a.element_size(), gated),
+        **launch_options(a.device),
+    )
+
+
+def run_mxfp4_experts(x, w13, w2, topk_weights, topk_ids, limit, w13_scale, w2_scale, tiles: ExpertTiles) -> torch.Tensor:
+    """The routed experts over packed MXFP4 weights with the given tiles; [T, D] in x's dtype."""
+    check_mxfp4_experts(x, w13, w2, w13_scale, w2_scale, None)
+    num_tokens, hidden = x.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    num_pairs = num_tokens * top_k
+    layout = align_pairs(topk_ids, num_experts, tiles.block_m)
+    route_w = topk_weights.reshape(-1).float()
+    h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
+    _gemm(x, w13, w13_scale, h, route_w, layout, tiles, n=inter, k=hidden, block_n=tiles.block_n_up,
+          num_pairs=num_pairs, row_div=top_k, gated=True, limit=limit, weighted=False)
+    # With one slot the weighted rows are the output itself; otherwise sum the slots after.
+    y = out if top_k == 1 else torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
+    _gemm(h, w2, w2_scale, y, route_w, layout, tiles, n=hidden, k=inter, block_n=tiles.block_n_down,
+          num_pairs=num_pairs, row_div=1, gated=False, limit=None, weighted=True)
+    if top_k > 1:
+        sum_slots(y, out, top_k)
+    return out
+
+
+def mxfp4_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    limit: float | None,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+) -> torch.Tensor:
+    """Sum over each token's k experts of weight * expert output, MXFP4 experts packed
+    (deepinfer_core.ops.moe.moe_experts' convention: uint8 w13 / w2 and UE8M0 scales). The
+    clamped SwiGLU of moe_experts_clamped with ``limit``; moe_experts' plain SwiGLU with None.
+    Returns [T, D] in x's dtype: each expert output rounded to it, the k slots summed in float32
+    in slot order. No host synchronisation."""
+    tiles = mxfp4_tiles(topk_ids.numel(), w13.shape[0])
+    return run_mxfp4_experts(x, w13, w2, topk_weights, topk_ids, limit, w13_scale, w2_scale, tiles)
+
+
+mxfp4_experts.impl = "triton: MXFP4 experts kept packed, W4A16 grouped GEMMs dequantising in registers (fused clamped SwiGLU), slot sum"

@@ -1,0 +1,154 @@
+"""The W4A16 grouped GEMM over packed MXFP4 experts (kernels/moe_mxfp4.py) against the reference
+ops (which dequantise with ops.linear.dequantize_mxfp4).
+
+Tiny float32 cases run everywhere (on a CPU in Triton's interpreter); the spec's real V4-Flash
+and V4-Pro MXFP4 shapes and bf16 run on a GPU (marked `gpu`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_core.conformance.ops_suite import run_op
+from deepinfer_core.ops import REFERENCE_OPS
+from deepinfer_core.ops.linear import dequantize_mxfp4
+from deepinfer_core.ops.moe import is_mxfp4
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton): the NVIDIA kernels cannot run")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from deepinfer_nvidia_sm100.kernels import moe_mxfp4 as kfp4  # noqa: E402
+from tests.op_spec import assert_close  # noqa: E402
+
+OP = "moe_experts_clamped"
+
+
+def clamped_with_kernel(x, w13, w2, topk_weights, topk_ids, limit, w13_scale=None, w2_scale=None, block=None):
+    """moe_experts_clamped as the plugin will route it: MXFP4 experts to the kernel, the rest to the reference."""
+    if is_mxfp4(w13, w2):
+        return kfp4.mxfp4_experts(x, w13, w2, topk_weights, topk_ids, limit, w13_scale, w2_scale)
+    return REFERENCE_OPS[OP](x, w13, w2, topk_weights, topk_ids, limit, w13_scale, w2_scale, block)
+
+
+def test_the_kit_passes_the_kernel_on_the_mxfp4_shapes(device, dtype):
+    """The conformance kit on moe_experts_clamped's declared shapes (the MXFP4 ones run the kernel)
+    and hypothesis' variations; on a CPU only the shapes that fit the interpreter."""
+    on_gpu = device.type == "cuda"
+    report = run_op(OP, clamped_with_kernel, dtype, device, examples=4, max_elements=None if on_gpu else 1 << 21)
+    assert report.result == "PASS", report.detail()
+
+
+# ---- the dequantisation, exactly --------------------------------------------------------------
+
+@triton.jit
+def _dequantize_tile_kernel(codes_ptr, scales_ptr, out_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.arange(0, BLOCK_N)[:, None]
+    packed = tl.load(codes_ptr + rows * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
+    scales = tl.load(scales_ptr + rows * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)[None, :])
+    w = kfp4._dequantize(packed, scales, BLOCK_N, BLOCK_K)
+    tl.store(out_ptr + rows * BLOCK_K + tl.arange(0, BLOCK_K)[None, :], w)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # 6 * 2^127 is inf, as in the reference
+def test_every_byte_and_scale_dequantises_exactly(device):
+    """All 256 code pairs under scale bytes from 0 (2^-127) through 127 (1) to 254, and 255 (NaN):
+    bit for bit dequantize_mxfp4's values (both nibble orders). On a GPU the rows whose products
+    are float32 subnormals (scale bytes 0 and 1) are left out: compiled code may flush them."""
+    n, k = 16, 64
+    codes = torch.arange(n * k // 2, dtype=torch.int64).remainder(256).to(torch.uint8).reshape(n, k // 2)
+    row_scale = torch.tensor([0, 1, 100, 126, 127, 128, 140, 254, 255, 120, 121, 122, 123, 124, 125, 2], dtype=torch.uint8)
+    scales = row_scale[:, None].expand(n, k // 32).contiguous()
+    out = torch.empty((n, k), dtype=torch.float32, device=device)
+    _dequantize_tile_kernel[(1,)](codes.to(device), scales.to(device), out, BLOCK_N=n, BLOCK_K=k)
+    out, want = out.cpu(), dequantize_mxfp4(codes, scales, torch.float32)
+    nan_row = row_scale == 255
+    assert torch.isnan(out[nan_row]).all() and torch.isnan(want[nan_row]).all()
+    rows = ~nan_row & ((row_scale > 1) | (device.type != "cuda"))
+    assert torch.equal(out[rows].view(torch.int32), want[rows].view(torch.int32))  # -0.0 included
+    if device.type != "cuda":
+        assert out[0, 4].item() == 2.0**-127  # byte 2's low nibble, code 2 (1.0), times scale byte 0
+
+
+# ---- edge cases ----------------------------------------------------------------------------
+
+def _mxfp4(gen, e: int, n: int, k: int, std: float, device):
+    """Random MXFP4 weights [e, n, k] (packed) whose values have about ``std``."""
+    codes = torch.randint(0, 256, (e, n, k // 2), generator=gen, dtype=torch.uint8)
+    centre = 127 + round(torch.log2(torch.tensor(std / 2.93)).item())
+    scales = torch.randint(centre - 1, centre + 2, (e, n, -(-k // 32)), generator=gen, dtype=torch.uint8)
+    return codes.to(device), scales.to(device)
+
+
+def _case(device, dtype, *, tokens, hidden, inter, experts, top_k, ids=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w13, s13 = _mxfp4(gen, experts, 2 * inter, hidden, hidden**-0.5, device)
+    w2, s2 = _mxfp4(gen, experts, hidden, inter, inter**-0.5, device)
+    x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+    if ids is None:
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.randn(tokens, top_k, generator=gen).softmax(-1)
+    return x, w13, w2, weights.to(device), ids.to(device), s13, s2
+
+
+EDGES = {
+    "one-token": dict(tokens=1, hidden=64, inter=32, experts=8, top_k=2),
+    "top_k=E": dict(tokens=3, hidden=64, inter=32, experts=4, top_k=4),
+    "top_k=1": dict(tokens=5, hidden=64, inter=32, experts=4, top_k=1),
+    "I-not-a-tile-multiple": dict(tokens=6, hidden=96, inter=80, experts=4, top_k=2),  # I 80: 64 + 16, scale group 32 + 32 + 16
+}
+
+
+@pytest.mark.parametrize("limit", [1.0, None], ids=["clamped", "plain"])
+@pytest.mark.parametrize("name", EDGES)
+def test_edge_cases_match_the_reference(device, dtype, name, limit):
+    x, w13, w2, weights, ids, s13, s2 = _case(device, dtype, **EDGES[name])
+    out = kfp4.mxfp4_experts(x, w13, w2, weights, ids, limit, s13, s2)
+    if limit is None:  # plain SwiGLU: moe_experts
+        ref = REFERENCE_OPS["moe_experts"](x, w13, w2, weights, ids, s13, s2)
+    else:
+        ref = REFERENCE_OPS[OP](x, w13, w2, weights, ids, limit, s13, s2)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    assert_close(out, ref, OP, dtype, f" {name}")
+
+
+def test_experts_with_no_token_and_no_tokens_at_all(device, dtype):
+    """Tokens routed to experts 1 and 3 of 6 only (the others' tiles never run), and T = 0."""
+    ids = torch.tensor([[1, 3], [3, 1], [1, 3]])
+    x, w13, w2, weights, ids, s13, s2 = _case(device, dtype, tokens=3, hidden=64, inter=32, experts=6, top_k=2, ids=ids)
+    out = kfp4.mxfp4_experts(x, w13, w2, weights, ids, 10.0, s13, s2)
+    assert_close(out, REFERENCE_OPS[OP](x, w13, w2, weights, ids, 10.0, s13, s2), OP, dtype)
+    empty = kfp4.mxfp4_experts(x[:0], w13, w2, weights[:0], ids[:0], 10.0, s13, s2)
+    assert empty.shape == (0, 64)
+
+
+def test_prefill_tiles(device, dtype):
+    """The largest tiles (BLOCK_M 128) whatever the batch: M-blocks padded across experts."""
+    x, w13, w2, weights, ids, s13, s2 = _case(device, dtype, tokens=40, hidden=64, inter=32, experts=4, top_k=3)
+    out = kfp4.run_mxfp4_experts(x, w13, w2, weights, ids, 10.0, s13, s2, kfp4.MXFP4_TILES[-1][1])
+    assert_close(out, REFERENCE_OPS[OP](x, w13, w2, weights, ids, 10.0, s13, s2), OP, dtype)
+
+
+def test_wrong_shapes_are_refused(device):
+    x, w13, w2, weights, ids, s13, s2 = _case(device, torch.float32, tokens=2, hidden=64, inter=32, experts=4, top_k=2)
+    with pytest.raises(ValueError, match="MXFP4 experts"):
+        kfp4.mxfp4_experts(x, w13, w2, weights, ids, 1.0, s13[..., :1], s2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16, 512])
+def test_real_flash_shapes_under_a_cuda_graph(tokens):
+    """V4-Flash expert dims (D 4096, I 2048), 16 experts, top-6, bf16: captured as a CUDA graph
+    (no host synchronisation) and replayed, equal to the eager call and close to the reference."""
+    device, dtype = torch.device("cuda:0"), torch.bfloat16
+    x, w13, w2, weights, ids, s13, s2 = _case(device, dtype, tokens=tokens, hidden=4096, inter=2048, experts=16, top_k=6)
+    eager = kfp4.mxfp4_experts(x, w13, w2, weights, ids, 10.0, s13, s2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = kfp4.mxfp4_experts(x, w13, w2, weights, ids, 10.0, s13, s2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+    assert_close(eager, REFERENCE_OPS[OP](x, w13, w2, weights, ids, 10.0, s13, s2), OP, dtype)

@@ -10,11 +10,14 @@ import pytest
 import torch
 
 import deepinfer_core.plugins
+from safetensors.torch import save_file
+
 from deepinfer_core import LLM, SamplingParams
-from deepinfer_core.loader import _open
+from deepinfer_core.loader import CheckpointError, _open
 from deepinfer_core.models.layers import Experts
 from deepinfer_core.parallel.expert_parallel import ExpertParallel
 from tests.hf_checkpoints_v4 import random_prompt, write_checkpoint_v4
+from tests.v41_checkpoints import write_checkpoint_v41
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NAME = "v4_flash_like"
@@ -80,6 +83,34 @@ def test_kept_mxfp4_experts_are_the_stored_bytes_and_generate_the_same_tokens(ch
     assert plain_dtypes == {torch.float32} and plain_size == layers * e * 3 * d * i * 4
     assert _greedy(plain) == tokens
     assert len({t for row in tokens for t in row}) > 2  # not degenerate
+
+
+def test_v41_with_dspark_stages_keeps_its_experts_packed(tmp_path, monkeypatch, fp4_platform):
+    """V4.1 reuses V4's MoE: its decoder and its DSpark stages (their own expert count) keep uint8
+    experts and generate the flag-off tokens."""
+    write_checkpoint_v41("v41-dspark", tmp_path)
+    packed = _llm(tmp_path)
+    assert _expert_bytes(packed.engine.model)[1] == {torch.uint8}
+    assert packed.engine.model.num_mtp_layers == 3
+    tokens = _greedy(packed)
+    monkeypatch.undo()
+    assert _greedy(_llm(tmp_path)) == tokens
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("layers.1.ffn.experts.0.w1.weight", lambda t: torch.zeros(t.shape[0], 2 * t.shape[1], dtype=torch.bfloat16), "keep_fp4"),
+    ("layers.1.ffn.experts.0.w1.scale", lambda t: torch.ones(t.shape, dtype=torch.float32), "e8m0"),
+])
+def test_a_checkpoint_the_packed_experts_cannot_take_is_refused(checkpoint, tmp_path, fp4_platform, key, value, says):
+    f = _open(checkpoint / "model.safetensors")
+    tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors[key] = value(tensors[key])
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (checkpoint / name).is_file():
+            (tmp_path / name).write_bytes((checkpoint / name).read_bytes())
+    with pytest.raises(CheckpointError, match=f"{key}.*{says}"):
+        _llm(tmp_path)
 
 
 class _Solo:

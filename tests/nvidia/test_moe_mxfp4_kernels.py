@@ -45,11 +45,14 @@ def test_the_kit_passes_the_kernel_on_the_mxfp4_shapes(device, dtype):
 
 @triton.jit
 def _dequantize_tile_kernel(codes_ptr, scales_ptr, out_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The kernel's dequantisation of one [BLOCK_N, BLOCK_K] tile, written back interleaved."""
     rows = tl.arange(0, BLOCK_N)[:, None]
-    packed = tl.load(codes_ptr + rows * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
-    scales = tl.load(scales_ptr + rows * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)[None, :])
-    w = kfp4._dequantize(packed, scales, BLOCK_N, BLOCK_K)
-    tl.store(out_ptr + rows * BLOCK_K + tl.arange(0, BLOCK_K)[None, :], w)
+    kb = tl.arange(0, BLOCK_K // 2)[None, :]
+    packed = tl.load(codes_ptr + rows * (BLOCK_K // 2) + kb)
+    scales = tl.load(scales_ptr + rows * (BLOCK_K // 32) + kb // 16)
+    even, odd = kfp4._dequantize(packed, scales)
+    tl.store(out_ptr + rows * BLOCK_K + 2 * kb, even)
+    tl.store(out_ptr + rows * BLOCK_K + 2 * kb + 1, odd)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # 6 * 2^127 is inf, as in the reference

@@ -13,11 +13,13 @@ no limit); GEMM 2 multiplies h by w2[e] and by the pair's routing weight; then t
 summed per token in float32, in slot order.
 
 The weights are dequantised in registers, as Marlin does on Hopper: each K step loads the
-weight tile packed ([BLOCK_N, BLOCK_K/2] bytes, contiguous along K) with its [BLOCK_N,
-BLOCK_K/32] scale bytes, splits the nibbles (``tl.join`` puts code 2j before 2j+1), builds each
-E2M1 value's float32 bits (sign, exponent e + 126, one mantissa bit; code 1 is 0.5, codes 0 and
-8 zero), multiplies by the block's 2^(s - 127) (float32 bits s << 23) and feeds tl.dot in x's
-dtype. Every e2m1 * 2^k is exact in bf16 (and in float32), so the products are the reference's
+weight tile packed ([BLOCK_N, BLOCK_K/2] bytes, contiguous along K) and the scale byte of each
+byte (one per 16 bytes), takes the low nibbles (the even inputs) and the high ones (the odd
+inputs) apart, builds each E2M1 value's float32 bits (sign, exponent e + 126, one mantissa bit;
+code 1 is 0.5, codes 0 and 8 zero), multiplies by the group's 2^(s - 127) (float32 bits s << 23)
+and feeds two tl.dots in x's dtype: the even columns of the activation tile by the low-nibble
+weights, the odd columns by the high ones (the same products as the interleaved K, with no
+shuffle of the weight tile). Every e2m1 * 2^k is exact in bf16 (and in float32), so the products are the reference's
 (ops.moe dequantises to x's dtype first); only the summation order differs. Activations are
 never quantised (W4A16). The weight stream, what decode is bound by, is a quarter of bf16's.
 """
@@ -33,8 +35,8 @@ from deepinfer_nvidia_sm100.kernels.device import await_inputs, launch_options
 from deepinfer_nvidia_sm100.kernels.moe import ExpertTiles, align_pairs, sum_slots
 
 # ---- tunables (sweep on the GPU; not yet measured) -------------------------------------------
-# As moe.py's EXPERT_TILES, chosen by the average pairs per active expert. BLOCK_K is a multiple
-# of the 32-input scale group (the scales are broadcast over [BLOCK_N, BLOCK_K/32, 32]).
+# As moe.py's EXPERT_TILES, chosen by the average pairs per active expert. BLOCK_K (inputs) is a
+# multiple of the 32-input scale group and of 64 (each of its two dots has K = BLOCK_K / 2 >= 32).
 MXFP4_TILES: tuple[tuple[float, ExpertTiles], ...] = (
     (16, ExpertTiles(16, 64, 64, 128, 4, 4)),
     (32, ExpertTiles(32, 64, 64, 128, 4, 4)),
@@ -47,32 +49,38 @@ SCALE_GROUP = 32  # inputs per UE8M0 scale (the format's, not a tunable)
 
 
 @triton.jit
-def _dequantize(packed, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BLOCK_N, BLOCK_K/2] uint8 codes (low nibble first) and [BLOCK_N, BLOCK_K/32] UE8M0 bytes ->
-    the [BLOCK_N, BLOCK_K] float32 weights E2M1(code) * 2^(s - 127), exactly."""
-    b = packed.to(tl.int32)
-    codes = tl.reshape(tl.join(b & 0xF, b >> 4), [BLOCK_N, BLOCK_K])  # join: [..., 2], code 2j then 2j+1
+def _e2m1(codes):
+    """int32 E2M1 codes (0-15) -> their float32 values, exactly: sign bit 8, exponent bits e = (c >> 1) & 3
+    (value (1 + m/2) 2^(e - 1), float32 exponent e + 126), mantissa bit m; e = 0 is 0 or 0.5 (code 1)."""
     e = (codes >> 1) & 3
     m = codes & 1
     bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22)) | ((codes & 8) << 28)
-    values = bits.to(tl.float32, bitcast=True)
-    s = scales.to(tl.int32)
-    s_bits = tl.where(s == 0, 0x00400000, tl.where(s == 255, 0x7FC00000, s << 23))  # 2^-127; NaN
-    scale = s_bits.to(tl.float32, bitcast=True)
-    w = tl.reshape(values, [BLOCK_N, BLOCK_K // 32, 32]) * scale[:, :, None]
-    return tl.reshape(w, [BLOCK_N, BLOCK_K])
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _load_weights(w_ptrs, s_ptrs, mask_w, mask_s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    packed = tl.load(w_ptrs, mask=mask_w, other=0)
-    scales = tl.load(s_ptrs, mask=mask_s, other=127)  # masked inputs: code 0 (value 0) times 1
-    return _dequantize(packed, scales, BLOCK_N, BLOCK_K)
+def _dequantize(packed, scale_bytes):
+    """[BLOCK_N, BLOCK_K/2] uint8 (two codes a byte) and the UE8M0 byte of each byte's group ->
+    (the float32 weights of the even inputs (low nibbles), of the odd ones (high nibbles)):
+    E2M1(code) * 2^(s - 127), exactly (byte 0: 2^-127, 255: NaN)."""
+    b = packed.to(tl.int32)
+    s = scale_bytes.to(tl.int32)
+    scale = tl.where(s == 0, 0x00400000, tl.where(s == 255, 0x7FC00000, s << 23)).to(tl.float32, bitcast=True)
+    return _e2m1(b & 0xF) * scale, _e2m1(b >> 4) * scale
+
+
+@triton.jit
+def _load_weights(w_ptrs, s_ptrs, mask):
+    """The even- and odd-input halves of a weight tile: packed bytes w_ptrs [BLOCK_N, BLOCK_K/2],
+    s_ptrs the scale byte of each (one per 16 bytes: repeated addresses, served by the cache)."""
+    packed = tl.load(w_ptrs, mask=mask, other=0)
+    scales = tl.load(s_ptrs, mask=mask, other=127)  # masked inputs: code 0 (value 0) times 1
+    return _dequantize(packed, scales)
 
 
 @triton.jit
 def _dot(acc, a, w, IEEE: tl.constexpr):
-    """acc + a [BLOCK_M, BLOCK_K] @ w^T (w [BLOCK_N, BLOCK_K] float32, rounded to a's dtype: exact)."""
+    """acc + a [BLOCK_M, BLOCK_K/2] @ w^T (w [BLOCK_N, BLOCK_K/2] float32, rounded to a's dtype: exact)."""
     wt = tl.trans(w.to(a.dtype))
     if IEEE:
         return acc + tl.dot(a, wt, input_precision="ieee")
@@ -112,28 +120,30 @@ def _mxfp4_expert_gemm_kernel(
     a_row = (pair // a_row_div).to(tl.int64)  # GEMM 1: the pair's token; GEMM 2: the pair
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    ks = tl.arange(0, BLOCK_K)
-    kb = tl.arange(0, BLOCK_K // 2)  # packed bytes of a K step
-    kg = tl.arange(0, BLOCK_K // 32)  # scale groups of a K step
+    # A K step of BLOCK_K inputs is BLOCK_K/2 packed bytes: byte j holds input 2j (low nibble) and
+    # 2j+1 (high). The activations are read as their even and odd columns, each multiplied by its
+    # nibble's weights: two dots of K = BLOCK_K/2, no interleaving shuffle of the weights.
+    kb = tl.arange(0, BLOCK_K // 2)
     HALF_K: tl.constexpr = K // 2
-    GROUPS_K: tl.constexpr = (K + 31) // 32
 
-    a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :] * stride_ak
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + (2 * kb)[None, :] * stride_ak  # even inputs; odd: + stride_ak
     rows = cols[:, None].to(tl.int64)
     w_ptrs = w_ptr + expert * stride_we + rows * stride_wn + kb[None, :] * stride_wk
-    s_ptrs = s_ptr + expert * stride_se + rows * stride_sn + kg[None, :] * stride_sk
+    s_ptrs = s_ptr + expert * stride_se + rows * stride_sn + (kb // 16)[None, :] * stride_sk  # 16 bytes a scale
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if GATED:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
-        mask_w = col_ok[:, None] & ((k0 // 2 + kb) < HALF_K)[None, :]
-        mask_s = col_ok[:, None] & ((k0 // 32 + kg) < GROUPS_K)[None, :]
-        w = _load_weights(w_ptrs, s_ptrs, mask_w, mask_s, BLOCK_N, BLOCK_K)
-        acc = _dot(acc, a, w, IEEE)
+        byte_ok = (k0 // 2 + kb) < HALF_K  # K is even: an input pair is both in or both out
+        a_mask = row_ok[:, None] & byte_ok[None, :]
+        a_even = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        a_odd = tl.load(a_ptrs + stride_ak, mask=a_mask, other=0.0)
+        mask = col_ok[:, None] & byte_ok[None, :]
+        w_even, w_odd = _load_weights(w_ptrs, s_ptrs, mask)
+        acc = _dot(_dot(acc, a_even, w_even, IEEE), a_odd, w_odd, IEEE)
         if GATED:  # the up rows: N rows further down w13[e]
-            w_up = _load_weights(w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask_w, mask_s, BLOCK_N, BLOCK_K)
-            acc_up = _dot(acc_up, a, w_up, IEEE)
+            up_even, up_odd = _load_weights(w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask)
+            acc_up = _dot(_dot(acc_up, a_even, up_even, IEEE), a_odd, up_odd, IEEE)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += (BLOCK_K // 2) * stride_wk
         s_ptrs += (BLOCK_K // 32) * stride_sk

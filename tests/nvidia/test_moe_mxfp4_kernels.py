@@ -134,6 +134,33 @@ def test_prefill_tiles(device, dtype):
     assert_close(out, REFERENCE_OPS[OP](x, w13, w2, weights, ids, 10.0, s13, s2), OP, dtype)
 
 
+def test_with_mxfp4_routes_packed_experts_to_the_kernel(device):
+    """The table entries backend.py adds: uint8 experts to the kernel, the rest to the given ops."""
+    calls = []
+
+    def clamped(*args):
+        calls.append("clamped")
+        return REFERENCE_OPS[OP](*args)
+
+    def plain(*args):
+        calls.append("plain")
+        return REFERENCE_OPS["moe_experts"](*args)
+
+    plain.shared_expert_max_tokens = {torch.bfloat16: 16}
+    table = kfp4.with_mxfp4(clamped, plain)
+    assert table["moe_experts"].shared_expert_max_tokens == {torch.bfloat16: 16}
+    x, w13, w2, weights, ids, s13, s2 = _case(device, torch.float32, tokens=3, hidden=64, inter=32, experts=4, top_k=2)
+    assert_close(table[OP](x, w13, w2, weights, ids, 1.0, s13, s2), REFERENCE_OPS[OP](x, w13, w2, weights, ids, 1.0, s13, s2),
+                 OP, torch.float32)
+    assert_close(table["moe_experts"](x, w13, w2, weights, ids, s13, s2),
+                 REFERENCE_OPS["moe_experts"](x, w13, w2, weights, ids, s13, s2), OP, torch.float32)
+    assert calls == []
+    deq13, deq2 = dequantize_mxfp4(w13, s13, x.dtype), dequantize_mxfp4(w2, s2, x.dtype)
+    table[OP](x, deq13, deq2, weights, ids, 1.0)
+    table["moe_experts"](x, deq13, deq2, weights, ids)
+    assert calls == ["clamped", "plain"]
+
+
 def test_wrong_shapes_are_refused(device):
     x, w13, w2, weights, ids, s13, s2 = _case(device, torch.float32, tokens=2, hidden=64, inter=32, experts=4, top_k=2)
     with pytest.raises(ValueError, match="MXFP4 experts"):

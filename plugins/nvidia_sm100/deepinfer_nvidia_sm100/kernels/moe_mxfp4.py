@@ -238,3 +238,29 @@ def mxfp4_experts(
 
 
 mxfp4_experts.impl = "triton: MXFP4 experts kept packed, W4A16 grouped GEMMs dequantising in registers (fused clamped SwiGLU), slot sum"
+
+
+def with_mxfp4(clamped, plain=None) -> dict:
+    """The op table entries that send MXFP4 experts (uint8 weights: ops.moe's convention) to
+    ``mxfp4_experts`` and every other call to the given callables: ``clamped`` (a
+    moe_experts_clamped) and, when given, ``plain`` (a moe_experts; its attributes, such as
+    ``shared_expert_max_tokens``, are kept: uint8 is no dtype it names, so packed experts are never
+    fused with the shared ones). For backend.deepinfer_ops: ``ops.update(with_mxfp4(...))``."""
+
+    def moe_experts_clamped(x, w13, w2, topk_weights, topk_ids, limit, w13_scale=None, w2_scale=None, block=None):
+        if w13.dtype == torch.uint8:
+            return mxfp4_experts(x, w13, w2, topk_weights, topk_ids, limit, w13_scale, w2_scale)
+        return clamped(x, w13, w2, topk_weights, topk_ids, limit, w13_scale, w2_scale, block)
+
+    moe_experts_clamped.impl = f"{getattr(clamped, 'impl', '') or 'reference'}; MXFP4 experts: {mxfp4_experts.impl}"
+    table = {"moe_experts_clamped": moe_experts_clamped}
+    if plain is not None:
+        def moe_experts(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, block=None, **kwargs):
+            if w13.dtype == torch.uint8:
+                return mxfp4_experts(x, w13, w2, topk_weights, topk_ids, None, w13_scale, w2_scale)
+            return plain(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, **kwargs)
+
+        moe_experts.__dict__.update(plain.__dict__)
+        moe_experts.impl = f"{getattr(plain, 'impl', '') or 'reference'}; MXFP4 experts: {mxfp4_experts.impl}"
+        table["moe_experts"] = moe_experts
+    return table

@@ -9,6 +9,7 @@ same through the real plugin.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.ops import REFERENCE_OPS, V4_OP_NAMES, OpTable, reference_ops
@@ -25,20 +26,22 @@ LOGPROB_ATOL = 1e-4
 
 @pytest.fixture
 def use_kernels(monkeypatch, device):
-    """use_kernels(fp8): from then on, engines built for accelerator="cpu" get the NVIDIA op table
-    (interpreted on the CPU), on a platform that keeps FP8 weights when ``fp8``."""
+    """use_kernels(fp8, fp4): from then on, engines built for accelerator="cpu" get the NVIDIA op
+    table (interpreted on the CPU), on a platform that keeps FP8 weights when ``fp8`` and MXFP4
+    experts packed when ``fp4``."""
     if device.type != "cpu":
         pytest.skip("on a GPU the real plugin is tested end to end by tests/test_gpu.py")
     import deepinfer_core.plugins as plugins
 
     original = plugins.load_backend
 
-    def enable(fp8: bool = False) -> None:
+    def enable(fp8: bool = False, fp4: bool = False) -> None:
         def load_backend(requested=None, model_config=None, batch_invariant=False):
             from deepinfer_nvidia_sm100 import backend as nvidia
 
             manager, backend, platform, _, limits = original("cpu", model_config, batch_invariant)
             platform.fp8_weights = fp8
+            platform.fp4_experts = fp4
             impls = nvidia.deepinfer_ops(platform=platform, model_config=model_config, batch_invariant=batch_invariant)  # the plugin's own table
             providers = {**dict.fromkeys(REFERENCE_OPS, "reference"), **dict.fromkeys(impls, "nvidia")}
             fallback = reference_ops(batch_invariant)  # V4 ops: reference
@@ -130,26 +133,30 @@ def test_shared_experts_in_the_grouped_pass_drive_the_engine(tmp_path, use_kerne
     assert_same_greedy(expected, got)
 
 
-@pytest.mark.parametrize("name", ["v4_flash_like", "v4_swa_nohash", "v41-tiny"])
+@pytest.mark.parametrize("name", ["v4_flash_like", "v4_swa_nohash", "v41-tiny", "v4_flash_like+fp4"])
 def test_v4_kernels_drive_the_engine(tmp_path, use_kernels, name):
     """DeepSeek-V4 and V4.1 on the plugin's table (its V4 kernels, the reference for the ops it
-    leaves to it) give the CPU reference's greedy tokens, through chunked prefill beside decodes."""
+    leaves to it) give the CPU reference's greedy tokens, through chunked prefill beside decodes;
+    "+fp4": MXFP4 experts kept packed through the W4A16 kernel, against the reference's dequantised ones."""
     from deepinfer_nvidia_sm100 import backend as nvidia
     from tests.hf_checkpoints_v4 import write_checkpoint_v4
     from tests.v41_checkpoints import write_checkpoint_v41
 
+    name, fp4 = name.removesuffix("+fp4"), name.endswith("+fp4")
     path = tmp_path / name
     if name.startswith("v41"):
         write_checkpoint_v41(name, path)
     else:
-        write_checkpoint_v4(name, path)
+        write_checkpoint_v4(name, path, quant="fp8+fp4" if fp4 else None, block=(32, 32))
     prompts = [[(7 * i + 3) % 150 + 2 for i in range(n)] for n in (40, 9)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
     # the same 16-token budget on both sides: V4.1's bounded replay approximates by chunk
     expected = LLM(model=str(path), accelerator="cpu", dtype="float32", max_num_batched_tokens=16,
                    progress=False).generate(prompts, params, use_tqdm=False)
-    use_kernels()
+    use_kernels(fp4=fp4)
     llm = LLM(model=str(path), accelerator="cpu", dtype="float32", max_num_batched_tokens=16, progress=False)
     ours = {op for op, p in llm.engine.ops.providers.items() if p == "nvidia"}
     assert ours == set(REFERENCE_OPS) - nvidia.LEFT_TO_REFERENCE
+    experts = llm.engine.model.model.layers[0].mlp.experts.gate_up_proj
+    assert experts.dtype == (torch.uint8 if fp4 else torch.float32)
     assert_same_greedy(expected, llm.generate(prompts, params, use_tqdm=False))

@@ -154,6 +154,7 @@ def deepinfer_platform():
         backend=NAME,
         supported_dtypes=(torch.bfloat16, torch.float16, torch.float32),
         fp8_weights=True,  # block-FP8 checkpoints stay FP8 (fp8_block_linear and the FP8 expert GEMMs)
+        fp4_experts=True,  # V4's MXFP4 routed experts stay packed (kernels/moe_mxfp4.py, W4A16)
         graph_capture=True,  # every decode-path op below is free of host synchronisation
         graphs=CudaGraphs,
         async_scheduling=True,  # one stream: launched work runs in order
@@ -198,6 +199,10 @@ def deepinfer_ops(platform, model_config, batch_invariant):
         ops = flashmla.provide(ops)  # FlashMLA decodes where installed and the shapes fit
         ops = cublas_fp8.provide(ops, device)  # cuBLAS's DeepSeek-scaled FP8 GEMM on sm_90
         ops = deepgemm.provide(ops, device)  # DeepGEMM's grouped FP8 GEMMs for prefill-sized FP8 experts
+    from deepinfer_nvidia_sm100.kernels import moe_mxfp4
+
+    # packed MXFP4 experts (uint8: the ops' convention) to the W4A16 kernel, every other call as above
+    ops.update(moe_mxfp4.with_mxfp4(ops["moe_experts_clamped"], ops["moe_experts"]))
     return ops
 
 

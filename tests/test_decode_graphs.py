@@ -13,10 +13,14 @@ import random
 
 import numpy as np
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepinfer_core.engine.startup import warm_up
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.engine.graphs import BlockTableBuffer, DecodeGraphs, max_blocks_per_group
+from deepinfer_core.models.batch import BatchMeta
+from deepinfer_core.ops import REFERENCE_OPS
 from tests.hf_checkpoints import write_checkpoint
 
 # Three prompts: decode batches of 3 are padded to the bucket of 4.
@@ -36,7 +40,9 @@ class RecomputeGraphs:
 
     def replay(self, graph):
         fn, out = graph
-        out.copy_(fn())
+        new = fn()
+        for a, b in zip(out, new) if isinstance(out, tuple) else ((out, new),):
+            a.copy_(b)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +58,7 @@ def with_graphs(engine, sizes=(1, 2, 4)):
     query_lens = (1, 1 + lookahead) if lookahead else (1,)
     widths = max_blocks_per_group(engine.cache_groups, engine.max_model_len, engine.kv.block_size, max(query_lens), engine.kv.rings)
     graphs = DecodeGraphs(engine.model, engine.kv_cache.tensors, engine.cache_groups, widths, sizes, query_lens,
-                          engine.device, RecomputeGraphs())
+                          engine.device, RecomputeGraphs(), keep_streams=engine.runner.keep_hidden and engine.model.mtp_reads_streams)
     graphs.capture_all(progress=False)
     engine.runner.graphs = graphs
     return graphs
@@ -180,3 +186,102 @@ def test_padding_rows_are_reset_after_a_larger_step(checkpoint):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert la.keys() == lb.keys() and all(abs(la[t] - lb[t]) < 1e-5 for t in la)
+
+
+def _generate_v4(path, graphs: bool, **engine_args):
+    """A V4 checkpoint's greedy tokens; with ``graphs``, its decode steps replayed from graphs
+    captured over full-width block tables (the index tensors' shapes must not follow the batch)."""
+    llm = LLM(model=str(path), accelerator="cpu", dtype="float32", progress=False, **engine_args)
+    engine = llm.engine
+    replays = []
+    if graphs:
+        g = with_graphs(engine)
+        warm_up(engine, g.sizes, progress=False)
+        real = g.replay
+        g.replay = lambda hb, q_len, fill: replays.append((len(hb.seq_lens), q_len)) or real(hb, q_len, fill)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    prompts = [[(7 * i + 3) % 150 + 2 for i in range(n)] for n in (70, 9, 33)]
+    return llm.generate(prompts, params, use_tqdm=False), engine, replays
+
+
+@pytest.mark.parametrize("name", ["v4_flash_like", "v4_swa_nohash"])
+def test_v4_graph_steps_match_eager_steps(tmp_path, name):
+    """DeepSeek-V4's decode steps replayed from graphs (sliding window rings, compressed entries
+    read in place through full-width tables, every decode token pooling a window) give the eager
+    steps' tokens and logprobs, through the padded bucket (3 rows in a graph of 4)."""
+    from tests.hf_checkpoints_v4 import write_checkpoint_v4
+
+    path = tmp_path / name
+    write_checkpoint_v4(name, path)
+    expected, _, _ = _generate_v4(path, False)
+    got, engine, replays = _generate_v4(path, True)
+    assert engine.model.supports_graphs and replays and any(n == 3 for n, _ in replays)
+    for a, b in zip(expected, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys() and all(abs(la[t] - lb[t]) < 1e-5 for t in la)
+
+
+class SyncWatch(TorchDispatchMode):
+    """Records the aten ops that make the host wait for the device (a value read back, or an
+    output whose shape depends on values): none may run in a forward a graph captures. Paused
+    inside the op table's calls: each backend's ops answer for themselves (their kernels are
+    captured on the GPU; the reference's are not meant to be)."""
+
+    SYNCING = {"aten.nonzero.default", "aten._local_scalar_dense.default", "aten.masked_select.default",
+               "aten._unique2.default", "aten.unique_consecutive.default", "aten.unique_dim.default"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+        self.paused = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        if not self.paused:
+            boolean_index = name.startswith(("aten.index.", "aten.index_put")) and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()) if i is not None)
+            unsized_repeat = name == "aten.repeat_interleave.Tensor" and kwargs.get("output_size") is None
+            if name in self.SYNCING or boolean_index or unsized_repeat:
+                self.seen.append(name)
+        return func(*args, **kwargs)
+
+
+def test_v4_decode_forward_never_waits_for_the_device(tmp_path, monkeypatch):
+    """Every decode-only forward of V4 (target and MTP block) runs no synchronising aten op outside
+    the op table: the model's glue (V4Batch's index tensors, the pools, the emitters) is capturable."""
+    from tests.hf_checkpoints_v4 import write_checkpoint_v4
+
+    path = tmp_path / "v4"
+    write_checkpoint_v4("v4_flash_like", path, with_mtp=True)
+    llm = LLM(model=str(path), accelerator="cpu", dtype="float32", progress=False,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    model, watch, checked = llm.engine.model, SyncWatch(), []
+    for name in list(model.ops.__dict__):
+        fn = model.ops.__dict__[name]
+        if callable(fn) and name in REFERENCE_OPS:
+            def paused(*a, _fn=fn, **k):
+                watch.paused += 1
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    watch.paused -= 1
+            monkeypatch.setitem(model.ops.__dict__, name, paused)
+
+    def watched(original):
+        def run(*args, **kwargs):
+            batch = next(a for a in args if isinstance(a, BatchMeta))
+            if batch.num_prefill_tokens:
+                return original(*args, **kwargs)
+            checked.append(original.__name__)
+            with watch:
+                return original(*args, **kwargs)
+        return run
+
+    for name in ("forward", "forward_streams", "forward_mtp"):
+        monkeypatch.setattr(model, name, watched(getattr(model, name)))
+    prompts = [[(7 * i + 3) % 150 + 2 for i in range(n)] for n in (70, 9)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert "forward_streams" in checked and "forward_mtp" in checked
+    assert not watch.seen, sorted(set(watch.seen))

@@ -325,6 +325,36 @@ def test_mtp_through_draft_graphs(plain_outputs):
     assert runs[True][1] == runs[False][1] and {1, 4} <= set(replays)
 
 
+def test_v4_mtp_through_graphs(random_v4):
+    """V4's verification rows and its MTP block's decode rows replayed as graphs (the block fed
+    the target's hyper-connection streams [hc, D] through the draft graphs' static input), on
+    the CPU stand-in backend: the drafts and tokens are the eager engine's."""
+    from deepinfer_core.engine.graphs import DecodeGraphs, max_blocks_per_group
+    from tests.hf_checkpoints_v4 import random_prompt
+    from tests.test_decode_graphs import RecomputeGraphs, with_graphs
+
+    prompts = [random_prompt(40, seed=3), random_prompt(9, seed=5), random_prompt(20, seed=6)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs, replays = {}, []
+    for graphs in (False, True):
+        llm = LLM(model=str(random_v4), accelerator="cpu", dtype="float32", progress=False, max_num_seqs=4,
+                  speculative_config=mtp(2), enable_prefix_caching=False)
+        engine = llm.engine
+        seen = record_drafts(llm)
+        if graphs:
+            with_graphs(engine)
+            c = engine.model_config
+            widths = max_blocks_per_group(engine.cache_groups, engine.max_model_len, engine.kv.block_size, 3, engine.kv.rings)
+            draft = DecodeGraphs(engine.model, engine.kv_cache.tensors, engine.cache_groups, widths, (1, 2, 4), (1, 3),
+                                 engine.device, RecomputeGraphs(), draft_dim=(c.hc_mult, c.hidden_size))
+            draft.capture_all(progress=False)
+            engine.proposer.graphs = draft
+            inner = draft.replay
+            draft.replay = lambda *a, **kw: replays.append(a[1]) or inner(*a, **kw)
+        runs[graphs] = (tokens(llm.generate(prompts, params, use_tqdm=False)), seen)
+    assert runs[True] == runs[False] and {1, 3} <= set(replays)
+
+
 def test_device_chain_drafts_what_the_host_chain_drafts(monkeypatch):
     """Chained drafts of requests without penalties stay on the device until the chain ends; they
     are the drafts the host-side chain (one round trip per draft) proposes, greedy and seeded,

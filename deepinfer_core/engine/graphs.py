@@ -63,11 +63,15 @@ class BlockTableBuffer:
 
 class DecodeGraphs:
     """``max_blocks``: per cache group, the widest block table a sequence can have.
-    ``draft_dim`` > 0: capture the model's MTP module (``forward_mtp`` at depth 0) instead of
-    ``forward``, with one more static input, the draft state [rows, draft_dim] it is fed."""
+    ``draft_dim`` (an int > 0, or a shape): capture the model's MTP module (``forward_mtp`` at
+    depth 0) instead of ``forward``, with one more static input, the draft state [rows, *draft_dim]
+    it is fed (the hidden state, or V4's hyper-connection streams [hc, D]). ``keep_streams``: the
+    target's graphs return (hidden, streams) (``forward_streams`` then ``head_hidden``: what V4's
+    MTP block is fed)."""
 
     def __init__(self, model, kv_caches: dict[str, torch.Tensor], groups: list[CacheGroup], max_blocks: dict[str, int],
-                 batch_sizes: tuple[int, ...], query_lens: tuple[int, ...], device: torch.device, backend, draft_dim: int = 0):
+                 batch_sizes: tuple[int, ...], query_lens: tuple[int, ...], device: torch.device, backend,
+                 draft_dim: int | tuple[int, ...] = 0, keep_streams: bool = False):
         self.model = model
         self.kv_caches = kv_caches
         self.groups = groups
@@ -86,8 +90,10 @@ class DecodeGraphs:
         self.host_tables = {g.name: BlockTableBuffer(n, max_blocks[g.name]) for g in groups}
         self._no_prefill_i32 = torch.zeros(1, dtype=torch.int32, device=device)
         self._no_context = torch.zeros(0, dtype=torch.int64, device=device)
-        self.prev = torch.zeros(n * q, draft_dim, dtype=model.dtype, device=device) if draft_dim else None
+        shape = (draft_dim,) if isinstance(draft_dim, int) else tuple(draft_dim)
+        self.prev = torch.zeros(n * q, *shape, dtype=model.dtype, device=device) if draft_dim else None
         self.label = "draft" if draft_dim else "decode"
+        self.keep_streams = keep_streams
         self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
         self.capture_seconds = 0.0
 
@@ -115,10 +121,13 @@ class DecodeGraphs:
             groups=groups,
         )
 
-    def _forward(self, size: int, q_len: int) -> torch.Tensor:
+    def _forward(self, size: int, q_len: int):
         t = size * q_len
         if self.prev is not None:
             return self.model.forward_mtp(0, self.input_ids[:t], self.positions[:t], self.prev[:t], self._meta(size, q_len), self.kv_caches)
+        if self.keep_streams:
+            streams = self.model.forward_streams(self.input_ids[:t], self.positions[:t], self._meta(size, q_len), self.kv_caches)
+            return self.model.head_hidden(streams), streams
         return self.model.forward(self.input_ids[:t], self.positions[:t], self._meta(size, q_len), self.kv_caches)
 
     @torch.inference_mode()
@@ -149,9 +158,10 @@ class DecodeGraphs:
                 return None
         return self.query_lens[i]
 
-    def replay(self, hb, q_len: int, fill_from_device: Callable[[torch.Tensor], None], prev: torch.Tensor | None = None) -> torch.Tensor:
+    def replay(self, hb, q_len: int, fill_from_device: Callable[[torch.Tensor], None], prev: torch.Tensor | None = None):
         """Hidden states [len(seq_lens) * q_len, D] of the step ``hb`` (runner.HostBatch, decode
-        rows padded to q_len); ``prev``: the draft state of each of those rows (draft graphs)."""
+        rows padded to q_len); ``prev``: the draft state of each of those rows (draft graphs),
+        whose forward may return (hidden, next draft state): both come back, sliced alike."""
         n = len(hb.seq_lens)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         t, total = n * q_len, size * q_len
@@ -185,9 +195,11 @@ class DecodeGraphs:
         if self.prev is not None:
             self.prev[:t].copy_(prev)
             if size > n:  # padding sequences repeat sequence 0 (its experts, nothing written)
-                self.prev[t:total].copy_(prev[:q_len].repeat(size - n, 1))
+                self.prev[t:total].copy_(prev[:q_len].repeat(size - n, *[1] * (prev.dim() - 1)))
         graph, hidden = self.graphs[(size, q_len)]
         self.backend.replay(graph)
+        if isinstance(hidden, tuple):  # (hidden, the draft state for the next row): V4's MTP block
+            return tuple(h[:t] for h in hidden)
         return hidden[:t]
 
 

@@ -249,7 +249,8 @@ class ModelRunner:
         q_len = self.graphs.query_len_for(out) if self.graphs is not None else None
         if q_len is not None:
             hb = self.prepare(out, prev, pad_to=q_len)
-            hidden = state = self.graphs.replay(hb, q_len, lambda ids: self.fill_from_device(ids, hb, prev))
+            result = self.graphs.replay(hb, q_len, lambda ids: self.fill_from_device(ids, hb, prev))
+            hidden, state = result if isinstance(result, tuple) else (result, result)  # V4 + MTP: (hidden, streams)
         else:
             hb = self.prepare(out, prev)
             ids, positions, meta = self._meta(hb)

@@ -133,14 +133,18 @@ def start(self, model_dir: Path, engine_config: EngineConfig, backend_name: str 
     if self.platform.graph_capture and self.platform.graphs is not None and sizes and not engine_config.enforce_eager and capturable:
         query_lens = (1, 1 + lookahead) if lookahead else (1,)
         widths = max_blocks_per_group(groups, max_len, block_size, max(query_lens), self.kv.rings)
-        graphs = DecodeGraphs(self.model, self.kv_cache.tensors, groups, widths, sizes, query_lens, self.device, self.platform.graphs())
+        streams = drafter and sc.method == "mtp" and self.model.mtp_reads_streams  # V4's MTP block reads the streams
+        graphs = DecodeGraphs(self.model, self.kv_cache.tensors, groups, widths, sizes, query_lens, self.device, self.platform.graphs(),
+                              keep_streams=streams)
     self.runner = ModelRunner(self.model, self.kv_cache, self.kv, self.device, graphs, keep_hidden=drafter and sc.method == "mtp",
                               prefills_as_rows=engine_config.batch_invariant)
     self.proposer = proposers.build(sc, self.model, self.runner, self.ops, eos_ids, max_len, self.platform.copy_to_host,
                                     self.max_num_batched_tokens)
     if graphs is not None and sc is not None and sc.method == "mtp":  # the MTP module's decode rows as graphs too
+        c = self.model_config  # the MTP block reads the last layer's streams where the model says so (V4)
+        state = (c.hc_mult, c.hidden_size) if self.model.mtp_reads_streams else c.hidden_size
         draft = DecodeGraphs(self.model, self.kv_cache.tensors, groups, widths, sizes, query_lens, self.device,
-                             self.platform.graphs(), draft_dim=self.model_config.hidden_size)
+                             self.platform.graphs(), draft_dim=state)
         try:
             draft.capture_all(progress)
             self.proposer.graphs = draft

@@ -28,8 +28,9 @@ class CausalLM(Protocol):
 
     * ``checkpoint_format``: how its checkpoints name their tensors (``loader.load_model``):
       ``scale_keys(key)``, ``resolve_mtp(model, config, key_file)``, ``plan(model, config, key_file)``.
-    * ``supports_graphs``: its decode steps may be captured as CUDA graphs (V4's index tensors
-      follow each batch's context lengths: False).
+    * ``supports_graphs``: its decode steps may be captured as CUDA graphs (every decode-only
+      forward free of host synchronisation, its tensors' shapes from the batch's shapes alone;
+      V4.1's index tensors still follow each batch's context lengths: False).
     * ``supports_batch_invariance``: a row's arithmetic can be made independent of its batch
       (``batch_invariant=True``).
     * ``supports_context_parallel``: ``prefill_context_parallel`` / ``write_context`` work.

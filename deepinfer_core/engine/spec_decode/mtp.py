@@ -207,9 +207,12 @@ class MTPProposer:
                     buffer[: len(pad)].copy_(ids.index_select(0, index))
 
             with torch.inference_mode():
-                hidden = graphs.replay(hb, q_len, fill, prev.index_select(0, index))
-                hidden = hidden.index_select(0, torch.tensor(real, dtype=torch.int64).to(hidden.device))
-            return hidden, hidden
+                result = graphs.replay(hb, q_len, fill, prev.index_select(0, index))
+                hidden, state = result if isinstance(result, tuple) else (result, result)  # V4: (hidden, streams)
+                keep = torch.tensor(real, dtype=torch.int64).to(hidden.device)
+                hidden = hidden.index_select(0, keep)
+                state = hidden if state is result else state.index_select(0, keep)
+            return hidden, state
         hb = runner.prepare(out)
         hb.ids = [0] * len(hb.positions) if on_device else list(ids)
         input_ids, positions, meta = runner._meta(hb)

@@ -116,12 +116,23 @@ class V4Batch:
 
         return self._once(("window", ring, window), build)
 
+    @property
+    def decode_only(self) -> bool:
+        """No prefill token in this forward (shapes alone say so): what a decode graph replays.
+        The index tensors then take widths from shapes only, and nothing synchronises."""
+        return self.batch.num_prefill_tokens == 0 and self.rows is None
+
     def emitters(self, paged: str, ring: str, span: int) -> Emitters:
         """Tokens that write an entry of paged group ``paged`` (tokens_per_entry m) and the pool
-        indices of the ``span`` rows ending at them (m, or 2m for overlapping windows) in ``ring``."""
+        indices of the ``span`` rows ending at them (m, or 2m for overlapping windows) in ``ring``.
+        Decode-only forwards name every token (those that close no window have slot -1, so their
+        entry is pooled and not stored): fixed shapes, no host synchronisation."""
         def build() -> Emitters:
             slots = self.slots(paged)
-            tokens = torch.nonzero(slots >= 0).flatten()
+            if self.decode_only:
+                tokens = torch.arange(slots.shape[0], device=slots.device)
+            else:
+                tokens = torch.nonzero(slots >= 0).flatten()
             pos = self.positions[tokens]
             rows_pos = pos[:, None] - span + 1 + torch.arange(span, device=pos.device)[None, :]
             seq = self.seq[tokens][:, None].expand_as(rows_pos)
@@ -150,6 +161,55 @@ class V4Batch:
             first = torch.cumsum(count, 0) - count
             self._entries[paged] = (torch.cat([meta.context_slots.long(), dec_slots]), first, width)
         return self._entries[paged][0]
+
+    def entry_table(self, paged: str) -> torch.Tensor:
+        """[sequences, C] flat cache slots of each sequence's entries of paged group ``paged``
+        after this step, in entry order, -1 past its count (``end // m``). Decode sequences read
+        their block tables, so C is the tables' width in entries in a decode-only forward (a
+        shape: fixed under a graph, whose tables are captured at full width); prefill sequences
+        read their context slots (C then also covers the longest of them)."""
+        def build() -> torch.Tensor:
+            g, meta = self.groups[paged], self.batch.groups[paged]
+            m = g.tokens_per_entry
+            per = self.block_size // m
+            count = self.end // m
+            tables = meta.block_tables.long()
+            width = tables.shape[1] * per
+            dec = count[self.batch.num_prefills:]
+            w = torch.arange(width, device=count.device)
+            blocks = (w // per)[None, :].expand(dec.shape[0], -1)
+            dec_slots = tables.gather(1, blocks) * per + w % per if width else tables.new_zeros((dec.shape[0], 0))
+            dec_slots = torch.where(w[None, :] < dec[:, None], dec_slots, torch.full_like(dec_slots, -1))
+            if not self.batch.num_prefills:
+                return dec_slots
+            pre = count[: self.batch.num_prefills]
+            pre_width = int(pre.max())  # prefill: eager, never captured
+            first = torch.cumsum(pre, 0) - pre
+            wp = torch.arange(pre_width, device=count.device)
+            context = meta.context_slots.long()
+            pick = (first[:, None] + wp[None, :]).clamp(max=max(context.shape[0] - 1, 0))
+            pre_slots = context[pick] if context.numel() else torch.zeros_like(pick)
+            pre_slots = torch.where(wp[None, :] < pre[:, None], pre_slots, torch.full_like(pre_slots, -1))
+            c = max(width, pre_width)
+            pad = lambda t: torch.nn.functional.pad(t, (0, c - t.shape[1]), value=-1)  # noqa: E731
+            return torch.cat([pad(pre_slots), pad(dec_slots)])
+
+        return self._once(("entry_table", paged), build)
+
+    def entry_width(self, paged: str) -> int:
+        """C of ``entry_slots`` (a shape: no synchronisation)."""
+        return self.entry_table(paged).shape[1]
+
+    def entry_slots(self, paged: str, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """[hi - lo, C] flat cache slots of the entries of paged group ``paged`` that queries
+        lo..hi-1 see (w < (p + 1) // m), -1 elsewhere: indices straight into the group's cache
+        tensors viewed as rows, so nothing is gathered (``entry_table`` says what C is)."""
+        table = self.entry_table(paged)
+        pos, seq = self.positions[lo:hi], self.seq[lo:hi]
+        w = torch.arange(table.shape[1], device=pos.device)[None, :]
+        seen = (pos + 1) // self.groups[paged].tokens_per_entry
+        rows = table[seq]
+        return torch.where(w < seen[:, None], rows, torch.full_like(rows, -1))
 
     def visible(self, paged: str, lo: int = 0, hi: int | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
         """[hi - lo, C] index into ``entries(paged)`` of the entries queries lo..hi-1 (or the

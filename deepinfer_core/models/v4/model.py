@@ -156,23 +156,33 @@ class Indexer(Compressor):
         self.scorer.weights_proj = Linear(config.hidden_size, self.num_heads, ops, Alloc(alloc.dtype, alloc.device, None))
 
     def select(self, x, qr, plan: V4Batch, table, keys) -> torch.Tensor:
-        """[T, min(index_topk, C)] rows of the entry pool each query attends to (-1: none)."""
+        """[T, min(index_topk, C)] rows of ``keys`` (the indexer cache viewed as rows, or a
+        prefix's keys) each query attends to, -1: none; its candidates are ``plan.entry_slots``."""
         t = x.shape[0]
         q = self.q_b_proj(qr).view(t, self.num_heads, self.head_dim)
         q = apply_rope(self.ops, q, plan.positions, table)
         weights = self.scorer.weights_proj(x).float() * self.num_heads**-0.5
         # the candidates index is [T, C] int64: built per chunk of queries, at most CANDIDATE_BYTES
-        width = max(1, keys.shape[0])
-        step = max(1, CANDIDATE_BYTES // (8 * width))
-        chosen = [self.ops.indexer_topk(q[lo : lo + step], weights[lo : lo + step], keys, plan.visible(CSA_KV, lo, lo + step),
+        step = max(1, CANDIDATE_BYTES // (8 * max(1, plan.entry_width(CSA_KV))))
+        chosen = [self.ops.indexer_topk(q[lo : lo + step], weights[lo : lo + step], keys, plan.entry_slots(CSA_KV, lo, lo + step),
                                         self.top_k, self.head_dim**-0.5) for lo in range(0, t, step)]
         return torch.cat(chosen) if chosen else q.new_zeros((0, 0), dtype=torch.int64)
 
 
-def sparse_output(attn: nn.Module, q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, positions: torch.Tensor,
+def gather_rows(pools: tuple[torch.Tensor, torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
+    """Rows ``idx`` of the concatenation of two row pools without building it (-1: zeros)."""
+    a, b = pools
+    n = a.shape[0]
+    first = a[idx.clamp(0, max(n - 1, 0))] if n else a.new_zeros((*idx.shape, a.shape[-1]))
+    second = b[(idx - n).clamp(0, max(b.shape[0] - 1, 0))] if b.shape[0] else b.new_zeros((*idx.shape, b.shape[-1]))
+    return torch.where((idx < n)[..., None], first.to(b.dtype), second)
+
+
+def sparse_output(attn: nn.Module, q: torch.Tensor, pool, index: torch.Tensor, positions: torch.Tensor,
                   inverse: torch.Tensor) -> torch.Tensor:
-    """V4 / V4.1 attention's end: ``q`` [T, H, d] over the ``index`` rows of ``pool`` (with the
-    sinks), the values' rotation undone at the query positions, the grouped output projections."""
+    """V4 / V4.1 attention's end: ``q`` [T, H, d] over the ``index`` rows of ``pool`` (a tensor,
+    or a tuple of tensors addressed as their concatenation: ops.sparse_attention) with the sinks,
+    the values' rotation undone at the query positions, the grouped output projections."""
     ops = attn.ops
     out = ops.sparse_attention(q, pool, index, attn.sinks, attn.head_dim**-0.5)
     out = apply_rope(ops, out, positions, inverse)  # undo the values' rotation at the query position
@@ -227,14 +237,16 @@ class Attention(nn.Module):
         qr, q, kv = self._project(x, positions, table)
 
         window = caches[f"{name}.window"]
-        pool = torch.cat([kv, window.view(-1, self.head_dim).to(kv.dtype)])  # read before this step's writes
-        ops.write_cache(window, kv, plan.slots(WINDOW))
+        pools = [kv, window.view(-1, self.head_dim)]  # the caches addressed in place, not copied
         index = plan.window(WINDOW, c.sliding_window)
         if self.compressor is not None:
             entries, chosen = self._compressed(x, qr, plan, caches, name, table)
-            index = torch.cat([index, torch.where(chosen >= 0, chosen + pool.shape[0], chosen)], dim=1)
-            pool = torch.cat([pool, entries])
-        return sparse_output(self, q, pool, index, positions, inverse)
+            index = torch.cat([index, torch.where(chosen >= 0, chosen + kv.shape[0] + pools[1].shape[0], chosen)], dim=1)
+            pools.append(entries)
+        out = sparse_output(self, q, tuple(pools), index, positions, inverse)
+        # after the attention: a long prefill chunk's writes wrap the ring over rows its first queries read
+        ops.write_cache(window, kv, plan.slots(WINDOW))
+        return out
 
     def forward_context_parallel(self, x: torch.Tensor, positions: torch.Tensor, cp, tables):
         """This rank's tokens of a context-parallel prefill (``parallel.context_parallel.ContextParallel``):
@@ -267,20 +279,18 @@ class Attention(nn.Module):
         return sparse_output(self, q, torch.cat([full, saved["compressed"]]), index, positions, inverse), saved
 
     def _compressed(self, x, qr, plan: V4Batch, caches, name: str, table) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this step's compressed entries; return (every sequence's entries [N, d], the
-        pool rows each query attends to [T, K] (-1: none))."""
+        """Write this step's compressed entries; return (the compressed cache viewed as rows
+        [slots, d], the rows of it each query attends to [T, K] (-1: none))."""
         comp = self.compressor
         csa = self.layer_type == CSA
         kv_group, state_group = (CSA_KV, CSA_STATE) if csa else (HCA_KV, HCA_STATE)
         parts = [comp] + ([comp.indexer] if csa else [])
         rows = torch.cat([p.rows(x, plan.positions) for p in parts], dim=-1)
         state = caches[f"{name}.compressor_state"]
-        state_pool = torch.cat([rows, state.view(-1, state.shape[-1])])
-        self.ops.write_cache(state, rows, plan.slots(state_group))
         span = 2 * comp.ratio if comp.overlap else comp.ratio
         em = plan.emitters(kv_group, state_group, span)
         if em.tokens.numel():
-            window_rows = state_pool[em.rows.clamp(min=0)]
+            window_rows = gather_rows((rows, state.view(-1, state.shape[-1])), em.rows)  # before this step's writes
             valid = em.rows >= 0
             offset = 0
             for part, cache_name in zip(parts, ("compressed", "indexer")):
@@ -288,12 +298,13 @@ class Attention(nn.Module):
                 offset += part.row_dim
                 entries = part.pool(part_rows, valid, em.entry_positions, table, x.dtype)
                 self.ops.write_cache(caches[f"{name}.{cache_name}"], entries, em.slots)
-        slots = plan.entries(kv_group)
-        entries = self.ops.gather_latent_cache(caches[f"{name}.compressed"], slots).to(x.dtype)
+        self.ops.write_cache(state, rows, plan.slots(state_group))
+        compressed = caches[f"{name}.compressed"]
+        entries = compressed.view(-1, compressed.shape[-1])  # indexed by flat cache slot (entry_slots)
         if not csa:
-            return entries, plan.visible(kv_group)
-        keys = self.ops.gather_latent_cache(caches[f"{name}.indexer"], slots).to(x.dtype)
-        return entries, comp.indexer.select(x, qr, plan, table, keys)
+            return entries, plan.entry_slots(kv_group)
+        keys = caches[f"{name}.indexer"]
+        return entries, comp.indexer.select(x, qr, plan, table, keys.view(-1, keys.shape[-1]))
 
 
 class PrefixPlan:
@@ -316,6 +327,13 @@ class PrefixPlan:
         pos = self.positions[lo:hi] if rows is None else self.positions[rows]
         w = torch.arange(self.length // m, device=pos.device)[None, :]
         return torch.where(w < ((pos + 1) // m)[:, None], w, torch.full_like(w, -1))
+
+    def entry_slots(self, group: str, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """As ``visible``: the prefix's entries are rows of the prefix's own tensors."""
+        return self.visible(group, lo, hi)
+
+    def entry_width(self, group: str) -> int:
+        return self.length // self.ratios[group]
 
 
 class ClampedMLP(MLP):
@@ -434,8 +452,8 @@ class V4FamilyLM(nn.Module):
     """What the DeepSeek-V4 and V4.1 causal LMs share: FP8 allocation, the LM head, the draft
     layers under ``mtp.layers``, the per-forward V4Batch, and post-load fusing. Subclasses build
     ``self.model`` (embed_tokens, layers, norm), then call ``_add_head`` and set ``self.mtp``.
-    Decode steps are not captured as graphs: the index tensors' sizes depend on each batch's
-    context lengths."""
+    Decode steps are captured as graphs where the subclass says so (V4; not V4.1 yet: its index
+    tensors' sizes still depend on each batch's context lengths)."""
 
     supports_graphs = False
     supports_batch_invariance = False  # prompt and decode tokens read their attention context along different paths
@@ -508,6 +526,9 @@ class DeepseekV4ForCausalLM(V4FamilyLM):
     """DeepSeek-V4 causal LM over the cache groups of ``cache_groups`` (``forward`` has the same
     batch contract as DeepseekV3ForCausalLM's)."""
 
+    # decode-only forwards index the caches in place with widths from shapes alone (V4Batch.decode_only,
+    # entry_slots): no host synchronisation, one graph per batch size
+    supports_graphs = True
     supports_context_parallel = True  # prefill_context_parallel / write_context
     draft_method = "mtp"
     checkpoint_format = V4Checkpoint()  # how its checkpoints name their tensors (loader.load_model)

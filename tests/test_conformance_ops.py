@@ -26,7 +26,7 @@ import torch
 from deepinfer_core.cli import main
 from deepinfer_core.conformance import jsonsafe, ops_suite
 from deepinfer_core.conformance.checks import block_scores, chi_square_pvalue, indexer_scores
-from deepinfer_core.conformance.inputs import BUILDERS, CaseTooLarge, make_case
+from deepinfer_core.conformance.inputs import BUILDERS, CaseTooLarge, make_case, tensors_of
 from deepinfer_core.conformance.ops_suite import (OpReport, ReplayCase, SuiteReport, format_report, replay_case, run_op, run_suite, write_json)
 from deepinfer_core.conformance.spec import shapes, specs_dir, tolerance
 from deepinfer_core.ops import OP_NAMES, REFERENCE_OPS
@@ -736,6 +736,17 @@ def _attention_without_sinks(q, kv, indices, sinks, scale):
     return REFERENCE_OPS["sparse_attention"](q, kv, indices, torch.full_like(sinks, float("-inf")), scale)
 
 
+def _attention_pools_with_row_stride_d(q, kv, indices, sinks, scale):
+    """Key pools read as if each were contiguous (their row strides ignored)."""
+    parts = tensors_of(kv)
+    dense = [torch.as_strided(p, p.shape, (p.shape[1], 1)) if p.shape[0] else p for p in parts]
+    return REFERENCE_OPS["sparse_attention"](q, torch.cat(dense), indices, sinks, scale)
+
+
+def _attention_pools_last_first(q, kv, indices, sinks, scale):
+    return REFERENCE_OPS["sparse_attention"](q, torch.cat(tensors_of(kv)[::-1]), indices, sinks, scale)
+
+
 def _write_cache_ignoring_padding(cache, values, slot_mapping):
     cache.view(-1, cache.shape[-1])[slot_mapping.clamp(min=0)] = values.to(cache.dtype)
 
@@ -771,6 +782,8 @@ WRONG_V4 = [
     ("indexer_topk", _indexer_ties_to_later, "ties go to the earlier candidate"),
     ("sparse_attention", _attention_padding_as_row_0, "o:"),
     ("sparse_attention", _attention_without_sinks, "o:"),
+    ("sparse_attention", _attention_pools_with_row_stride_d, "o:"),
+    ("sparse_attention", _attention_pools_last_first, "o:"),
     ("write_cache", _write_cache_ignoring_padding, "in place"),
     ("mhc_pre", _mhc_one_sinkhorn_round_short, "comb:"),
     ("mhc_post", _mhc_post_comb_not_transposed, "streams:"),
@@ -808,6 +821,38 @@ def test_indexer_ties_treat_minus_zero_as_zero():
     assert zeros.any() and not (zeros & s.signbit()).any()
 
 
+def test_sparse_attention_key_pools_replay(tmp_path):
+    """A case of several key pools (the spec's optional pools / pool_sizes dims) is a tuple of
+    views whose concatenation is the one-pool case's pool; its ReplayCase goes through the text
+    and the JSON report and rebuilds the same tuple; an op that writes into a pool fails."""
+    dims = next(s for s in shapes("sparse_attention") if s.get("pool_sizes") == [3, 0, 47])
+    case = make_case("sparse_attention", dims, F32, "cpu", seed=2)
+    single = make_case("sparse_attention", {k: v for k, v in dims.items() if k not in ("pools", "pool_sizes")}, F32, "cpu", seed=2)
+    pools = case.args[1]
+    assert isinstance(pools, tuple) and [p.shape[0] for p in pools] == [3, 0, 47] and pools[2].stride(0) > dims["head_dim"]
+    assert torch.equal(torch.cat(pools), single.args[1]) and torch.equal(case.args[2], single.args[2])
+    assert case.elements() == single.elements()
+    copy = case.clone()
+    assert all(torch.equal(a, b) and a.stride() == b.stride() and (a.data_ptr() != b.data_ptr() or not a.numel())
+               for a, b in zip(pools, copy.args[1]))
+
+    def scribbles(q, kv, indices, sinks, scale):
+        out = REFERENCE_OPS["sparse_attention"](q, kv, indices, sinks, scale)
+        if isinstance(kv, tuple) and kv[-1].numel():  # several pools: the last one's first row
+            kv[-1][0].zero_()
+        return out
+
+    report = check("sparse_attention", scribbles, examples=0)
+    assert report.result == "FAIL" and "modified its input argument 1" in report.message
+    path = tmp_path / "suite.json"
+    write_json(SuiteReport("reference", "cpu-reference", "cpu", ops=[report]), path)
+    again = ReplayCase.parse(json.dumps(json.loads(path.read_text())["ops"][0]["failing_case"]))
+    assert again == report.failing_case and "pools" in again.dims
+    assert replay_case(again, REFERENCE_OPS["sparse_attention"], "cpu").result == "PASS"
+    with pytest.raises(ValueError, match="pool_sizes"):
+        make_case("sparse_attention", {**dims, "pool_sizes": [3, 1, 47]}, F32, "cpu")
+
+
 def test_v4_index_inputs_are_valid():
     """The index tensors the kit builds: distinct rows per query, -1 padding mixed in, queries
     with no key (sparse_attention) and with fewer candidates than the output is wide (indexer_topk)."""
@@ -815,7 +860,8 @@ def test_v4_index_inputs_are_valid():
         saw_padding = saw_empty = saw_short = False
         for dims in shapes(op):
             case = make_case(op, dims, F32, "cpu", seed=1)
-            rows, pool = case.args[arg], case.args[1 if op == "sparse_attention" else 2].shape[0]
+            rows, kv = case.args[arg], case.args[1 if op == "sparse_attention" else 2]
+            pool = sum(t.shape[0] for t in tensors_of(kv))  # sparse_attention's pools: their concatenation
             for row in rows:
                 valid = row[row >= 0]
                 assert valid.unique().numel() == valid.numel() and (valid < pool).all() and ((row >= 0) | (row == -1)).all()

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from deepinfer_core.conformance.inputs import OpCase
+from deepinfer_core.conformance.inputs import OpCase, tensors_of
 from deepinfer_core.conformance.spec import ops_spec, tolerance
 from deepinfer_core.ops import REFERENCE_OPS, moe
 from deepinfer_core.ops.sampling import sampling_probs
@@ -113,7 +113,8 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _inputs_untouched(before: OpCase, after: OpCase) -> Outcome:
     """Ops write only their documented in-place arguments."""
     for i, (a, b) in enumerate(zip(before.args, after.args)):
-        if i not in before.inplace and isinstance(a, torch.Tensor) and not _same(a, b):
+        ta, tb = tensors_of(a), tensors_of(b)  # a tuple of tensors (key pools): each of them
+        if i not in before.inplace and (len(ta) != len(tb) or not all(_same(x, y) for x, y in zip(ta, tb))):
             return Outcome(False, float("inf"), f"the op modified its input argument {i} (only {list(before.inplace) or 'none'} may be written)")
     return Outcome(True)
 
@@ -132,8 +133,8 @@ def _call_on_copy(fn: Callable, case: OpCase) -> tuple[object, Outcome]:
 
 def _device_of(case: OpCase) -> torch.device:
     for a in case.args:
-        if isinstance(a, torch.Tensor):
-            return a.device
+        for t in tensors_of(a):
+            return t.device
     return torch.device("cpu")
 
 

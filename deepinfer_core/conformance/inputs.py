@@ -20,6 +20,7 @@ from deepinfer_core.conformance.checkpoints import quantize_fp8_block
 from deepinfer_core.dtypes import dtype_from_name
 from deepinfer_core.models.v41.engram_tables import engram_multipliers, engram_offsets, engram_primes
 from deepinfer_core.ops.rope import rope_cos_sin_table
+from deepinfer_core.ops.sparse import MAX_KEY_POOLS
 
 NORM_EPS = 1e-6
 HEAD_ROW_EXTRA = 24  # columns past the heads in a per-head input's rows (the model's kv_a part, shrunk)
@@ -57,12 +58,24 @@ class OpCase:
                       {k: _clone(v) for k, v in self.kwargs.items()}, self.inplace, self.extra)
 
     def elements(self) -> int:
-        """How many elements the tensor arguments hold (the case's size)."""
+        """How many elements the tensor arguments hold (the case's size; a tuple of tensors, as
+        sparse_attention's key pools, counts its tensors)."""
         values = [*self.args, *self.kwargs.values()]
-        return sum(v.numel() for v in values if isinstance(v, torch.Tensor))
+        return sum(t.numel() for v in values for t in tensors_of(v))
+
+
+def tensors_of(value) -> tuple[torch.Tensor, ...]:
+    """The tensors an argument holds: itself, or a tuple / list's tensors (sparse_attention's key pools)."""
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, (tuple, list)):
+        return tuple(v for v in value if isinstance(v, torch.Tensor))
+    return ()
 
 
 def _clone(value):
+    if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+        return type(value)(_clone(v) for v in value)
     if not isinstance(value, torch.Tensor):
         return value
     out = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
@@ -529,6 +542,11 @@ def _sparse_attention(d: dict, dtype, r: _Draw):
     t, h, dim, pool, k, empty = (d[n] for n in ("tokens", "heads", "head_dim", "pool", "keys", "empty_queries"))
     if k > pool or empty > t:
         raise ValueError(f"sparse_attention: need keys <= pool and empty_queries <= tokens, got {d}")
+    if not 1 <= d.get("pools", 1) <= MAX_KEY_POOLS:
+        raise ValueError(f"sparse_attention: pools must be 1 to {MAX_KEY_POOLS}, got {d}")
+    sizes = d.get("pool_sizes")
+    if sizes is not None and (len(sizes) != d.get("pools", 1) or sum(sizes) != pool or min(sizes) < 0):
+        raise ValueError(f"sparse_attention: pool_sizes must be pools counts >= 0 summing to pool, got {d}")
     # queries name 1..K keys each (the first non-empty one all K), empty_queries none at all
     counts = [int(r.integers(1, k + 1)) if k else 0 for _ in range(t)]
     empty_rows = set(r.perm(t)[:empty].tolist())
@@ -539,7 +557,36 @@ def _sparse_attention(d: dict, dtype, r: _Draw):
     kv = r.randn(pool, dim, dtype=dtype)
     sinks = r.randn(h)
     indices = _padded_rows(r, counts, k, pool)
+    pools = d.get("pools", 1)
+    if pools > 1:  # drawn after everything else: the same q, pool rows and indices as with one pool
+        kv = _split_pool(r, kv, pools, d.get("pool_sizes"))
     return (q, kv, indices.to(r.device), sinks, dim**-0.5), {}
+
+
+def _split_pool(r: _Draw, kv: torch.Tensor, parts: int, sizes: list[int] | None = None) -> tuple[torch.Tensor, ...]:
+    """``kv`` [N, d] cut into ``parts`` consecutive pools of ``sizes`` rows, or of random sizes
+    with one of them forced empty in most draws (an SWA layer has no compressed entries; a
+    middle pool may be empty), laid out as the model passes them: pool 0 contiguous (the new
+    rows), the others row-strided views of wider rows (row stride d + HEAD_ROW_EXTRA)."""
+    n, dim = kv.shape
+    bounds = [0, *sorted(int(c) for c in r.integers(0, n + 1, parts - 1)), n]
+    empty = int(r.integers(0, 2 * parts))  # >= parts (half the draws): none forced empty
+    if empty == parts - 1:
+        bounds[empty] = n
+    elif empty < parts:
+        bounds[empty + 1] = bounds[empty]
+    if sizes is not None:
+        bounds = [sum(sizes[:i]) for i in range(parts + 1)]
+    out = []
+    for i in range(parts):
+        rows = kv[bounds[i] : bounds[i + 1]]
+        if i:
+            wide = torch.zeros(rows.shape[0], dim + HEAD_ROW_EXTRA, dtype=kv.dtype, device=kv.device)
+            wide[:, :dim] = rows
+            out.append(wide[:, :dim])
+        else:
+            out.append(rows.clone())
+    return tuple(out)
 
 
 # ---- DeepSeek-V4.1 ops --------------------------------------------------------------------------

@@ -20,6 +20,34 @@ ATTENTION_CHUNK = 256
 CHUNK_BYTES = 256 * 2**20
 
 
+# sparse_attention's kv: one [N, d] pool, or 1..MAX_KEY_POOLS parts [N_i, d] read as their concatenation
+KeyPools = torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor]
+MAX_KEY_POOLS = 3
+
+
+def key_pool_parts(kv: KeyPools) -> tuple[torch.Tensor, ...]:
+    """The parts of a key pool (one tensor: itself alone), checked: 1..MAX_KEY_POOLS 2-D tensors
+    of one dtype, width and device. ValueError otherwise."""
+    parts = (kv,) if isinstance(kv, torch.Tensor) else tuple(kv) if isinstance(kv, (tuple, list)) else None
+    if parts is None:
+        raise ValueError(f"kv must be a tensor [N, d] or a tuple of 1 to {MAX_KEY_POOLS} of them, got {type(kv).__name__}")
+    if not 1 <= len(parts) <= MAX_KEY_POOLS or not all(isinstance(p, torch.Tensor) and p.dim() == 2 for p in parts):
+        got = [tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__ for p in parts]
+        raise ValueError(f"kv must be 1 to {MAX_KEY_POOLS} 2-D tensors [N_i, d], got {got}")
+    first = parts[0]
+    if any(p.dtype != first.dtype or p.shape[1] != first.shape[1] or p.device != first.device for p in parts[1:]):
+        got = [(tuple(p.shape), p.dtype, str(p.device)) for p in parts]
+        raise ValueError(f"kv's pools must share dtype, width d and device, got {got}")
+    return parts
+
+
+def key_pool(kv: KeyPools) -> torch.Tensor:
+    """The one [N, d] pool ``kv`` names: the tensor itself, or its parts concatenated (pool 0's
+    rows first), a copy. For references and backends without a multi-pool path."""
+    parts = key_pool_parts(kv)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def _chunk(keys_per_query: int, floats_per_key: int) -> int:
     return max(1, min(ATTENTION_CHUNK, CHUNK_BYTES // max(1, 4 * keys_per_query * floats_per_key)))
 
@@ -41,16 +69,22 @@ def write_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.T
 
 
 def sparse_attention(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float
+    q: torch.Tensor, kv: KeyPools, indices: torch.Tensor, sinks: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Shared-KV multi-query attention with a per-head sink over the keys each query names.
 
-    q: [T, H, d]; kv: [N, d] key pool (each key is also its value); indices: [T, K] int64 rows of
-    kv per query, -1 = none (any order, no duplicates); sinks: [H] float32 logits with no value.
+    q: [T, H, d]; kv: the key pool (each key is also its value): a tensor [N, d], or a tuple (or
+    list) of 1 to 3 tensors [N_i, d] of one dtype and d, each any row-strided 2-D view (a cache
+    [blocks, rows, d] viewed as [-1, d], a slice of rows; any may have no rows), read as their
+    concatenation: pool 0's rows are 0..N_0-1, pool 1's N_0..N_0+N_1-1, and so on, N = sum N_i
+    (the model passes its new rows and views of its caches, not copied). The op reads only the
+    named rows; it writes none. indices: [T, K] int64 rows of that pool per query, -1 = none (any
+    order, no duplicates); sinks: [H] float32 logits with no value.
     o[t, h] = sum_j P_j kv[indices[t, j]] with P = softmax over [q[t, h] . kv[idx] * scale for
     the valid idx..., sinks[h]] (the sink's probability is dropped). A query with no valid key
     gets zeros. Scores and the weighted sum in float32; returns [T, H, d] in q's dtype.
     """
+    kv = key_pool(kv)  # the reference concatenates; kernels read the parts in place
     t_all, heads, d = q.shape
     out = torch.empty_like(q)
     sink = sinks.float()[None, :, None]

@@ -107,6 +107,83 @@ def test_attention_strided_inputs(device, dtype):
     _close(sparse.sparse_attention(qw, kvw, idxw, sinks, scale), ref.sparse_attention(qw, kvw, idxw, sinks, scale), dtype)
 
 
+def _cut(kv: torch.Tensor, sizes: list[int], extra: int = 0) -> tuple[torch.Tensor, ...]:
+    """``kv`` as consecutive pools of ``sizes`` rows; with ``extra``, each a row-strided view of
+    rows ``extra`` columns wider (a column slice of a cache row)."""
+    parts, start = [], 0
+    for n in sizes:
+        rows = kv[start : start + n]
+        if extra:
+            wide = torch.full((n, kv.shape[1] + extra), float("nan"), dtype=kv.dtype, device=kv.device)
+            wide[:, extra:] = rows  # NaN where a wrong stride or offset would read
+            rows = wide[:, extra:]
+        parts.append(rows.clone() if not extra else rows)
+        start += n
+    return tuple(parts)
+
+
+@pytest.mark.parametrize("t", [1, 12])  # split and unsplit
+@pytest.mark.parametrize("sizes", [[20, 30, 40], [20, 0, 70], [0, 90], [90], [45, 45, 0], [0, 0, 90]])
+def test_attention_key_pools_equal_their_concatenation(t, sizes, device, dtype):
+    """1, 2 and 3 pools (empty ones first, in the middle, last), each a row-strided view, give the
+    very bits of the concatenated pool, and the contract's reference within the tolerance."""
+    counts = [64 - 5 * i for i in range(t)]
+    q, kv, idx, sinks, scale = _attention_case(t, 3, 32, 90, 64, counts, device, dtype, seed=len(sizes))
+    whole = sparse.sparse_attention(q, kv, idx, sinks, scale)
+    pools = _cut(kv, sizes, extra=8)
+    assert all(p.stride(0) == 40 for p in pools)
+    out = sparse.sparse_attention(q, pools, idx, sinks, scale)
+    assert torch.equal(out, whole)
+    assert torch.equal(sparse.sparse_attention(q, list(pools), idx, sinks, scale), whole)
+    _close(out, ref.sparse_attention(q, pools, idx, sinks, scale), dtype)
+
+
+@pytest.mark.parametrize("sizes", [[5, 3, 4], [5, 0, 7], [0, 5, 7], [5, 7]])
+def test_attention_key_pools_boundary_rows(sizes, device, dtype):
+    """Each query names one row, the first or the last of a pool, among -1s; with a negligible
+    sink its output is exactly that row (a neighbour's row, or another pool's, would not be)."""
+    n = sum(sizes)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    boundary = sorted({r for s, m in zip(starts, sizes) if m for r in (s, s + m - 1)})
+    q, kv, _, sinks, scale = _attention_case(len(boundary), 2, 16, n, 4, [], device, dtype)
+    idx = torch.full((len(boundary), 4), -1, dtype=torch.int64)
+    for i, row in enumerate(boundary):
+        idx[i, i % 4] = row
+    out = sparse.sparse_attention(q, _cut(kv, sizes, extra=16), idx.to(device), torch.full_like(sinks, -1e4), scale)
+    for i, row in enumerate(boundary):
+        assert torch.equal(out[i], kv[row].expand(2, -1)), (sizes, row)
+
+
+def test_attention_key_pools_cache_views(device, dtype):
+    """The model's pools: new rows, a paged window ring [blocks, rows, d] viewed as [-1, d], and
+    the compressed entries a slice of rows of a wider cache, all read in place."""
+    gen = torch.Generator().manual_seed(5)
+    t, h, d = 3, 4, 32
+    new = torch.randn(t, d, generator=gen).to(device, dtype)
+    ring = torch.randn(4, 8, d, generator=gen).to(device, dtype)  # 32 window rows
+    entries_cache = torch.randn(30, d + 24, generator=gen).to(device, dtype)
+    entries = entries_cache[5:25, 24:]  # 20 entries, row stride d + 24, offset storage
+    pools = (new, ring.view(-1, d), entries)
+    n = 3 + 32 + 20
+    idx = _index_rows([40, 17, 1], 40, n, gen)
+    idx[2] = -1
+    idx[2, 7] = n - 1  # the last entry alone
+    idx = idx.to(device)
+    q = torch.randn(t, h, d, generator=gen).to(device, dtype)
+    sinks = torch.randn(h, generator=gen).to(device)
+    whole = torch.cat([new, ring.view(-1, d), entries])
+    out = sparse.sparse_attention(q, pools, idx, sinks, d**-0.5)
+    assert torch.equal(out, sparse.sparse_attention(q, whole, idx, sinks, d**-0.5))
+    _close(out, ref.sparse_attention(q, whole, idx, sinks, d**-0.5), dtype)
+
+
+def test_attention_key_pools_refused():
+    kv = torch.zeros(4, 8)
+    for bad in [(), (kv, kv, kv, kv), (kv, kv[:, :4]), (kv, kv.double()), (kv, kv[None])]:
+        with pytest.raises(ValueError, match="kv"):
+            sparse.sparse_attention(torch.zeros(1, 1, 8), bad, torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1), 1.0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="real sizes: GPU only")
 @pytest.mark.parametrize("t,heads,k", [(1, 64, 640), (8, 128, 1152), (64, 64, 640), (2048, 128, 640)])

@@ -17,6 +17,13 @@ query reads the same 512-wide rows, each row both key and value. So, as there:
   and a combine kernel merges them, adding the sink to the denominator there. With one split the
   first kernel adds the sink and writes the output itself.
 
+The key pool may come in up to 3 parts (the model's new rows and views of its caches, read in
+place): each part's base pointer, row stride and first row in the concatenation are arguments,
+POOLS (their number, empty parts dropped on the host) a constexpr; each gathered index picks its
+row's pointer from its pool (a select per row, still one load per tile). One pool compiles to
+exactly the single-pool gather. Parts must share the column stride (a column-strided part is
+made contiguous; a row-strided view, the usual case, is read as it is).
+
 A block of columns all -1 (or a whole query) leaves the running max at -inf: the exponents are
 then taken against 0 instead, so nothing is NaN and a query with no valid key gets zeros.
 P is rounded to the kv dtype for P V in 16-bit (the spec allows it), kept float32 in float32.
@@ -32,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_core.ops.sparse import key_pool_parts
 from deepinfer_nvidia_sm100.kernels.device import await_inputs, launch_options, num_sms
 
 LOG2E = 1.4426950408889634
@@ -98,20 +106,26 @@ def _attn_splits(queries: int, head_blocks: int, block_h: int, keys: int, block_
     return max(1, triton.cdiv(keys, per)), per
 
 
-@triton.jit(do_not_specialize=["num_keys", "split_len", "num_splits", "s_it"])
+@triton.jit(do_not_specialize=["num_keys", "split_len", "num_splits", "s_it", "kv1_start", "kv2_start"])
 def _sparse_attn_kernel(
-    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, part_ptr, lse_ptr,
+    q_ptr, kv_ptr, kv1_ptr, kv2_ptr, idx_ptr, sink_ptr, out_ptr, part_ptr, lse_ptr,
     scale_log2,
     num_heads, num_keys, split_len, num_splits,
+    kv1_start, kv2_start,
     s_qt, s_qh, s_qd,
-    s_kn, s_kd,
+    s_kn, s_k1n, s_k2n, s_kd,
     s_it, s_ik,
     s_ot, s_oh, s_od,
     s_pt, s_ps, s_ph,
     s_lt, s_ls,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_BLOCKS: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, POOLS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    """Key pools: row i of the concatenation is row i of kv (POOLS == 1, or i < kv1_start), row
+    i - kv1_start of kv1 (POOLS >= 2, i < kv2_start) or row i - kv2_start of kv2 (POOLS == 3),
+    each pool with its own row stride and the column stride s_kd; the row's pointer is chosen per
+    gathered index (one load per tile, whichever pool each row is in)."""
     await_inputs(PDL)
     pid = tl.program_id(0)
     hb = pid % HEAD_BLOCKS
@@ -137,7 +151,12 @@ def _sparse_attn_kernel(
         cols = n0 + tl.arange(0, BLOCK_N)
         idx = tl.load(idx_row + cols * s_ik, mask=cols < end, other=-1)
         valid = idx >= 0
-        rows = kv_ptr + tl.maximum(idx, 0).to(tl.int64) * s_kn
+        row = tl.maximum(idx, 0).to(tl.int64)
+        rows = kv_ptr + row * s_kn
+        if POOLS >= 2:  # an empty pool's start is the next one's: its rows are never chosen
+            rows = tl.where(row >= kv1_start, kv1_ptr + (row - kv1_start) * s_k1n, rows)
+        if POOLS >= 3:
+            rows = tl.where(row >= kv2_start, kv2_ptr + (row - kv2_start) * s_k2n, rows)
         kv = tl.load(rows[:, None] + d[None, :] * s_kd, mask=valid[:, None] & d_mask[None, :], other=0.0)
         s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
@@ -201,14 +220,34 @@ def _sparse_attn_combine_kernel(
     tl.store(out_ptr + t * s_ot + h * s_oh + d * s_od, (acc / total).to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor,
+def _key_pools(kv) -> tuple[list[torch.Tensor], list[int], int]:
+    """(the non-empty pools, at least one; the row each starts at in the concatenation; the
+    column stride they share). Pools without rows are dropped (the others' starts already skip
+    them); a pool whose column stride is not the others' (only a column-strided view can
+    differ) is copied contiguous. Shapes and strides only: no device work in the usual case."""
+    parts = key_pool_parts(kv)
+    starts = [sum(p.shape[0] for p in parts[:i]) for i in range(len(parts))]
+    kept = [(p, s) for p, s in zip(parts, starts) if p.shape[0]] or [(parts[0], 0)]
+    pools, starts = [p for p, _ in kept], [s for _, s in kept]
+    if len({p.stride(1) for p in pools}) > 1:
+        pools = [p.contiguous() for p in pools]
+    return pools, starts, pools[0].stride(1)
+
+
+def sparse_attention(q: torch.Tensor, kv, indices: torch.Tensor, sinks: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """Shared-KV attention with per-head sinks over the named pool rows (contract:
-    deepinfer_core.ops.sparse.sparse_attention). Graph-capture safe."""
+    deepinfer_core.ops.sparse.sparse_attention). ``kv``: one pool [N, d], or a tuple of 1..3
+    pools read in place (the kernel picks each gathered row's pool, no concatenation).
+    Graph-capture safe."""
+    pools, starts, s_kd = _key_pools(kv)
     t_all, heads, d = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if t_all == 0 or heads == 0:
         return out
+    kv = pools[0]
+    kv1, kv2 = (pools + [kv, kv])[1:3]  # unused pointers (POOLS < 3) repeat pool 0
+    starts_12 = (starts + [0, 0])[1:3]
     keys = indices.shape[1]
     block_h, block_n, num_warps = _attn_tiles(heads, kv.dtype)
     head_blocks = triton.cdiv(heads, block_h)
@@ -222,14 +261,15 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, s
     block_d = max(16, triton.next_power_of_2(d))
     precision = "ieee" if kv.dtype == torch.float32 else "tf32"
     _sparse_attn_kernel[(t_all * num_splits * head_blocks,)](
-        q, kv, indices, sinks, out, partial, lse,
+        q, kv, kv1, kv2, indices, sinks, out, partial, lse,
         scale * LOG2E,
         heads, keys, split_len, num_splits,
-        *q.stride(), *kv.stride(), *indices.stride(), *out.stride(),
+        *starts_12,
+        *q.stride(), kv.stride(0), kv1.stride(0), kv2.stride(0), s_kd, *indices.stride(), *out.stride(),
         *(partial.stride()[:3] if split else (0, 0, 0)),
         *(lse.stride()[:2] if split else (0, 0)),
         D=d, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_N=block_n, HEAD_BLOCKS=head_blocks,
-        SPLIT=split, DOT_PRECISION=precision,
+        SPLIT=split, DOT_PRECISION=precision, POOLS=len(pools),
         num_warps=num_warps, num_stages=ATTN_NUM_STAGES, **launch_options(q.device),
     )
     if split:
@@ -243,8 +283,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, s
     return out
 
 
-sparse_attention.impl = ("triton: gathered-key flash-decoding, (query, key split, head block) programs, "
-                         "log-sum-exp combine with the sink in the denominator")
+sparse_attention.impl = ("triton: gathered-key flash-decoding over 1-3 key pools in place, (query, key split, "
+                         "head block) programs, log-sum-exp combine with the sink in the denominator")
 
 
 # =============================================================================================

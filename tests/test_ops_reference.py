@@ -672,6 +672,26 @@ def test_sparse_attention_sinks_and_empty_rows():
     assert torch.count_nonzero(sparse.sparse_attention(q, kv[:0], torch.full((3, 2), -1), sinks, 0.3)) == 0
 
 
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_sparse_attention_key_pools_are_their_concatenation(batch_invariant):
+    """kv as 1-3 pools (a tuple or a list; empty ones anywhere; row-strided views) is the pool of
+    their rows in order: same bits as the concatenated tensor, in the plain and the
+    batch-invariant reference tables (which the Ascend plugin falls back to). Bad mixes are refused."""
+    from deepinfer_core.ops import reference_ops
+
+    op = reference_ops(batch_invariant)["sparse_attention"]
+    q, kv, sinks = randn(4, 3, 8), randn(12, 8), randn(3)
+    indices = torch.tensor([[0, 4, 5, 11], [-1, 3, -1, 6], [-1, -1, -1, -1], [11, 10, 9, 8]])
+    whole = op(q, kv, indices, sinks, 0.3)
+    wide = torch.cat([kv, kv], dim=1)[:, 8:]  # row stride 16
+    for pools in [(kv,), [kv[:5], kv[5:]], (kv[:5], kv[:0], wide[5:]), (kv[:0], wide[:7], kv[7:]), (kv[:4], kv[4:8], wide[8:])]:
+        assert torch.equal(op(q, pools, indices, sinks, 0.3), whole), [p.shape for p in pools]
+    assert torch.equal(sparse.key_pool((kv[:5], wide[5:])), kv) and sparse.key_pool(kv) is kv
+    for bad in [(), (kv,) * 4, (kv, kv[:, :4]), (kv, kv.double()), (kv, kv[None]), kv.tolist()]:
+        with pytest.raises(ValueError, match="kv"):
+            op(q, bad, indices, sinks, 0.3)
+
+
 def _windows(kv: torch.Tensor, gate: torch.Tensor, m: int, overlap: bool):
     """HF's compressor layout for one sequence: [n, m, C] (HCA), or [n, 2m, C/2] for CSA (window w
     pools window w-1's first half of channels and its own second half; window 0's first half

@@ -1,6 +1,9 @@
 """Benchmark of ``deepinfer_nvidia_sm100.kernels.sparse`` (the lead runs it on the GPU): V4's
 sparse_attention at decode and prefill shapes, beside the reference op (torch: gather + einsum +
-softmax, deepinfer_core.ops.sparse) on the same inputs."""
+softmax, deepinfer_core.ops.sparse) on the same inputs, and the same pool passed as the V4
+model's three pools in place (``[3 pools]``: NEW_ROWS new rows, a paged window ring viewed as
+rows, the compressed entries a row-strided slice of a wider cache) against concatenating them
+first, as the model did (``[cat + 1 pool]``)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,19 @@ from deepinfer_nvidia_sm100.kernels.sparse import sparse_attention
 
 HEAD_DIM = 512
 POOL = 8192  # key pool rows: the batch's window rings and compressed entries
+NEW_ROWS, RING_ROWS = 64, 4096  # the [3 pools] split: new rows, window ring rows, then the entries
+
+
+def _three_pools(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kv`` as the model's pools: new rows (contiguous), the window ring [blocks, 128, d] viewed
+    as [-1, d], the entries a row slice of a cache 64 columns wider (row-strided)."""
+    d = kv.shape[1]
+    new = kv[:NEW_ROWS].clone()
+    ring = kv[NEW_ROWS : NEW_ROWS + RING_ROWS].clone().view(-1, 128, d).view(-1, d)
+    rest = kv[NEW_ROWS + RING_ROWS :]
+    wide = torch.empty(rest.shape[0], d + 64, dtype=kv.dtype, device=kv.device)
+    wide[:, :d] = rest
+    return new, ring, wide[:, :d]
 
 
 def _cases():
@@ -59,5 +75,10 @@ def bench(device: str = "cuda") -> list[dict]:
         peer = do_bench(lambda: reference.sparse_attention(q, kv, indices, sinks, scale), return_mode="median")
         results.append({"name": name, "ms": ours, "vs_reference": peer / ours, **record})
         results.append({"name": f"{name} [reference]", "ms": peer, **record})
-        del q, kv, sinks, indices
+        pools = _three_pools(kv)
+        split = do_bench(lambda: sparse_attention(q, pools, indices, sinks, scale), return_mode="median")
+        cat = do_bench(lambda: sparse_attention(q, torch.cat(pools), indices, sinks, scale), return_mode="median")
+        results.append({"name": f"{name} [3 pools]", "ms": split, "vs_one_pool": ours / split, "vs_cat": cat / split, **record})
+        results.append({"name": f"{name} [cat + 1 pool]", "ms": cat, **record})
+        del q, kv, sinks, indices, pools
     return results

@@ -30,6 +30,7 @@ from deepinfer_core.models.v4.checkpoint import V4Checkpoint
 from deepinfer_core.models.v4.config import V4ModelConfig
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.rope import rope_cos_sin_table
+from deepinfer_core.ops.sparse import KeyPools
 
 CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 WINDOW, CSA_KV, CSA_INDEX, CSA_STATE, HCA_KV, HCA_STATE = "window", "csa_kv", "csa_index", "csa_state", "hca_kv", "hca_state"
@@ -178,11 +179,12 @@ def gather_rows(pools: tuple[torch.Tensor, torch.Tensor], idx: torch.Tensor) -> 
     return torch.where((idx < n)[..., None], first.to(b.dtype), second)
 
 
-def sparse_output(attn: nn.Module, q: torch.Tensor, pool, index: torch.Tensor, positions: torch.Tensor,
+def sparse_output(attn: nn.Module, q: torch.Tensor, pool: KeyPools, index: torch.Tensor, positions: torch.Tensor,
                   inverse: torch.Tensor) -> torch.Tensor:
-    """V4 / V4.1 attention's end: ``q`` [T, H, d] over the ``index`` rows of ``pool`` (a tensor,
-    or a tuple of tensors addressed as their concatenation: ops.sparse_attention) with the sinks,
-    the values' rotation undone at the query positions, the grouped output projections."""
+    """V4 / V4.1 attention's end: ``q`` [T, H, d] over the ``index`` rows of ``pool`` (with the
+    sinks), the values' rotation undone at the query positions, the grouped output projections.
+    ``pool``: one [N, d] tensor or a tuple of 1-3 pools (new rows, cache views) indexed as their
+    concatenation, as ``ops.sparse_attention`` takes it."""
     ops = attn.ops
     out = ops.sparse_attention(q, pool, index, attn.sinks, attn.head_dim**-0.5)
     out = apply_rope(ops, out, positions, inverse)  # undo the values' rotation at the query position

@@ -5,7 +5,8 @@ top-6 + 2 shared, MLA without q_lora, ~15.7B parameters, bf16): it fits one 141 
 ``v3-slice``: DeepSeek-V3's config.json with 4 layers (1 dense + 3 MoE) instead of 61 and no MTP
 layer, block-FP8 weights as DeepSeek ships them: every per-layer shape is the real one.
 ``v3``, ``v4-flash``, ``v4-pro``: the full configs (cache sizing; too large to run on one GPU).
-``v4-flash-slice``: DeepSeek-V4-Flash's config.json with its first 4 layers and no MTP block.
+``v4-flash-slice`` / ``v4-pro-slice``: DeepSeek-V4-Flash's / V4-Pro's config.json with its first 4
+layers and no MTP block.
 ``v41-flash``: DeepSeek-V4.1-Flash's config.json (§4.9); ``v41-flash-slice``: its per-layer shapes
 in 6 layers (see below).
 """
@@ -67,6 +68,8 @@ V4_PRO = {
 # V4-Flash's first four layers (sliding-only, sliding-only, CSA, HCA; the first three hash-routed), no MTP:
 # every per-layer shape is the real one.
 V4_FLASH_SLICE = {**V4_FLASH, "num_hidden_layers": 4, "compress_ratios": [0, 0, 4, 128, 0], "num_nextn_predict_layers": 0}
+# V4-Pro's first four layers (HCA, HCA, CSA, HCA; the first three hash-routed), no MTP: its real per-layer shapes.
+V4_PRO_SLICE = {**V4_PRO, "num_hidden_layers": 4, "compress_ratios": [128, 128, 4, 128, 0], "num_nextn_predict_layers": 0}
 V3_FULL = {**V3_SLICE, "num_hidden_layers": 61}
 
 
@@ -90,6 +93,7 @@ V41_FLASH_SLICE["text_config"].update(
 del V41_FLASH_SLICE["image_token_id"]  # benchmarks draw random prompts over the whole vocabulary
 
 MODELS = {"v2-lite": V2_LITE, "v3-slice": V3_SLICE, "v3": V3_FULL, "v4-flash": V4_FLASH, "v4-pro": V4_PRO, "v4-flash-slice": V4_FLASH_SLICE,
+          "v4-pro-slice": V4_PRO_SLICE,
           "v41-flash": V41_FLASH, "v41-flash-slice": V41_FLASH_SLICE}
 # Engram hashes read a tokenizer: V4.1 slices get the conformance tokenizer (1426 compressed ids).
 NEEDS_TOKENIZER = ("v41-flash-slice",)

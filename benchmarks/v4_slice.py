@@ -41,6 +41,18 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def slice_dir(model: str, expert_dtype: str | None) -> Path:
+    """A config-only checkpoint of ``model`` (benchmarks.models), its experts stored as
+    ``expert_dtype`` says ("fp4": MXFP4, kept packed where the platform can; "bf16"), or as the
+    real config has them (None)."""
+    path = write_config(model, Path(tempfile.mkdtemp(prefix="deepinfer-v4-")))
+    if expert_dtype is not None:
+        config = json.loads((path / "config.json").read_text())
+        config["expert_dtype"] = expert_dtype
+        (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
 def build(max_num_seqs: int, max_model_len: int, accelerator: str, model_dir: Path | None = None, **kwargs):
     from deepinfer_core import LLM
 
@@ -116,6 +128,36 @@ def cadence_points(llm, batches, prompt_len: int, new_tokens: int, bandwidth: fl
               + f"; prefill {row['prefill_tokens_per_s']:.0f} tok/s", flush=True)
         out.append(row)
     return out
+
+
+def plot_cadence(result: dict, out: Path) -> Path | None:
+    """cadence.png: the decode step through LLM.generate and its HBM floor against the batch size
+    (log-log), with transformers' step where it ran. None where matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("no matplotlib: cadence.png not drawn (pip install 'deepinfer[bench]')", flush=True)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result.get("cadence", [])
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    ax.plot([r["batch"] for r in rows], [r["decode_step_ms"] for r in rows], "o-", label="DeepInfer (LLM.generate)")
+    if rows and "floor_ms" in rows[0]:
+        ax.plot([r["batch"] for r in rows], [r["floor_ms"] for r in rows], "k--", label="HBM floor (copy bandwidth)")
+    peers = [p for p in result.get("transformers", []) if "step_s" in p]
+    if peers:
+        ax.plot([p["batch"] for p in peers], [p["step_s"] * 1e3 for p in peers], "s", label="transformers")
+    ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="decode step (ms)",
+           title=f"{result['model']} ({result['experts_stored_as']} experts), {result['device']}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path = out / "cadence.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def generate_points(llm, batches, prompt_len: int, new_tokens: int) -> list[dict]:
@@ -240,6 +282,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--profile", action="append", default=None, help="BATCHxCONTEXT of a decode profile (repeatable)")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--model", default="v4-flash-slice", choices=("v4-flash-slice", "v4-pro-slice"))
+    parser.add_argument("--expert-dtype", choices=("fp4", "bf16"), default=None,
+                        help="the routed experts' stored format (default: the real config's, MXFP4)")
     parser.add_argument("--model-dir", type=Path, default=None, help="another V4 config.json directory (smoke tests)")
     parser.add_argument("--cadence", action="store_true", help="decode cadence through LLM.generate against the HBM floor")
     parser.add_argument("--hf-peer", action="append", default=None, metavar="BATCHxCONTEXT",
@@ -249,10 +294,12 @@ def main() -> None:
     batches = args.batch or [1, 8, 32]
     points = [tuple(map(int, p.split("x"))) for p in (args.profile or ["1x2048", "8x2048", "32x2048"])]
     pb, pc = max(b for b, _ in points), max(c for _, c in points)
-    model_dir = args.model_dir or write_config("v4-flash-slice", Path(tempfile.mkdtemp(prefix="deepinfer-v4-")))
+    model_dir = args.model_dir or slice_dir(args.model, args.expert_dtype)
     llm, load_s = build(max(max(batches), pb), max(args.prompt_len, pc) + args.new_tokens + args.steps + 64, args.accelerator,
                         model_dir)
-    result = {"model": "v4-flash-slice", "load_seconds": load_s, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    experts = llm.engine.model.model.layers[0].mlp.experts.gate_up_proj
+    result = {"model": args.model, "expert_dtype": args.expert_dtype or "config", "experts_stored_as": str(experts.dtype),
+              "load_seconds": load_s, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "generate": generate_points(llm, batches, args.prompt_len, args.new_tokens),
               "profile": [profile_decode(llm, b, c, args.steps) for b, c in points]}
     if args.cadence:
@@ -277,6 +324,8 @@ def main() -> None:
         result.setdefault("transformers", []).append(peer)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "v4_slice.json").write_text(json.dumps(result, indent=1))
+    if args.cadence:
+        plot_cadence(result, args.out)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ never quantised (W4A16). The weight stream, what decode is bound by, is a quarte
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -245,22 +247,32 @@ def with_mxfp4(clamped, plain=None) -> dict:
     ``mxfp4_experts`` and every other call to the given callables: ``clamped`` (a
     moe_experts_clamped) and, when given, ``plain`` (a moe_experts; its attributes, such as
     ``shared_expert_max_tokens``, are kept: uint8 is no dtype it names, so packed experts are never
-    fused with the shared ones). For backend.deepinfer_ops: ``ops.update(with_mxfp4(...))``."""
+    fused with the shared ones). For backend.deepinfer_ops: ``ops.update(with_mxfp4(...))``. One
+    wrapper per callable (cached): tables built twice hold the same entry for the same kernel."""
+    table = {"moe_experts_clamped": _clamped_entry(clamped)}
+    if plain is not None:
+        table["moe_experts"] = _plain_entry(plain)
+    return table
 
+
+@functools.cache
+def _clamped_entry(clamped):
     def moe_experts_clamped(x, w13, w2, topk_weights, topk_ids, limit, w13_scale=None, w2_scale=None, block=None):
         if w13.dtype == torch.uint8:
             return mxfp4_experts(x, w13, w2, topk_weights, topk_ids, limit, w13_scale, w2_scale)
         return clamped(x, w13, w2, topk_weights, topk_ids, limit, w13_scale, w2_scale, block)
 
     moe_experts_clamped.impl = f"{getattr(clamped, 'impl', '') or 'reference'}; MXFP4 experts: {mxfp4_experts.impl}"
-    table = {"moe_experts_clamped": moe_experts_clamped}
-    if plain is not None:
-        def moe_experts(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, block=None, **kwargs):
-            if w13.dtype == torch.uint8:
-                return mxfp4_experts(x, w13, w2, topk_weights, topk_ids, None, w13_scale, w2_scale)
-            return plain(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, **kwargs)
+    return moe_experts_clamped
 
-        moe_experts.__dict__.update(plain.__dict__)
-        moe_experts.impl = f"{getattr(plain, 'impl', '') or 'reference'}; MXFP4 experts: {mxfp4_experts.impl}"
-        table["moe_experts"] = moe_experts
-    return table
+
+@functools.cache
+def _plain_entry(plain):
+    def moe_experts(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, block=None, **kwargs):
+        if w13.dtype == torch.uint8:
+            return mxfp4_experts(x, w13, w2, topk_weights, topk_ids, None, w13_scale, w2_scale)
+        return plain(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, **kwargs)
+
+    moe_experts.__dict__.update(plain.__dict__)
+    moe_experts.impl = f"{getattr(plain, 'impl', '') or 'reference'}; MXFP4 experts: {mxfp4_experts.impl}"
+    return moe_experts

@@ -52,13 +52,15 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def with_graphs(engine, sizes=(1, 2, 4)):
-    """Give a CPU engine decode graphs captured the way a graph platform's engine does at start-up."""
+def with_graphs(engine, sizes=(1, 2, 4), buckets=()):
+    """Give a CPU engine decode graphs captured the way a graph platform's engine does at start-up
+    (``buckets``: context buckets, in tokens, for a ``graphs_by_context`` model)."""
     lookahead = engine.kv.lookahead
     query_lens = (1, 1 + lookahead) if lookahead else (1,)
     widths = max_blocks_per_group(engine.cache_groups, engine.max_model_len, engine.kv.block_size, max(query_lens), engine.kv.rings)
     graphs = DecodeGraphs(engine.model, engine.kv_cache.tensors, engine.cache_groups, widths, sizes, query_lens,
-                          engine.device, RecomputeGraphs(), keep_streams=engine.runner.keep_hidden and engine.model.mtp_reads_streams)
+                          engine.device, RecomputeGraphs(), keep_streams=engine.runner.keep_hidden and engine.model.mtp_reads_streams,
+                          context_buckets=buckets, block_size=engine.kv.block_size)
     graphs.capture_all(progress=False)
     engine.runner.graphs = graphs
     return graphs
@@ -188,17 +190,18 @@ def test_padding_rows_are_reset_after_a_larger_step(checkpoint):
             assert la.keys() == lb.keys() and all(abs(la[t] - lb[t]) < 1e-5 for t in la)
 
 
-def _generate_v4(path, graphs: bool, **engine_args):
+def _generate_v4(path, graphs: bool, buckets=(), **engine_args):
     """A V4 checkpoint's greedy tokens; with ``graphs``, its decode steps replayed from graphs
-    captured over full-width block tables (the index tensors' shapes must not follow the batch)."""
+    captured over full-width block tables (the index tensors' shapes must not follow the batch),
+    and over narrower ones per context bucket (``buckets``)."""
     llm = LLM(model=str(path), accelerator="cpu", dtype="float32", progress=False, **engine_args)
     engine = llm.engine
     replays = []
     if graphs:
-        g = with_graphs(engine)
+        g = with_graphs(engine, buckets=buckets)
         warm_up(engine, g.sizes, progress=False)
         real = g.replay
-        g.replay = lambda hb, q_len, fill: replays.append((len(hb.seq_lens), q_len)) or real(hb, q_len, fill)
+        g.replay = lambda hb, q_len, fill: replays.append((len(hb.seq_lens), q_len, max(hb.seq_lens))) or real(hb, q_len, fill)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
     prompts = [[(7 * i + 3) % 150 + 2 for i in range(n)] for n in (70, 9, 33)]
     return llm.generate(prompts, params, use_tqdm=False), engine, replays
@@ -215,7 +218,7 @@ def test_v4_graph_steps_match_eager_steps(tmp_path, name):
     write_checkpoint_v4(name, path)
     expected, _, _ = _generate_v4(path, False)
     got, engine, replays = _generate_v4(path, True)
-    assert engine.model.supports_graphs and replays and any(n == 3 for n, _ in replays)
+    assert engine.model.supports_graphs and replays and any(n == 3 for n, _, _ in replays)
     for a, b in zip(expected, got):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
@@ -285,3 +288,21 @@ def test_v4_decode_forward_never_waits_for_the_device(tmp_path, monkeypatch):
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert "forward_streams" in checked and "forward_mtp" in checked
     assert not watch.seen, sorted(set(watch.seen))
+
+
+def test_v4_graphs_by_context_bucket(tmp_path):
+    """A graphs_by_context model's steps replay the graph of the narrowest context bucket holding
+    their longest sequence (here 75 tokens, then the full width once a sequence outgrows it): the
+    eager steps' tokens either way, and both kinds of graph are used."""
+    from deepinfer_core.engine.graphs import context_buckets
+    from tests.hf_checkpoints_v4 import write_checkpoint_v4
+
+    assert context_buckets(100_000) == (4096, 16384, 65536) and context_buckets(4096) == ()
+    path = tmp_path / "v4"
+    write_checkpoint_v4("v4_flash_like", path)
+    expected, _, _ = _generate_v4(path, False)
+    got, engine, replays = _generate_v4(path, True, buckets=(75,))  # the 70-token prompt grows to 80
+    graphs = engine.runner.graphs
+    assert engine.model.graphs_by_context and graphs.buckets == [75] and len(graphs.bucket_graphs) == len(graphs.graphs)
+    assert any(longest <= 75 for _, _, longest in replays) and any(longest > 75 for _, _, longest in replays)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]

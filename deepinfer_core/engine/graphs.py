@@ -15,7 +15,10 @@ full width (the longest sequence the model allows): the decode kernels read no f
 each sequence's length, and split their work by it, so one width serves every context.
 
 Batch buckets come from the backend's ``SchedulerLimits.graph_batch_sizes``. Batches larger
-than the largest bucket run eagerly. Every op on the decode path must be free of host
+than the largest bucket run eagerly. A model whose decode work follows the width of its block
+tables (``graphs_by_context``: V4's indexer scores every entry a table could name) gets graphs
+per context bucket too (``context_buckets``): a step replays the graph of the narrowest paged
+tables that hold its longest sequence. Every op on the decode path must be free of host
 synchronisation (the backend declares that with ``Platform.graph_capture``).
 """
 
@@ -71,7 +74,8 @@ class DecodeGraphs:
 
     def __init__(self, model, kv_caches: dict[str, torch.Tensor], groups: list[CacheGroup], max_blocks: dict[str, int],
                  batch_sizes: tuple[int, ...], query_lens: tuple[int, ...], device: torch.device, backend,
-                 draft_dim: int | tuple[int, ...] = 0, keep_streams: bool = False):
+                 draft_dim: int | tuple[int, ...] = 0, keep_streams: bool = False, context_buckets: tuple[int, ...] = (),
+                 block_size: int = 0):
         self.model = model
         self.kv_caches = kv_caches
         self.groups = groups
@@ -94,19 +98,31 @@ class DecodeGraphs:
         self.prev = torch.zeros(n * q, *shape, dtype=model.dtype, device=device) if draft_dim else None
         self.label = "draft" if draft_dim else "decode"
         self.keep_streams = keep_streams
+        # (batch, row length) -> the graph over full-width tables; (batch, row length, tokens) -> the
+        # graph whose paged tables hold ``tokens`` of context (context_buckets, narrowest first)
         self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
+        self.bucket_graphs: dict[tuple[int, int, int], tuple[object, torch.Tensor]] = {}
+        self.paged = {g.name for g in groups if g.kind == "paged"}
+        self.block_size = block_size
+        self.buckets = sorted(b for b in set(context_buckets) if block_size and -(-b // block_size) < min(
+            (max_blocks[name] for name in self.paged), default=0))
         self.capture_seconds = 0.0
 
     @property
     def max_batch(self) -> int:
         return self.sizes[-1]
 
-    def _meta(self, size: int, q_len: int) -> BatchMeta:
+    def _width(self, name: str, tokens: int | None) -> int:
+        """Columns of group ``name``'s tables in the graph of context bucket ``tokens`` (None: all)."""
+        full = self.tables[name].shape[1]
+        return full if tokens is None or name not in self.paged else min(full, -(-tokens // self.block_size))
+
+    def _meta(self, size: int, q_len: int, tokens: int | None = None) -> BatchMeta:
         t = size * q_len
         groups = {
             g.name: GroupMeta(
                 slot_mapping=self.slots[g.name][:t],
-                block_tables=self.tables[g.name][:size],
+                block_tables=self.tables[g.name][:size, : self._width(g.name, tokens)],
                 context_slots=self._no_context,
                 valid_from=self.valid_from[g.name][:size] if g.name in self.valid_from else None,
             )
@@ -121,29 +137,35 @@ class DecodeGraphs:
             groups=groups,
         )
 
-    def _forward(self, size: int, q_len: int):
+    def _forward(self, size: int, q_len: int, tokens: int | None = None):
         t = size * q_len
+        meta = self._meta(size, q_len, tokens)
         if self.prev is not None:
-            return self.model.forward_mtp(0, self.input_ids[:t], self.positions[:t], self.prev[:t], self._meta(size, q_len), self.kv_caches)
+            return self.model.forward_mtp(0, self.input_ids[:t], self.positions[:t], self.prev[:t], meta, self.kv_caches)
         if self.keep_streams:
-            streams = self.model.forward_streams(self.input_ids[:t], self.positions[:t], self._meta(size, q_len), self.kv_caches)
+            streams = self.model.forward_streams(self.input_ids[:t], self.positions[:t], meta, self.kv_caches)
             return self.model.head_hidden(streams), streams
-        return self.model.forward(self.input_ids[:t], self.positions[:t], self._meta(size, q_len), self.kv_caches)
+        return self.model.forward(self.input_ids[:t], self.positions[:t], meta, self.kv_caches)
 
     @torch.inference_mode()
     def capture_all(self, progress: bool = True) -> None:
         """Capture every (batch bucket, row length): nothing written to the cache, every row
         attending to its first entries."""
         t0 = time.perf_counter()
-        todo = [(size, ql) for ql in self.query_lens for size in self.sizes]
-        for size, ql in tqdm(todo, desc=f"Capturing {self.label} graphs", unit="graph", disable=not progress):
+        todo = [(size, ql, tokens) for ql in self.query_lens for size in self.sizes for tokens in [*self.buckets, None]]
+        for size, ql, tokens in tqdm(todo, desc=f"Capturing {self.label} graphs", unit="graph", disable=not progress):
             for slots in self.slots.values():
                 slots.fill_(-1)
             self.seq_lens.fill_(ql)
-            self.graphs[(size, ql)] = self.backend.capture(lambda size=size, ql=ql: self._forward(size, ql))
+            graph = self.backend.capture(lambda size=size, ql=ql, tokens=tokens: self._forward(size, ql, tokens))
+            if tokens is None:
+                self.graphs[(size, ql)] = graph
+            else:
+                self.bucket_graphs[(size, ql, tokens)] = graph
         self.capture_seconds = time.perf_counter() - t0
-        log.info("captured %d %s graphs (batch sizes %s, row lengths %s) in %.1f s",
-                 len(todo), self.label, self.sizes, self.query_lens, self.capture_seconds)
+        log.info("captured %d %s graphs (batch sizes %s, row lengths %s%s) in %.1f s", len(todo), self.label, self.sizes,
+                 self.query_lens, f", context buckets {self.buckets} tokens and the full width" if self.buckets else "",
+                 self.capture_seconds)
 
     def query_len_for(self, out) -> int | None:
         """The row length of the graph that can run this step, or None (run it eagerly)."""
@@ -196,11 +218,23 @@ class DecodeGraphs:
             self.prev[:t].copy_(prev)
             if size > n:  # padding sequences repeat sequence 0 (its experts, nothing written)
                 self.prev[t:total].copy_(prev[:q_len].repeat(size - n, *[1] * (prev.dim() - 1)))
-        graph, hidden = self.graphs[(size, q_len)]
+        longest = max(hb.seq_lens)
+        tokens = next((b for b in self.buckets if longest <= b), None)
+        graph, hidden = self.graphs[(size, q_len)] if tokens is None else self.bucket_graphs[(size, q_len, tokens)]
         self.backend.replay(graph)
         if isinstance(hidden, tuple):  # (hidden, the draft state for the next row): V4's MTP block
             return tuple(h[:t] for h in hidden)
         return hidden[:t]
+
+
+def context_buckets(max_model_len: int, smallest: int = 4096, factor: int = 4) -> tuple[int, ...]:
+    """Context lengths (tokens) below ``max_model_len`` at which a ``graphs_by_context`` model's
+    decode graphs are captured narrower than full width: smallest, x factor, ..."""
+    out, b = [], smallest
+    while b < max_model_len:
+        out.append(b)
+        b *= factor
+    return tuple(out)
 
 
 def max_blocks_per_group(groups: list[CacheGroup], max_model_len: int, block_size: int, max_query_len: int, ring_blocks: dict[str, int]) -> dict[str, int]:

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from deepinfer_core.config import ConfigError, EngineConfig, settings
 from deepinfer_core.dtypes import DTYPES, dtype_from_name
-from deepinfer_core.engine.graphs import DecodeGraphs, max_blocks_per_group
+from deepinfer_core.engine.graphs import DecodeGraphs, context_buckets, max_blocks_per_group
 from deepinfer_core.engine.kv_cache import KVCache, KVCacheManager
 from deepinfer_core.engine.output import OutputProcessor
 from deepinfer_core.engine.runner import ModelRunner
@@ -134,8 +134,9 @@ def start(self, model_dir: Path, engine_config: EngineConfig, backend_name: str 
         query_lens = (1, 1 + lookahead) if lookahead else (1,)
         widths = max_blocks_per_group(groups, max_len, block_size, max(query_lens), self.kv.rings)
         streams = drafter and sc.method == "mtp" and self.model.mtp_reads_streams  # V4's MTP block reads the streams
+        buckets = context_buckets(max_len) if self.model.graphs_by_context else ()
         graphs = DecodeGraphs(self.model, self.kv_cache.tensors, groups, widths, sizes, query_lens, self.device, self.platform.graphs(),
-                              keep_streams=streams)
+                              keep_streams=streams, context_buckets=buckets, block_size=block_size)
     self.runner = ModelRunner(self.model, self.kv_cache, self.kv, self.device, graphs, keep_hidden=drafter and sc.method == "mtp",
                               prefills_as_rows=engine_config.batch_invariant)
     self.proposer = proposers.build(sc, self.model, self.runner, self.ops, eos_ids, max_len, self.platform.copy_to_host,
@@ -144,7 +145,7 @@ def start(self, model_dir: Path, engine_config: EngineConfig, backend_name: str 
         c = self.model_config  # the MTP block reads the last layer's streams where the model says so (V4)
         state = (c.hc_mult, c.hidden_size) if self.model.mtp_reads_streams else c.hidden_size
         draft = DecodeGraphs(self.model, self.kv_cache.tensors, groups, widths, sizes, query_lens, self.device,
-                             self.platform.graphs(), draft_dim=state)
+                             self.platform.graphs(), draft_dim=state, context_buckets=buckets, block_size=block_size)
         try:
             draft.capture_all(progress)
             self.proposer.graphs = draft

@@ -31,6 +31,9 @@ class CausalLM(Protocol):
     * ``supports_graphs``: its decode steps may be captured as CUDA graphs (every decode-only
       forward free of host synchronisation, its tensors' shapes from the batch's shapes alone;
       V4.1's index tensors still follow each batch's context lengths: False).
+    * ``graphs_by_context``: its decode work follows the width of the block tables, not each
+      sequence's length (V4's indexer scores every entry a table could name), so its graphs are
+      captured per context bucket as well (``engine.graphs.context_buckets``).
     * ``supports_batch_invariance``: a row's arithmetic can be made independent of its batch
       (``batch_invariant=True``).
     * ``supports_context_parallel``: ``prefill_context_parallel`` / ``write_context`` work.
@@ -51,6 +54,7 @@ class CausalLM(Protocol):
 
     checkpoint_format: Any
     supports_graphs: bool
+    graphs_by_context: bool
     supports_batch_invariance: bool
     supports_context_parallel: bool
     mtp_reads_streams: bool
@@ -90,7 +94,7 @@ class CausalLM(Protocol):
 
 # Members a class must define (the Protocol's attributes and methods), with the type of each
 # class attribute's value.
-CLASS_FLAGS = ("supports_graphs", "supports_batch_invariance", "supports_context_parallel", "mtp_reads_streams")
+CLASS_FLAGS = ("supports_graphs", "graphs_by_context", "supports_batch_invariance", "supports_context_parallel", "mtp_reads_streams")
 METHODS = ("cache_groups", "post_load", "drop_mtp_layers", "set_tokenizer", "forward", "compute_logits",
            "prefill_context_parallel", "write_context")
 

@@ -394,6 +394,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     supports_batch_invariance = True
     supports_context_parallel = True  # prefill_context_parallel / write_context
     supports_graphs = True
+    graphs_by_context = False  # its decode kernels read no further than each sequence's length
     mtp_reads_streams = False  # its MTP layers read the final hidden state
     draft_method = "mtp"
     lookback_tokens = 0  # a forward reads no token before a sequence's new ones

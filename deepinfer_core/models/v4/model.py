@@ -458,6 +458,7 @@ class V4FamilyLM(nn.Module):
     tensors' sizes still depend on each batch's context lengths)."""
 
     supports_graphs = False
+    graphs_by_context = True  # decode-only forwards score every entry the block tables could name
     supports_batch_invariance = False  # prompt and decode tokens read their attention context along different paths
     mtp_reads_streams = True  # the draft layers read the last layer's hyper-connection streams (forward_streams)
     lookback_tokens = 0  # a forward reads no token before a sequence's new ones (V4.1's Engram does)

@@ -207,7 +207,7 @@ def to_output(req: Request, speculative: bool) -> RequestOutput:
             text=s.text,
             token_ids=list(s.output_token_ids),
             cumulative_logprob=s.cumulative_logprob if s.output_logprobs is not None else None,
-            logprobs=s.output_logprobs,
+            logprobs=None if s.output_logprobs is None else list(s.output_logprobs),  # a copy, as token_ids: the engine goes on
             finish_reason=s.finish_reason,
             stop_reason=s.stop_reason,
         )

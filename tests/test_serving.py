@@ -296,7 +296,9 @@ def test_version_tokenize_detokenize_and_one_model_by_id(client, server):
     ({"prompt": "x", "n": 9}, 400, "n="),
     ({"prompt": "x", "logprobs": 99}, 400, "logprobs"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "gpt-4"),
-    ({"prompt": "x", "echo": True}, 400, "echo"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "allowed only with echo"),  # scoring only: max_tokens=0 wants echo
+    ({"prompt": "x", "max_tokens": -1, "echo": True}, 400, "max_tokens"),
+    ({"prompt": "x", "echo": "yes"}, 400, "echo: Input should be a valid boolean"),
     ({}, 400, "prompt"),
     ({"prompt": [99999]}, 400, "99999"),
     ({"prompt": "x " * 5000}, 400, "max_model_len"),

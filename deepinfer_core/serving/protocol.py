@@ -2,7 +2,7 @@
 mapping to SamplingParams.
 
 Fields a client sends that we do not know are ignored, as OpenAI's and Anthropic's own SDKs add
-new ones over time; fields we know but cannot honour (``echo``, ``best_of`` other than n,
+new ones over time; fields we know but cannot honour (``best_of`` other than n,
 ``suffix``, function tools on models without them, content blocks other than text, vLLM's
 structured-output options we have no equivalent for) are a 400 naming the field and what to
 send instead (``FieldError``).
@@ -172,7 +172,8 @@ class _Common(BaseModel):
             raise FieldError(f"best_of={self.best_of} above n={self.n} is not supported (the server does not rank samples); "
                              f"ask for n={self.best_of} samples with logprobs and keep the best yourself", "best_of")
         if self.prompt_logprobs is not None:
-            raise FieldError("prompt_logprobs is not returned by this server; LLM.generate gives them offline", "prompt_logprobs")
+            raise FieldError("prompt_logprobs is not a field of this server; ask completions for echo: true with logprobs "
+                             "(the prompt's logprobs come back before the completion's), or use LLM.generate offline", "prompt_logprobs")
         if self.use_beam_search:
             raise FieldError("use_beam_search is not supported; sample with n and temperature instead", "use_beam_search")
         if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
@@ -225,12 +226,14 @@ class _Common(BaseModel):
         so_args, _ = self.structured()
         if self.n > limits.max_n:
             raise FieldError(f"n={self.n} is more than this server allows ({limits.max_n})", "n")
-        max_tokens = self.max_tokens or (min(16, limits.max_tokens) if isinstance(self, CompletionRequest) else limits.max_tokens)
+        max_tokens = self.max_tokens if self.max_tokens is not None else (
+            min(16, limits.max_tokens) if isinstance(self, CompletionRequest) else limits.max_tokens)
         if max_tokens > limits.max_tokens:
             raise FieldError(f"max_tokens={max_tokens} is more than this server allows ({limits.max_tokens})", "max_tokens")
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
-            max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop if self.stop is not None else [],
+            # max_tokens 0 (completions with echo: the prompt scored) runs 1 token, which the route drops
+            max_tokens=max(max_tokens, 1), min_tokens=self.min_tokens, stop=self.stop if self.stop is not None else [],
             ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=logprobs, so_args=so_args, logit_bias=self.logit_bias,
@@ -241,19 +244,31 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: the prompt scored, nothing generated
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> CompletionRequest:
-        if self.echo:
-            raise FieldError("echo is not supported; prepend the prompt to the text yourself", "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise FieldError("max_tokens=0 generates nothing; it is allowed only with echo: true (to score the prompt, "
+                             "with logprobs); ask for at least 1 token, or set echo", "max_tokens")
         if self.suffix:
             raise FieldError("suffix is not supported (no fill-in-the-middle here); leave it out", "suffix")
         if isinstance(self.prompt, list) and not self.prompt:
             raise FieldError("prompt is empty; give a string, a list of strings or token ids", "prompt")
         return self
+
+    @property
+    def scores_only(self) -> bool:
+        """echo with max_tokens=0: the prompt (and its logprobs) back, no completion (vLLM's scoring)."""
+        return self.echo and self.max_tokens == 0
+
+    def sampling_params(self, limits: Limits, logprobs: int | None) -> SamplingParams:
+        """With echo and logprobs, the prompt's logprobs too (the engine's ``prompt_logprobs``)."""
+        params = super().sampling_params(limits, logprobs)
+        return params.model_copy(update={"prompt_logprobs": logprobs}) if self.echo and logprobs is not None else params
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

@@ -40,6 +40,7 @@ from deepinfer_core.serving.async_llm import AsyncLLM
 from deepinfer_core.serving.common import (BadRequest, Deltas, check_model, encode, error_body, fit_context, merged,
                                           run_all, sampling_params_of, sse, validation_message)
 from deepinfer_core.serving.drivers import Unavailable
+from deepinfer_core.serving.echo import Echo
 from deepinfer_core.serving.metrics import ServerMetrics
 from deepinfer_core.serving import tokens
 from deepinfer_core.serving.protocol import ChatMessage, ChatRequest, CompletionRequest, Limits
@@ -187,15 +188,17 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
         check_model(body.model, model_name)
         params = sampling_params_of(body, limits, body.logprobs)
         so_field = body.structured()[1]
-        prompts = [encode(engine, p) for p in body.prompts()]
+        given = body.prompts()
+        prompts = [encode(engine, p) for p in given]
         fit_context(params, [len(p) for p in prompts], engine.engine.max_model_len, body.max_tokens is not None, "prompt")
+        echo = Echo(engine.tokenizer, given, prompts, body.echo, body.scores_only, params.skip_special_tokens)
         prompts = [{"prompt_token_ids": p} for p in prompts]  # tokenized once
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return await sse(_stream_completion(engine, rid, model_name, prompts, params, *body.usage_chunks, so_field=so_field))
-        outs = await run_all(engine, rid, prompts, params, request, so_field)
-        choices = [{"index": p * params.n + c.index, "text": c.text, "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason, "logprobs": _completion_logprobs(c) if params.logprobs is not None else None}
+            return await sse(_stream_completion(engine, rid, model_name, prompts, params, *body.usage_chunks, so_field=so_field,
+                                                echo=echo))
+        outs = [echo.output(o) for o in await run_all(engine, rid, prompts, params, request, so_field)]
+        choices = [_completion_choice(p * params.n + c.index, echo.choice(p, out, c), params.logprobs is not None, echo)[0]
                    for p, out in enumerate(outs) for c in out.outputs]
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
                 "choices": choices, "usage": _usage(outs)}
@@ -265,15 +268,26 @@ def _piece(token: int, logprob) -> str:
     return logprob.decoded_token if getattr(logprob, "decoded_token", None) is not None else str(token)
 
 
-def _completion_logprobs(c, start: int = 0, offset: int = 0) -> dict:
-    """OpenAI's completion logprobs of the tokens from ``start`` on. ``text_offset``: where each
-    token's text starts in the choice's text, counted as vLLM does (the lengths of the tokens'
-    texts before it, from ``offset``: the text a stream sent before)."""
+def _completion_choice(index: int, c, logprobs: bool, echo: Echo, start: int = 0, offset: int = 0,
+                       text: str | None = None) -> tuple[dict, int]:
+    """(the choice of sample ``c`` from its token ``start`` on, the text offset after it)."""
+    lp, end = _completion_logprobs(c, start, offset, echo) if logprobs else (None, offset)
+    return {"index": index, "text": c.text if text is None else text, "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason, "logprobs": lp}, end
+
+
+def _completion_logprobs(c, start: int, offset: int, echo: Echo) -> tuple[dict, int]:
+    """OpenAI's completion logprobs of the tokens from ``start`` on, and the text offset after
+    them. ``text_offset``: where each token's text starts in the choice's text (the lengths of
+    the tokens' texts before it, from ``offset``: the text a stream sent before; a special token
+    the text skips, as an echoed prompt's BOS, adds nothing). A token without logprobs (an echoed
+    prompt's first) has None for them, and ``echo.piece`` for its text."""
     ids, tops = c.token_ids[start:], (c.logprobs or [])[start:]
-    tokens = [_piece(t, top.get(t)) for t, top in zip(ids, tops)]
-    return {"tokens": tokens, "token_logprobs": [top.get(t) for t, top in zip(ids, tops)],
-            "top_logprobs": [{_piece(k, v): v for k, v in top.items()} for top in tops],
-            "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else []}
+    tokens = [echo.piece(t) if top is None else _piece(t, top.get(t)) for t, top in zip(ids, tops)]
+    widths = [echo.width(t, piece) for t, piece in zip(ids, tokens)]
+    return {"tokens": tokens, "token_logprobs": [None if top is None else top.get(t) for t, top in zip(ids, tops)],
+            "top_logprobs": [None if top is None else {_piece(k, v): v for k, v in top.items()} for top in tops],
+            "text_offset": list(itertools.accumulate(widths[:-1], initial=offset)) if tokens else []}, offset + sum(widths)
 
 
 def _chat_logprobs(c, top_n: int, start: int = 0) -> dict:
@@ -290,27 +304,25 @@ def _chat_logprobs(c, top_n: int, start: int = 0) -> dict:
 
 
 async def _stream_completion(engine: AsyncLLM, rid: str, model: str, prompts: list, params, usage: bool = False,
-                             continuous: bool = False, so_field: str | None = None):
+                             continuous: bool = False, so_field: str | None = None, *, echo: Echo):
     """Completion chunks; with ``usage`` (stream_options.include_usage) a last chunk with no
-    choices and the usage, and with ``continuous`` the usage so far on every chunk."""
+    choices and the usage, and with ``continuous`` the usage so far on every chunk. With
+    ``echo`` each choice's first chunk starts with its prompt (and the prompt's logprobs)."""
     created = int(time.time())
     deltas, latest, offsets = Deltas(), {}, {}  # offsets: text_offset of each choice's next token
     extra = {"usage": None} if usage else {}
     async for p, out in merged(engine, rid, prompts, params, so_field):
-        latest[p] = out
+        latest[p] = out = echo.output(out)
         if continuous:
             extra = {"usage": _usage([latest[q] for q in sorted(latest)])}
         for c in out.outputs:
             index = p * params.n + c.index
+            c = echo.choice(p, out, c)
             delta, start = deltas.take(index, c)
             if not delta and c.finish_reason is None:
                 continue
-            logprobs = None
-            if params.logprobs is not None:
-                logprobs = _completion_logprobs(c, start, offsets.get(index, 0))
-                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
-            choice = {"index": index, "text": delta, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                      "logprobs": logprobs}
+            choice, offsets[index] = _completion_choice(index, c, params.logprobs is not None, echo, start,
+                                                        offsets.get(index, 0), delta)
             yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice], **extra}
     if usage:
         yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],

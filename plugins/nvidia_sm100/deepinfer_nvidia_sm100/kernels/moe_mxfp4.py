@@ -247,8 +247,10 @@ def with_mxfp4(clamped, plain=None) -> dict:
     ``mxfp4_experts`` and every other call to the given callables: ``clamped`` (a
     moe_experts_clamped) and, when given, ``plain`` (a moe_experts; its attributes, such as
     ``shared_expert_max_tokens``, are kept: uint8 is no dtype it names, so packed experts are never
-    fused with the shared ones). For backend.deepinfer_ops: ``ops.update(with_mxfp4(...))``. One
-    wrapper per callable (cached): tables built twice hold the same entry for the same kernel."""
+    fused with the shared ones). For backend.deepinfer_ops: ``ops.update(with_mxfp4(...))``. The
+    clamped entry is one wrapper per callable (cached: the normal and batch-invariant tables hold
+    the same one); the plain entry is made afresh, its attributes copied from ``plain`` as they are
+    when the table is built."""
     table = {"moe_experts_clamped": _clamped_entry(clamped)}
     if plain is not None:
         table["moe_experts"] = _plain_entry(plain)
@@ -266,7 +268,6 @@ def _clamped_entry(clamped):
     return moe_experts_clamped
 
 
-@functools.cache
 def _plain_entry(plain):
     def moe_experts(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, block=None, **kwargs):
         if w13.dtype == torch.uint8:

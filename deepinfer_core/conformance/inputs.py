@@ -19,6 +19,7 @@ import torch
 from deepinfer_core.conformance.checkpoints import quantize_fp8_block
 from deepinfer_core.dtypes import dtype_from_name
 from deepinfer_core.models.v41.engram_tables import engram_multipliers, engram_offsets, engram_primes
+from deepinfer_core.ops.kv_record import ROW_DIM, quantize_v4_records
 from deepinfer_core.ops.rope import rope_cos_sin_table
 from deepinfer_core.ops.sparse import MAX_KEY_POOLS
 
@@ -483,6 +484,10 @@ def _write_cache(d: dict, dtype, r: _Draw):
     cache_dtype = dtype if d.get("cache_dtype", "model") == "model" else dtype_from_name(d["cache_dtype"])
     # the cache starts with N(0, 1) entries: rows the op must not touch keep them
     cache = r.randn(d["num_blocks"], d["block_size"], d["entry_dim"], dtype=cache_dtype)
+    if d.get("kv_record", False):  # V4 FP8 records of such rows (kv_cache_dtype="fp8"): the write quantises
+        if d["entry_dim"] != ROW_DIM:
+            raise ValueError(f"write_cache: kv_record caches hold {ROW_DIM}-wide rows, got entry_dim {d['entry_dim']}")
+        cache = quantize_v4_records(cache)
     values = r.randn(t, d["entry_dim"], dtype=dtype)
     slots = r.perm(slots_total)[:t]
     slots[r.perm(t)[: min(d["padding_tokens"], t)]] = -1
@@ -557,6 +562,10 @@ def _sparse_attention(d: dict, dtype, r: _Draw):
     kv = r.randn(pool, dim, dtype=dtype)
     sinks = r.randn(h)
     indices = _padded_rows(r, counts, k, pool)
+    if d.get("kv_record", False):  # V4 FP8 record pools of the same rows (kv_cache_dtype="fp8")
+        if dim != ROW_DIM:
+            raise ValueError(f"sparse_attention: kv_record pools hold {ROW_DIM}-wide rows, got head_dim {dim}")
+        kv = quantize_v4_records(kv)
     pools = d.get("pools", 1)
     if pools > 1:  # drawn after everything else: the same q, pool rows and indices as with one pool
         kv = _split_pool(r, kv, pools, d.get("pool_sizes"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer_core.ops.kv_record import RECORD_BYTES, ROW_DIM, dequantize_v4_records, is_record_cache, quantize_v4_records
 from deepinfer_core.ops.norm import rms_norm_f32
 
 # The reference attention and indexer take queries in chunks of at most this many, fewer when
@@ -52,19 +53,28 @@ def _chunk(keys_per_query: int, floats_per_key: int) -> int:
     return max(1, min(ATTENTION_CHUNK, CHUNK_BYTES // max(1, 4 * keys_per_query * floats_per_key)))
 
 
-def _gather_rows(pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def _gather_rows(pool: torch.Tensor, idx: torch.Tensor, record_dtype: torch.dtype | None = None) -> torch.Tensor:
     """pool[idx] in float32 with -1 read as row 0 (masked by the caller); an empty pool (every
-    index -1) gives zeros."""
+    index -1) gives zeros. record_dtype: the pool holds V4 FP8 records, dequantised to it."""
+    width = ROW_DIM if record_dtype is not None else pool.shape[-1]
     if pool.shape[0] == 0:
-        return pool.new_zeros(*idx.shape, pool.shape[-1], dtype=torch.float32)
-    return pool[idx.clamp(min=0)].float()
+        return pool.new_zeros(*idx.shape, width, dtype=torch.float32)
+    rows = pool[idx.clamp(min=0)]
+    return (dequantize_v4_records(rows, record_dtype) if record_dtype is not None else rows).float()
 
 
 def write_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store row t of ``values`` [T, C] at flat row slot_mapping[t] of ``cache`` [..., C] (in
-    place, cast to the cache's dtype); a negative slot means "do not store"."""
+    place, cast to the cache's dtype); a negative slot means "do not store".
+
+    A uint8 cache whose rows are 584 bytes holds V4 FP8 records (``ops/kv_record.py``): values
+    [T, 512] are then quantised, each stored row being ``quantize_v4_records(values[t])``,
+    byte for byte."""
     flat = cache.view(-1, cache.shape[-1])
     keep = slot_mapping >= 0
+    if is_record_cache(cache):
+        flat[slot_mapping[keep]] = quantize_v4_records(values[keep])
+        return
     flat[slot_mapping[keep]] = values[keep].to(cache.dtype)
 
 
@@ -83,17 +93,26 @@ def sparse_attention(
     o[t, h] = sum_j P_j kv[indices[t, j]] with P = softmax over [q[t, h] . kv[idx] * scale for
     the valid idx..., sinks[h]] (the sink's probability is dropped). A query with no valid key
     gets zeros. Scores and the weighted sum in float32; returns [T, H, d] in q's dtype.
+
+    FP8 KV (``kv_cache_dtype="fp8"``, V4, d = 512): the pools may instead all be uint8 V4 FP8
+    record pools [N_i, 584] (``ops/kv_record.py``); a named row then reads as
+    ``dequantize_v4_records(row, q.dtype)`` (exact), and the math above runs on those rows.
     """
     kv = key_pool(kv)  # the reference concatenates; kernels read the parts in place
+    records = kv.dtype == torch.uint8
+    if records and (not is_record_cache(kv) or q.shape[-1] != ROW_DIM):
+        raise ValueError(f"uint8 key pools must be V4 FP8 records [N, {RECORD_BYTES}] read by queries of width {ROW_DIM}, "
+                         f"got pools {tuple(kv.shape)} and q {tuple(q.shape)}")
     t_all, heads, d = q.shape
     out = torch.empty_like(q)
+    row_dtype = q.dtype if records else None
     sink = sinks.float()[None, :, None]
     step = _chunk(indices.shape[1], d + 3 * heads)  # the [t, K, d] gather, scores and probabilities
     for lo in range(0, t_all, step):
         hi = min(lo + step, t_all)
         idx = indices[lo:hi]
         valid = idx >= 0
-        keys = _gather_rows(kv, idx)  # [t, K, d]
+        keys = _gather_rows(kv, idx, row_dtype)  # [t, K, d]
         scores = torch.einsum("thd,tkd->thk", q[lo:hi].float(), keys) * scale
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
         logits = torch.cat([scores, sink.expand(hi - lo, heads, 1)], dim=-1)

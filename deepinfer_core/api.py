@@ -93,11 +93,17 @@ def _refuse_vllm_names(unsupported: dict, trust_remote_code: bool) -> None:
                       + f". It takes {', '.join(accepted)} (see help(LLM))")
 
 
-def check_kv_cache_dtype(value: str, name: str = "kv_cache_dtype") -> None:
-    """vLLM's ``kv_cache_dtype``: DeepInfer has no separate KV cache dtype, only "auto"."""
-    if value != "auto":
-        raise ConfigError(f"{name} {value!r} is not supported: DeepInfer keeps the KV cache in the compute dtype "
-                          "(V4's compressor states in float32), so 'auto' is the only value; drop it or pass 'auto'")
+KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}  # vLLM's spellings -> EngineConfig's
+
+
+def check_kv_cache_dtype(value: str, name: str = "kv_cache_dtype") -> str:
+    """vLLM's ``kv_cache_dtype``, normalised: "auto" (the KV cache in the compute dtype) or "fp8"
+    (also spelled "fp8_e4m3": DeepSeek-V4's FP8 records for its window and compressed KV caches,
+    where the model and the backend take them; the engine checks both at start-up)."""
+    if value not in KV_CACHE_DTYPES:
+        raise ConfigError(f"{name} {value!r} is not supported: pass 'auto' (the KV cache in the compute dtype) or 'fp8' "
+                          "(also 'fp8_e4m3': DeepSeek-V4's FP8 KV records, V4 checkpoints only)")
+    return KV_CACHE_DTYPES[value]
 
 
 def _check_quantization(model_dir: Path, quantization: str | None) -> None:
@@ -126,8 +132,10 @@ class LLM:
     turns off graph capture of decode steps (otherwise graphs are captured while the engine
     starts). enable_prefix_caching reuses the KV blocks of prompt prefixes computed before.
     block_size: tokens per KV block; None picks the model's (16 for V2/V3, a multiple of every
-    compression rate for V4). kv_cache_dtype: only vLLM's "auto" (the KV cache is kept in the
-    compute dtype).
+    compression rate for V4). kv_cache_dtype: vLLM's "auto" (the KV cache is kept in the compute
+    dtype) or "fp8" / "fp8_e4m3": DeepSeek-V4's window and compressed KV caches as FP8 records of
+    584 bytes a token (``ops/kv_record.py``; V4 checkpoints on a backend whose platform has
+    ``fp8_kv_cache``, without context parallelism; the indexer keys and compressor states stay).
     speculative_config, as vLLM spells it: ``{"method": "ngram", "num_speculative_tokens": k,
     "prompt_lookup_max": n}`` (prompt-lookup drafts, verified exactly).
     batch_invariant: bitwise the same logits and tokens for a request whatever batch it runs in
@@ -170,7 +178,10 @@ class LLM:
         env = settings()
         configure_logging(env.log_level)
         _refuse_vllm_names(unsupported, trust_remote_code)
-        check_kv_cache_dtype(kv_cache_dtype)
+        kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
+        if kv_cache_dtype == "fp8" and context_parallel_size > 1:
+            raise ConfigError("kv_cache_dtype='fp8' does not work with context parallelism yet (the context-parallel prefill "
+                              "attends over unquantised rows); pass context_parallel_size=1 or kv_cache_dtype='auto'")
         try:  # the settings before the model: a bad one is refused before a download or a load
             config = EngineConfig(
                 block_size=block_size,
@@ -185,6 +196,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 speculative_config=speculative_config,
                 batch_invariant=env.batch_invariant if batch_invariant is None else batch_invariant,
+                kv_cache_dtype=kv_cache_dtype,
             )
         except ValidationError as e:
             raise ConfigError(f"bad LLM() arguments: {validation_problems(e)}") from None

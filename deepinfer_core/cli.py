@@ -317,7 +317,8 @@ def _engine_arguments(p: argparse.ArgumentParser, ranks_help: str) -> None:
     p.add_argument("--seed", type=int, default=0, metavar="N",
                    help="the engine's seed: requests without a seed of their own draw their samples from it (default 0)")
     p.add_argument("--kv-cache-dtype", default="auto",
-                   help="only 'auto': the KV cache is kept in the compute dtype (vLLM's flag; other values are refused)")
+                   help="'auto' (the KV cache in the compute dtype) or 'fp8' / 'fp8_e4m3' (DeepSeek-V4's FP8 KV records, "
+                        "V4 checkpoints on a backend that takes them); vLLM's flag")
     p.add_argument("--no-prefix-caching", action="store_true", help="recompute every prompt (no reuse of cached prefixes)")
     p.add_argument("--ngram", type=int, default=0, metavar="K", help="speculative decoding: K prompt-lookup draft tokens per step")
     p.add_argument("--mtp", type=int, default=0, metavar="K", help="speculative decoding: K draft tokens per step from the model's MTP module")

@@ -144,6 +144,9 @@ class EngineConfig(BaseModel):
     # preempted and recomputed: the backend's batch-invariant op table, every token computed as a
     # decode row (needs a backend whose platform supports it, and an MLA model).
     batch_invariant: bool = False
+    # The KV cache's format: "auto" (the compute dtype) or "fp8": DeepSeek-V4's window and compressed
+    # KV caches as FP8 records (ops/kv_record.py); checked against the model and the platform at start-up.
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
 
 
 class ParallelConfig(BaseModel):

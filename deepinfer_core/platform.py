@@ -62,6 +62,9 @@ class Platform:
         codes two a byte and UE8M0 scales, 0.53 bytes a weight; the op table's
         ``moe_experts_clamped`` / ``moe_experts`` take them as their MXFP4 convention says);
         when False the loader dequantises them to the compute dtype (4x their bytes in bf16).
+    fp8_kv_cache: the op table's ``write_cache`` and ``sparse_attention`` take DeepSeek-V4's FP8 KV
+        records (uint8 caches / pools of 584-byte rows, ``ops/kv_record.py``), so the engine may
+        run ``kv_cache_dtype="fp8"``; the conformance kit runs their ``kv_record`` shapes only then.
     graph_capture: decode steps can be captured as graphs (every decode-path op is free of host
         synchronisation); ``graphs`` must then be set.
     graphs: a factory of the platform's GraphBackend (None: no graphs).
@@ -77,6 +80,7 @@ class Platform:
     supported_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
     fp8_weights: bool = False
     fp4_experts: bool = False
+    fp8_kv_cache: bool = False
     graph_capture: bool = False
     batch_invariant: bool = False
     graphs: Callable[[], GraphBackend] | None = None

@@ -47,8 +47,10 @@ def test_bad_settings_are_refused_before_the_model_is_looked_for():
     with pytest.raises(ConfigError, match=r"^bad LLM\(\) arguments: max_num_seqs: Input should be greater than 0; "
                                           r"gpu_memory_utilization: Input should be less than or equal to 1$"):
         LLM(model="/nonexistent", max_num_seqs=0, gpu_memory_utilization=1.5)
-    with pytest.raises(ConfigError, match="kv_cache_dtype 'fp8' is not supported: DeepInfer keeps the KV cache in the compute dtype"):
-        LLM(model="/nonexistent", kv_cache_dtype="fp8")
+    with pytest.raises(ConfigError, match="kv_cache_dtype 'fp8_e5m2' is not supported: pass 'auto' .* or 'fp8'"):
+        LLM(model="/nonexistent", kv_cache_dtype="fp8_e5m2")
+    with pytest.raises(ConfigError, match="kv_cache_dtype='fp8' does not work with context parallelism"):
+        LLM(model="/nonexistent", kv_cache_dtype="fp8_e4m3", context_parallel_size=2)
     llm = LLM(accelerator="cpu", dtype="float", kv_cache_dtype="auto", progress=False)
     assert llm.engine.dtype == torch.float32
 

@@ -34,7 +34,8 @@ def deepinfer_probe() -> ProbeResult:
 def deepinfer_platform():
     from deepinfer_core.platform import Platform
 
-    return Platform(name="cpu-reference", device="cpu", backend=NAME, batch_invariant=True)
+    return Platform(name="cpu-reference", device="cpu", backend=NAME, batch_invariant=True,
+                    fp8_kv_cache=True)  # write_cache / sparse_attention take V4 FP8 KV records
 
 
 @hookimpl

@@ -121,10 +121,13 @@ class OpReport:
     message: str = ""
     seconds: float = 0.0
     skipped: int = 0  # declared shapes left out: inputs larger than max_elements
+    records_not_run: int = 0  # kv_record shapes left out: the platform takes no FP8 KV records
 
     def detail(self) -> str:
         if self.result == "PASS":
-            return f"{self.skipped} declared shapes over max_elements not run" if self.skipped else ""
+            notes = [f"{self.skipped} declared shapes over max_elements not run"] if self.skipped else []
+            notes += [f"{self.records_not_run} FP8 KV record shapes not run (platform without fp8_kv_cache)"] if self.records_not_run else []
+            return "; ".join(notes)
         where = ", ".join(f"{k}={v}" for k, v in (self.failing_shape or {}).items())
         return f"[{where}; value seed {self.failing_seed}] {self.message}" if where else self.message
 
@@ -198,10 +201,12 @@ def _judge(report: OpReport, cases: Callable[[], object]) -> OpReport:
 
 def run_op(op: str, fn: Callable, dtype: torch.dtype, device: torch.device | str, examples: int = DEFAULT_EXAMPLES,
            seed: int | None = None, explore_max_elements: int = DEFAULT_EXPLORE_MAX_ELEMENTS,
-           max_elements: int | None = None) -> OpReport:
+           max_elements: int | None = None, kv_records: bool = True) -> OpReport:
     """Check one op implementation ``fn`` in ``dtype`` on ``device``. ``max_elements``: run only
     the declared shapes whose inputs hold (and take to draw) at most this many values, and explore
-    around those (None: every declared shape); the others are counted in the report's ``skipped``."""
+    around those (None: every declared shape); the others are counted in the report's ``skipped``.
+    ``kv_records`` False (a platform without ``fp8_kv_cache``): the ``kv_record`` shapes (V4 FP8
+    KV record caches / pools) are not run, and counted in ``records_not_run``."""
     report = OpReport(op, dtype_name(dtype), "PASS")
 
     def run(dims: dict, case_seed: int, declared: bool = False) -> int:
@@ -218,7 +223,8 @@ def run_op(op: str, fn: Callable, dtype: torch.dtype, device: torch.device | str
             return None
 
     def cases() -> None:
-        declared = shapes(op)
+        declared = [d for d in shapes(op) if kv_records or not d.get("kv_record", False)]
+        report.records_not_run = len(shapes(op)) - len(declared)
         sizes = [fitting(dims) for dims in declared]
         if report.skipped == len(declared):
             raise _CaseFailed(None, Outcome(False, float("inf"), f"could not build inputs: every declared shape of {op} "
@@ -304,7 +310,8 @@ def run_suite(backend: str | None, ops: list[str] | None = None, dtypes: list[to
     with tqdm(jobs, desc=f"conformance {chosen.name}", unit="check", disable=not progress) as bar:
         for op, dtype in bar:
             bar.set_postfix_str(f"{op} {dtype_name(dtype)}")
-            report.ops.append(run_op(op, table[op], dtype, platform.device, examples, seed, explore_max_elements, max_elements))
+            report.ops.append(run_op(op, table[op], dtype, platform.device, examples, seed, explore_max_elements, max_elements,
+                                     kv_records=platform.fp8_kv_cache))
             if platform.torch_device.type == "cuda":
                 torch.cuda.empty_cache()
     return report

@@ -77,7 +77,9 @@ def start(self, model_dir: Path, engine_config: EngineConfig, backend_name: str 
     # MXFP4 routed experts stay packed where the platform's expert ops take them (V4-family checkpoints
     # with expert_dtype fp4 only: no other model is asked)
     fp4 = {"keep_fp4": True} if self.platform.fp4_experts and getattr(self.model_config, "expert_dtype", None) == "fp4" else {}
-    self.model = model_cls(self.model_config, self.ops, self.dtype, self.device, keep_fp8=keep_fp8, expert_slots=slots, **fp4)
+    fp8_kv = {"fp8_kv_cache": True} if check_fp8_kv_cache(self, engine_config, model_cls, describe) else {}
+    self.model = model_cls(self.model_config, self.ops, self.dtype, self.device, keep_fp8=keep_fp8, expert_slots=slots,
+                           **fp4, **fp8_kv)
     if engine_config.load_format == "dummy":
         init_dummy_weights(self.model, seed=engine_config.seed, progress=progress)
     else:
@@ -267,6 +269,21 @@ def activation_bytes(self, groups, block_size: int, max_len: int) -> int:
     long_context = max(0, max_len - tokens) * per_context_token
     logits = self.max_num_seqs * c.vocab_size * 4 * 3  # logits, sampler temporaries
     return int(peak + long_context + logits + 256 * 2**20)
+
+
+def check_fp8_kv_cache(self, engine_config: EngineConfig, model_cls, describe) -> bool:
+    """Whether the KV cache is kept as FP8 records (``kv_cache_dtype="fp8"``): ConfigError when the
+    model or the backend's platform cannot take them."""
+    if engine_config.kv_cache_dtype != "fp8":
+        return False
+    if not model_cls.supports_fp8_kv_cache:
+        raise ConfigError(f"kv_cache_dtype='fp8' is supported for DeepSeek-V4 (V4-Flash, V4-Pro) checkpoints, not for "
+                          f"{describe(self.generation)} yet; run it with kv_cache_dtype='auto'")
+    if not self.platform.fp8_kv_cache:
+        raise ConfigError(f"kv_cache_dtype='fp8': the {self.backend.name!r} backend's ops do not take FP8 KV records "
+                          f"(its platform {self.platform.name} has no fp8_kv_cache); run with kv_cache_dtype='auto', or "
+                          f"on a backend that has it (accelerator='cpu': the reference)")
+    return True
 
 
 def resolve_dtype(dtype: str | torch.dtype, config, supported: tuple[torch.dtype, ...], device_type: str | None = None) -> torch.dtype:

@@ -40,10 +40,14 @@ class CausalLM(Protocol):
     * ``mtp_reads_streams``: its MTP drafter reads the hyper-connection streams of the target's
       last layer (``forward_streams`` / ``head_hidden``) rather than the final hidden state.
     * ``draft_method``: what the checkpoint's draft layers are, ``"mtp"`` or ``"dspark"``.
+    * ``supports_fp8_kv_cache``: it can keep its KV caches as FP8 records (``kv_cache_dtype="fp8"``;
+      DeepSeek-V4's window and compressed caches, ``ops/kv_record.py``): built with
+      ``fp8_kv_cache=True`` then.
 
     Built as ``cls(config, ops, dtype, device, keep_fp8=..., expert_slots=...)``, plus
     ``keep_fp4=True`` for a checkpoint with MXFP4 experts (config ``expert_dtype`` "fp4") on a
-    platform with ``fp4_experts`` (its routed experts then stay packed) (parameters
+    platform with ``fp4_experts`` (its routed experts then stay packed), plus ``fp8_kv_cache=True``
+    for ``kv_cache_dtype="fp8"`` (only where ``supports_fp8_kv_cache``) (parameters
     empty until ``loader.load_model`` or ``dummy_weights.init_dummy_weights`` fills them and
     calls ``post_load``). An instance has ``config``, ``expert_slots`` (None, or the logical
     expert of each routed-expert slot it holds), ``default_block_size`` (the engine's block size
@@ -58,6 +62,7 @@ class CausalLM(Protocol):
     supports_batch_invariance: bool
     supports_context_parallel: bool
     mtp_reads_streams: bool
+    supports_fp8_kv_cache: bool
     draft_method: str
 
     config: Any
@@ -94,7 +99,8 @@ class CausalLM(Protocol):
 
 # Members a class must define (the Protocol's attributes and methods), with the type of each
 # class attribute's value.
-CLASS_FLAGS = ("supports_graphs", "graphs_by_context", "supports_batch_invariance", "supports_context_parallel", "mtp_reads_streams")
+CLASS_FLAGS = ("supports_graphs", "graphs_by_context", "supports_batch_invariance", "supports_context_parallel", "mtp_reads_streams",
+               "supports_fp8_kv_cache")
 METHODS = ("cache_groups", "post_load", "drop_mtp_layers", "set_tokenizer", "forward", "compute_logits",
            "prefill_context_parallel", "write_context")
 

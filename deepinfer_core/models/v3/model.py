@@ -393,6 +393,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     # takes the absorbed path of _decode, whatever the batch around it.
     supports_batch_invariance = True
     supports_context_parallel = True  # prefill_context_parallel / write_context
+    supports_fp8_kv_cache = False  # kv_cache_dtype="fp8": V4 records only (MLA latents would need their own format)
     supports_graphs = True
     graphs_by_context = False  # its decode kernels read no further than each sequence's length
     mtp_reads_streams = False  # its MTP layers read the final hidden state

@@ -30,6 +30,7 @@ from deepinfer_core.models.v4.checkpoint import V4Checkpoint
 from deepinfer_core.models.v4.config import V4ModelConfig
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.rope import rope_cos_sin_table
+from deepinfer_core.ops.kv_record import NOPE_DIM, RECORD_BYTES, ROW_DIM
 from deepinfer_core.ops.sparse import KeyPools
 
 CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
@@ -179,6 +180,17 @@ def gather_rows(pools: tuple[torch.Tensor, torch.Tensor], idx: torch.Tensor) -> 
     return torch.where((idx < n)[..., None], first.to(b.dtype), second)
 
 
+def new_key_rows(ops: OpTable, kv: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """This step's key rows [T, d] as the attention pool holds them beside ``cache``: themselves,
+    or, for an FP8 record cache (kv_cache_dtype="fp8"), their records written by ``write_cache``
+    (so a key reads the same from this step's pool as from the cache on later steps)."""
+    if cache.dtype != torch.uint8:
+        return kv
+    records = torch.empty(kv.shape[0], cache.shape[-1], dtype=torch.uint8, device=kv.device)
+    ops.write_cache(records, kv, torch.arange(kv.shape[0], device=kv.device))
+    return records
+
+
 def sparse_output(attn: nn.Module, q: torch.Tensor, pool: KeyPools, index: torch.Tensor, positions: torch.Tensor,
                   inverse: torch.Tensor) -> torch.Tensor:
     """V4 / V4.1 attention's end: ``q`` [T, H, d] over the ``index`` rows of ``pool`` (with the
@@ -239,7 +251,7 @@ class Attention(nn.Module):
         qr, q, kv = self._project(x, positions, table)
 
         window = caches[f"{name}.window"]
-        pools = [kv, window.view(-1, self.head_dim)]  # the caches addressed in place, not copied
+        pools = [new_key_rows(ops, kv, window), window.view(-1, window.shape[-1])]  # the caches addressed in place, not copied
         index = plan.window(WINDOW, c.sliding_window)
         if self.compressor is not None:
             entries, chosen = self._compressed(x, qr, plan, caches, name, table)
@@ -461,11 +473,21 @@ class V4FamilyLM(nn.Module):
     graphs_by_context = True  # decode-only forwards score every entry the block tables could name
     supports_batch_invariance = False  # prompt and decode tokens read their attention context along different paths
     mtp_reads_streams = True  # the draft layers read the last layer's hyper-connection streams (forward_streams)
+    supports_fp8_kv_cache = False  # V4 overrides; V4.1's caches have no FP8 record format here yet
     lookback_tokens = 0  # a forward reads no token before a sequence's new ones (V4.1's Engram does)
 
     def __init__(self, config, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool,
-                 expert_slots: tuple[int, ...] | None = None, keep_fp4: bool = False):
+                 expert_slots: tuple[int, ...] | None = None, keep_fp4: bool = False, fp8_kv_cache: bool = False):
         super().__init__()
+        if fp8_kv_cache and not self.supports_fp8_kv_cache:
+            raise ValueError(f"{type(self).__name__} keeps no FP8 KV cache (supports_fp8_kv_cache is False): build it "
+                             "without fp8_kv_cache (kv_cache_dtype='auto')")
+        if fp8_kv_cache and (config.head_dim, config.qk_rope_head_dim) != (ROW_DIM, ROW_DIM - NOPE_DIM):
+            raise ValueError(f"the FP8 KV cache (kv_cache_dtype='fp8') holds DeepSeek-V4's {ROW_DIM}-wide key rows with "
+                             f"{ROW_DIM - NOPE_DIM} RoPE dims; this config has head_dim {config.head_dim}, qk_rope_head_dim "
+                             f"{config.qk_rope_head_dim}: run it with kv_cache_dtype='auto'")
+        # window and compressed KV caches as V4 FP8 records (kv_cache_dtype="fp8", ops/kv_record.py)
+        self.fp8_kv_cache = fp8_kv_cache
         self.config, self.ops, self.dtype = config, ops, dtype
         self.device = torch.device(device)
         self.keep_fp8 = keep_fp8 and config.fp8_block is not None
@@ -503,6 +525,11 @@ class V4FamilyLM(nn.Module):
             if isinstance(module, MLP):
                 module.fuse()
 
+    def _refuse_context_parallel_fp8(self) -> None:
+        if getattr(self, "fp8_kv_cache", False):
+            raise ValueError("context parallelism does not run with the FP8 KV cache (its prefill attends over unquantised "
+                             "rows): run with context_parallel_size=1 or kv_cache_dtype='auto'")
+
     def _plan(self, positions: torch.Tensor, batch: BatchMeta, kv_caches: dict[str, torch.Tensor]) -> V4Batch:
         if self._all_groups is None:  # every group, the draft layers' windows included (what any forward may address)
             self._all_groups = {g.name: g for g in self.cache_groups(with_mtp=True)}
@@ -514,6 +541,7 @@ class V4FamilyLM(nn.Module):
 
     def write_context(self, kv_caches: dict[str, torch.Tensor], entries: dict[str, torch.Tensor], blocks: dict[str, list[int]],
                       block_size: int) -> None:
+        self._refuse_context_parallel_fp8()
         """Store ``prefill_context_parallel``'s entries of a prefix into the paged cache blocks
         ``blocks`` (per group; the prefix fills them exactly)."""
         groups = {layer: g for g in self.cache_groups() if g.kind == "paged" for layer in g.layers}
@@ -532,13 +560,14 @@ class DeepseekV4ForCausalLM(V4FamilyLM):
     # decode-only forwards index the caches in place with widths from shapes alone (V4Batch.decode_only,
     # entry_slots): no host synchronisation, one graph per batch size
     supports_graphs = True
-    supports_context_parallel = True  # prefill_context_parallel / write_context
+    supports_context_parallel = True  # prefill_context_parallel / write_context (not with the FP8 KV cache)
+    supports_fp8_kv_cache = True  # window / csa_kv / hca_kv as FP8 records (the indexer keys and states stay)
     draft_method = "mtp"
     checkpoint_format = V4Checkpoint()  # how its checkpoints name their tensors (loader.load_model)
 
     def __init__(self, config: V4ModelConfig, ops: OpTable, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False,
-                 expert_slots: tuple[int, ...] | None = None, keep_fp4: bool = False):
-        super().__init__(config, ops, dtype, device, keep_fp8, expert_slots, keep_fp4)
+                 expert_slots: tuple[int, ...] | None = None, keep_fp4: bool = False, fp8_kv_cache: bool = False):
+        super().__init__(config, ops, dtype, device, keep_fp8, expert_slots, keep_fp4, fp8_kv_cache)
         alloc = self._alloc()
         self.model = DeepseekV4Backbone(config, ops, alloc)
         self._add_head()
@@ -567,6 +596,8 @@ class DeepseekV4ForCausalLM(V4FamilyLM):
 
     def cache_groups(self, with_mtp: bool = False) -> list[CacheGroup]:
         c, dt = self.config, self.dtype
+        # the attention keys (window rows, compressed entries): FP8 records of RECORD_BYTES, or rows in the model dtype
+        kv_dim, kv_dt = (RECORD_BYTES, torch.uint8) if self.fp8_kv_cache else (c.head_dim, dt)
         names = [f"model.layers.{i}.self_attn" for i in range(len(self.model.layers))]
         if with_mtp:
             names += [f"mtp.layers.{i}.self_attn" for i in range(self.num_mtp_layers)]
@@ -574,20 +605,20 @@ class DeepseekV4ForCausalLM(V4FamilyLM):
         csa = [n for n, k in zip(names, kinds) if k == CSA]
         hca = [n for n, k in zip(names, kinds) if k == HCA]
         replay = self.replay_tokens(with_mtp)
-        groups = [CacheGroup(WINDOW, "ring", tuple(f"{n}.window" for n in names), c.head_dim, dt,
+        groups = [CacheGroup(WINDOW, "ring", tuple(f"{n}.window" for n in names), kv_dim, kv_dt,
                              window=c.sliding_window, replay_tokens=replay, ring_block=min(RING_BLOCK, c.sliding_window))]
         if csa:
             comp = self.get_submodule(csa[0]).compressor  # every CSA layer has the same row widths
             row = comp.row_dim + comp.indexer.row_dim
             groups += [
-                CacheGroup(CSA_KV, "paged", tuple(f"{n}.compressed" for n in csa), c.head_dim, dt, tokens_per_entry=c.csa_ratio),
+                CacheGroup(CSA_KV, "paged", tuple(f"{n}.compressed" for n in csa), kv_dim, kv_dt, tokens_per_entry=c.csa_ratio),
                 CacheGroup(CSA_INDEX, "paged", tuple(f"{n}.indexer" for n in csa), c.index_head_dim, dt, tokens_per_entry=c.csa_ratio),
                 CacheGroup(CSA_STATE, "ring", tuple(f"{n}.compressor_state" for n in csa), row, torch.float32,
                            window=2 * c.csa_ratio, replay_tokens=replay, ring_block=c.csa_ratio),
             ]
         if hca:
             groups += [
-                CacheGroup(HCA_KV, "paged", tuple(f"{n}.compressed" for n in hca), c.head_dim, dt, tokens_per_entry=c.hca_ratio),
+                CacheGroup(HCA_KV, "paged", tuple(f"{n}.compressed" for n in hca), kv_dim, kv_dt, tokens_per_entry=c.hca_ratio),
                 CacheGroup(HCA_STATE, "ring", tuple(f"{n}.compressor_state" for n in hca), 2 * c.head_dim, torch.float32,
                            window=c.hca_ratio, replay_tokens=replay, ring_block=min(RING_BLOCK, c.hca_ratio)),
             ]
@@ -616,6 +647,7 @@ class DeepseekV4ForCausalLM(V4FamilyLM):
         prefilled across a CP group; every rank of the group calls it. Returns the compressed
         and indexer entries of the whole prefix, by cache tensor name: what ``write_context``
         stores (the window and compressor rings are rebuilt by the owner's bounded replay)."""
+        self._refuse_context_parallel_fp8()
         e = self.embed(input_ids)
         x = e[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
         entries: dict[str, torch.Tensor] = {}

@@ -133,3 +133,12 @@ def test_fp8_kv_attention_within_its_bound_of_bf16_kv(seed):
         worst = float(((o8 - o16).abs() / (FP8_KV_ATOL + FP8_KV_RTOL * o16.abs())).max()) if o16.numel() else 0.0
         rel = float((o8 - o16).norm() / o16.norm().clamp(min=1e-30))
         assert worst <= 1.0 and rel <= FP8_KV_REL_NORM, (dims, worst, rel)
+
+
+def test_kit_leaves_record_shapes_out_on_a_platform_without_fp8_kv_cache():
+    from deepinfer_core.conformance.ops_suite import run_op
+    from deepinfer_core.ops import REFERENCE_OPS
+
+    report = run_op("write_cache", REFERENCE_OPS["write_cache"], BF16, "cpu", examples=0, kv_records=False)
+    assert report.result == "PASS" and report.records_not_run == sum(1 for d in shapes("write_cache") if d.get("kv_record"))
+    assert "FP8 KV record shapes not run" in report.detail()

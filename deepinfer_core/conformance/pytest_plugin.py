@@ -30,16 +30,18 @@ class OpConformanceFailure(Exception):
 
 
 class OpCheckItem(pytest.Item):
-    def __init__(self, *, op: str, dtype, fn, device, examples: int, backend: str, max_elements: int | None = None, **kwargs):
+    def __init__(self, *, op: str, dtype, fn, device, examples: int, backend: str, max_elements: int | None = None,
+                 kv_records: bool = True, **kwargs):
         super().__init__(**kwargs)
         self.op, self.dtype, self.fn, self.device, self.examples = op, dtype, fn, device, examples
-        self.backend, self.max_elements = backend, max_elements
+        self.backend, self.max_elements, self.kv_records = backend, max_elements, kv_records
         self.report_row = None
 
     def runtest(self) -> None:
         from deepinfer_core.conformance.ops_suite import run_op
 
-        row = run_op(self.op, self.fn, self.dtype, self.device, self.examples, max_elements=self.max_elements)
+        row = run_op(self.op, self.fn, self.dtype, self.device, self.examples, max_elements=self.max_elements,
+                     kv_records=self.kv_records)
         self.report_row = row
         if row.result != "PASS":
             raise OpConformanceFailure(f"{row.op} ({row.dtype}) {row.result}: {row.detail()} "
@@ -82,7 +84,8 @@ class ConformanceCollector(pytest.Collector):
             for dtype in dtypes or platform.supported_dtypes:
                 yield OpCheckItem.from_parent(self, name=f"{op}[{dtype_name(dtype)}]", op=op, dtype=dtype, fn=table[op],
                                               device=platform.device, examples=DEFAULT_EXAMPLES if examples is None else examples,
-                                              backend=chosen.name, max_elements=config.getoption("--deepinfer-max-elements"))
+                                              backend=chosen.name, max_elements=config.getoption("--deepinfer-max-elements"),
+                                              kv_records=platform.fp8_kv_cache)
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:

@@ -29,6 +29,7 @@ ON_GPU = torch.cuda.is_available()
 CPU_MAX_ELEMENTS = 1 << 21
 CPU_EXAMPLES = 4
 OPS = nvidia.deepinfer_ops(platform=None, model_config=None, batch_invariant=False)  # the table the engine and the CLI get
+KV_RECORDS = nvidia.FP8_KV_CACHE  # the kit's FP8 KV record shapes run where the platform takes records
 
 
 def _declared_without_draws(op: str, fn, dtype: torch.dtype, device) -> int:
@@ -50,12 +51,12 @@ def _declared_without_draws(op: str, fn, dtype: torch.dtype, device) -> int:
 def test_every_kernel_passes_the_kit(op, device, dtype):
     fn = OPS[op]
     if ON_GPU:
-        report = run_op(op, fn, dtype, device)
+        report = run_op(op, fn, dtype, device, kv_records=KV_RECORDS)
     elif op == "sample_tokens":
         assert _declared_without_draws(op, fn, dtype, device) >= 3
         return
     else:
-        report = run_op(op, fn, dtype, device, examples=CPU_EXAMPLES, max_elements=CPU_MAX_ELEMENTS)
+        report = run_op(op, fn, dtype, device, examples=CPU_EXAMPLES, max_elements=CPU_MAX_ELEMENTS, kv_records=KV_RECORDS)
     assert report.result == "PASS", f"{op} ({report.dtype}): {report.detail()}"
     assert report.cases >= len(shapes(op)) - report.skipped > 0, (report.cases, report.skipped)
 

@@ -541,9 +541,9 @@ class V4FamilyLM(nn.Module):
 
     def write_context(self, kv_caches: dict[str, torch.Tensor], entries: dict[str, torch.Tensor], blocks: dict[str, list[int]],
                       block_size: int) -> None:
-        self._refuse_context_parallel_fp8()
         """Store ``prefill_context_parallel``'s entries of a prefix into the paged cache blocks
         ``blocks`` (per group; the prefix fills them exactly)."""
+        self._refuse_context_parallel_fp8()
         groups = {layer: g for g in self.cache_groups() if g.kind == "paged" for layer in g.layers}
         for name, rows in entries.items():
             g = groups[name]

@@ -42,6 +42,9 @@ KERNEL_MODULES = ("elementwise", "fp8_linear", "cache", "mla_decode", "mla_prefi
 # The ops this plugin has no kernel for yet: the engine runs their reference implementations on the
 # GPU (``deepinfer backends`` shows them as "reference"). Every other op of deepinfer_core.ops is a kernel here.
 LEFT_TO_REFERENCE = frozenset({"indexer_block_candidates", "engram_hash_ids", "engram_gate"})
+# Whether the kernels read and write DeepSeek-V4's FP8 KV records (kv_cache_dtype="fp8", ops/kv_record.py):
+# not yet (write_cache and sparse_attention take bf16 / fp16 / fp32 caches), so the engine refuses fp8 here.
+FP8_KV_CACHE = False
 # Decode batch sizes captured as CUDA graphs (capped by the engine's max_num_seqs).
 # The step budget (prefill chunk) by measurement: H200, V2-Lite shape (27 layers, bf16), 128 prompts
 # of 1024 tokens through LLM.generate prefill at 27.6k tokens/s with 2048, 81.2k with 8192 and
@@ -155,6 +158,7 @@ def deepinfer_platform():
         supported_dtypes=(torch.bfloat16, torch.float16, torch.float32),
         fp8_weights=True,  # block-FP8 checkpoints stay FP8 (fp8_block_linear and the FP8 expert GEMMs)
         fp4_experts=True,  # V4's MXFP4 routed experts stay packed (kernels/moe_mxfp4.py, W4A16)
+        fp8_kv_cache=FP8_KV_CACHE,
         graph_capture=True,  # every decode-path op below is free of host synchronisation
         graphs=CudaGraphs,
         async_scheduling=True,  # one stream: launched work runs in order

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # DeepInfer build script.
-#   ./build.sh          create .venv and install the core, the backend plugins and the dev tools
+#   ./build.sh          create .venv and install the core, the backend plugins, the dev tools and lm-eval (eval/)
 #   ./build.sh run      ... then run examples/offline_inference.py on the embedded default model
 #   ./build.sh test     ... then run the test suite
 # DEEPINFER_ACCELERATOR=cpu|nvidia|ascend (auto when unset) chooses which torch build is installed
@@ -36,7 +36,7 @@ fi
 # last install or the venv lacks what it installed.
 stamp=.venv/.deepinfer-install
 if ! .venv/bin/python -P tools/venv_is_current.py "$PWD" "$stamp" 2>/dev/null; then
-  "${pip[@]}" install -e ".[dev]" -e plugins/nvidia_sm100 -e plugins/ascend_950
+  "${pip[@]}" install -e ".[dev,eval]" -e plugins/nvidia_sm100 -e plugins/ascend_950
   .venv/bin/python -P tools/venv_is_current.py "$PWD" "$stamp" --write
 fi
 

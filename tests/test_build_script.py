@@ -50,6 +50,8 @@ def test_current_only_with_the_right_stamp(tmp_path, monkeypatch):
     real = venv_is_current.md.requires
     monkeypatch.setattr(venv_is_current.md, "requires", lambda name: [*real(name), 'no-such-distribution>=1; extra == "dev"'])
     assert not venv_is_current.current(REPO, stamp)  # a dev requirement went missing
+    monkeypatch.setattr(venv_is_current.md, "requires", lambda name: [*real(name), 'no-such-distribution>=1; extra == "eval"'])
+    assert not venv_is_current.current(REPO, stamp)  # so did lm-eval's extra, which build.sh installs too
     monkeypatch.setattr(venv_is_current.md, "requires", lambda name: [*real(name), 'no-such-distribution>=1; extra == "bench"'])
     assert venv_is_current.current(REPO, stamp)  # build.sh does not install the bench extra
 

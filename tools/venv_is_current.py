@@ -6,8 +6,8 @@
 Current means: STAMP holds the hash of ROOT's pyproject files (the installs are editable, so
 only what those declare can change what pip installs), the core and both plugin packages import
 from ROOT (not from another checkout), the reference backend's entry point is registered, and
-every requirement of deepinfer[dev] is installed. Run it with -P so that the working directory
-does not shadow the installed packages.
+every requirement of deepinfer[dev] and deepinfer[eval] (the extras build.sh installs) is
+installed. Run it with -P so that the working directory does not shadow the installed packages.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 PACKAGES = ("deepinfer_core", "deepinfer_nvidia_sm100", "deepinfer_ascend_950")
+EXTRAS = ("dev", "eval")  # what ./build.sh installs: pip install -e ".[dev,eval]"
 
 
 def digest(root: Path) -> str:
@@ -51,7 +52,7 @@ def current(root: Path, stamp: Path) -> bool:
         requires = md.requires("deepinfer") or []
     except md.PackageNotFoundError:
         return False
-    wanted = [r for r in requires if "extra ==" not in r or re.search(r"extra == ['\"]dev['\"]", r)]
+    wanted = [r for r in requires if "extra ==" not in r or any(re.search(rf"extra == ['\"]{e}['\"]", r) for e in EXTRAS)]
     return all(_installed(r) for r in wanted)
 
 

@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-length", type=int, default=2048, help="lm-eval's context length for the requests it builds")
     p.add_argument("--num-concurrent", type=int, default=1, help="requests lm-eval keeps in flight")
     p.add_argument("--no-bos", action="store_true", help="send prompts without the tokenizer's BOS (lm-eval's own default)")
+    p.add_argument("--confirm-run-unsafe-code", action="store_true",
+                   help="let tasks that execute the model's code run (humaneval; lm-eval's flag)")
     p.add_argument("--log-samples", action="store_true", help="keep every request and response in the JSON (as 'samples')")
     p.add_argument("--output", default="eval_results.json", help="where lm-eval's results go, as JSON")
     p.add_argument("--startup-timeout", type=float, default=600, help="seconds to wait for /health")
@@ -140,7 +142,7 @@ def evaluate(args: argparse.Namespace, url: str) -> dict:
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=tasks, num_fewshot=args.num_fewshot,
                                    limit=limit, log_samples=args.log_samples, task_manager=TaskManager(include_path=args.include_path),
-                                   apply_chat_template=args.api == "chat")
+                                   apply_chat_template=args.api == "chat", confirm_run_unsafe_code=args.confirm_run_unsafe_code)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -451,7 +451,8 @@ def test_deepinfer_serve_is_a_command():
     (["--accelerator", "no-such-chip"], "error: backend 'no-such-chip'"),
     (["--max-num-seqs", "0"], "error: --max-num-seqs: Input should be greater than 0"),
     (["--gpu-memory-utilization", "1.5"], "error: --gpu-memory-utilization: Input should be less than or equal to 1"),
-    (["--kv-cache-dtype", "fp8"], "error: --kv-cache-dtype 'fp8' is not supported"),
+    (["--kv-cache-dtype", "fp16"], "error: --kv-cache-dtype 'fp16' is not supported"),
+    (["--kv-cache-dtype", "fp8"], "error: kv_cache_dtype='fp8' is supported for DeepSeek-V4"),  # the default model is V3
     (["--data-parallel-size", "0"], "error: --data-parallel-size: Input should be greater than 0"),
     (["--mtp", "17"], "error: --mtp 17: the number of draft tokens per step must be 0 (off) to 16"),
     (["--max-tokens", "0"], "error: --max-tokens 0: a request's limit must be at least 1"),

@@ -645,6 +645,9 @@ def test_a_client_leaving_a_non_streamed_request_frees_it(server, monkeypatch, c
     abort, step = engine.engine.abort, engine.engine.step
     monkeypatch.setattr(engine.engine, "abort", lambda rid: aborted.append(rid) or abort(rid))
     monkeypatch.setattr(engine.engine, "step", lambda: time.sleep(0.05) or step())  # 64 steps: ~3 s
+    # Anthropic's /v1/messages has no ignore_eos: a sampled EOS would end the request before the client
+    # leaves (it did, once an earlier test had moved the sampling RNG), so no token is EOS here
+    monkeypatch.setattr(engine.engine.output, "eos_ids", ())
     body = {**body, "max_tokens": 64, "temperature": 0.7, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.8)

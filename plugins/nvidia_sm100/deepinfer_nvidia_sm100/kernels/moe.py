@@ -752,22 +752,11 @@ def _expert_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):
     await_inputs(PDL)
-    pid = tl.program_id(0)
-    tiles_n: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-    width = GROUP_M * tiles_n
-    first_m = (pid // width) * GROUP_M
-    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_rows
-    pid_n = (pid % width) // group_rows
+    pid_m, pid_n = expert_tile_ids(num_m_blocks, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pair < num_pairs
-    a_row = (pair // a_row_div).to(tl.int64)  # GEMM 1: the pair's token; GEMM 2: the pair
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
+    expert, pair, row_ok, a_row, cols, col_ok = expert_tile_rows(pid_m, pid_n, block_expert_ptr, sorted_ptr, num_pairs, a_row_div,
+                                                                 N, BLOCK_M, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
 
     a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :] * stride_ak
@@ -804,10 +793,46 @@ def _expert_gemm_kernel(
         w_ptrs += BLOCK_K * stride_wk
 
     if GATED:
-        if CLAMP:  # exact and continuous: the clamp adds no rounding of its own
-            acc = tl.minimum(acc, limit)
-            acc_up = tl.clamp(acc_up, -limit, limit)
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
+        acc = swiglu(acc, acc_up, limit, CLAMP)
+    store_expert_tile(acc, out_ptr, route_w_ptr, pair, row_ok, cols, col_ok, stride_om, stride_on, WEIGHTED)
+
+
+@triton.jit
+def expert_tile_ids(num_m_blocks, N: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(M block, N block) of this program of a grouped expert GEMM: GROUP_M M blocks share their
+    N blocks in turn (L2 reuse of the weight tiles)."""
+    pid = tl.program_id(0)
+    tiles_n: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    width = GROUP_M * tiles_n
+    first_m = (pid // width) * GROUP_M
+    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    return first_m + (pid % width) % group_rows, (pid % width) // group_rows
+
+
+@triton.jit
+def expert_tile_rows(pid_m, pid_n, block_expert_ptr, sorted_ptr, num_pairs, a_row_div,
+                     N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tile's expert, its (token, slot) pairs and their validity, the activation row of each
+    (GEMM 1: the pair's token, a_row_div = top_k; GEMM 2: the pair), its output columns."""
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert, pair, pair < num_pairs, (pair // a_row_div).to(tl.int64), cols, cols < N
+
+
+@triton.jit
+def swiglu(gate, up, limit, CLAMP: tl.constexpr):
+    """silu(gate) * up in float32; CLAMP: V4's silu(min(gate, limit)) * clamp(up, -limit, limit)
+    (exact and continuous: the clamp adds no rounding of its own)."""
+    if CLAMP:
+        gate = tl.minimum(gate, limit)
+        up = tl.clamp(up, -limit, limit)
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
+def store_expert_tile(acc, out_ptr, route_w_ptr, pair, row_ok, cols, col_ok, stride_om, stride_on, WEIGHTED: tl.constexpr):
+    """Row r of the tile to row pair[r] of out (times its routing weight when WEIGHTED: GEMM 2)."""
     if WEIGHTED:
         acc = acc * tl.load(route_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on

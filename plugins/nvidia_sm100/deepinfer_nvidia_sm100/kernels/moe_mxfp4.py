@@ -34,7 +34,8 @@ import triton.language as tl
 
 from deepinfer_core.ops.moe import check_mxfp4_experts
 from deepinfer_nvidia_sm100.kernels.device import await_inputs, launch_options
-from deepinfer_nvidia_sm100.kernels.moe import ExpertTiles, align_pairs, sum_slots
+from deepinfer_nvidia_sm100.kernels.moe import (ExpertTiles, align_pairs, expert_tile_ids, expert_tile_rows, store_expert_tile, sum_slots,
+                                                swiglu)
 
 # ---- tunables (sweep on the GPU; not yet measured) -------------------------------------------
 # As moe.py's EXPERT_TILES, chosen by the average pairs per active expert. BLOCK_K (inputs) is a
@@ -106,22 +107,11 @@ def _mxfp4_expert_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):
     await_inputs(PDL)
-    pid = tl.program_id(0)
-    tiles_n: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-    width = GROUP_M * tiles_n
-    first_m = (pid // width) * GROUP_M
-    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_rows
-    pid_n = (pid % width) // group_rows
+    pid_m, pid_n = expert_tile_ids(num_m_blocks, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pair < num_pairs
-    a_row = (pair // a_row_div).to(tl.int64)  # GEMM 1: the pair's token; GEMM 2: the pair
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
+    expert, pair, row_ok, a_row, cols, col_ok = expert_tile_rows(pid_m, pid_n, block_expert_ptr, sorted_ptr, num_pairs, a_row_div,
+                                                                 N, BLOCK_M, BLOCK_N)
     # A K step of BLOCK_K inputs is BLOCK_K/2 packed bytes: byte j holds input 2j (low nibble) and
     # 2j+1 (high). The activations are read as their even and odd columns, each multiplied by its
     # nibble's weights: two dots of K = BLOCK_K/2, no interleaving shuffle of the weights.
@@ -151,14 +141,8 @@ def _mxfp4_expert_gemm_kernel(
         s_ptrs += (BLOCK_K // 32) * stride_sk
 
     if GATED:
-        if CLAMP:
-            acc = tl.minimum(acc, limit)
-            acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
-    if WEIGHTED:
-        acc = acc * tl.load(route_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
-    out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        acc = swiglu(acc, acc_up, limit, CLAMP)
+    store_expert_tile(acc, out_ptr, route_w_ptr, pair, row_ok, cols, col_ok, stride_om, stride_on, WEIGHTED)
 
 
 def mxfp4_tiles(num_pairs: int, num_experts: int) -> ExpertTiles:

@@ -51,24 +51,31 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def step_weight_bytes(model, batch: int) -> float:
-    """Bytes of weights one decode step of ``batch`` sequences reads (see the module docstring)."""
+def touched_weight_bytes(model, batch: int, skip: str | None = None) -> float:
+    """Bytes of the parameters one decode step of ``batch`` sequences reads, in their stored
+    format: every dense weight, the expected distinct routed experts E (1 - (1 - k/E)^B) of each
+    MoE layer (uniform routing), B embedding rows, the whole LM head; no MTP layer, nor the
+    parameters whose name holds ``skip``."""
     cfg = model.config
     total = 0.0
     # remove_duplicate=False: a tied lm_head shares the embedding's tensor but reads all of it.
     for name, p in model.named_parameters(remove_duplicate=False):
         nbytes = p.numel() * p.element_size()
-        if name.startswith("mtp.") or nbytes == 0:
+        if name.startswith("mtp.") or nbytes == 0 or (skip is not None and skip in name):
             continue
         if ".mlp.experts." in name:
             e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-            total += nbytes / e * e * (1 - (1 - k / e) ** batch)
+            total += nbytes * (1 - (1 - k / e) ** batch)
         elif "embed_tokens" in name:
             total += batch * p.shape[-1] * p.element_size()
-        elif "kv_b_proj" in name:
-            continue  # decode reads the absorbed copies below instead
         else:
             total += nbytes
+    return total
+
+
+def step_weight_bytes(model, batch: int) -> float:
+    """Bytes of weights one decode step of ``batch`` sequences reads (see the module docstring)."""
+    total = touched_weight_bytes(model, batch, skip="kv_b_proj")  # decode reads the absorbed copies below instead
     for _, attn in model.attention_layers():
         if attn.w_uk_t is not None and not _is_mtp(attn, model):
             total += (attn.w_uk_t.numel() + attn.w_uv.numel()) * attn.w_uk_t.element_size()

@@ -70,19 +70,10 @@ def step_floor_bytes(model, batch: int, context: int) -> dict:
     stored format (uniform routing), B embedding rows, the LM head; per layer and sequence its
     window (min(L, sliding_window) rows), on CSA layers the selected entries (min(top-k, L/m)) and
     every indexer key (the indexer scores them all), on HCA layers every entry (L/m). No MTP block."""
+    from benchmarks.e2e import touched_weight_bytes
+
     c = model.config
-    weights = 0.0
-    for name, p in model.named_parameters(remove_duplicate=False):
-        nbytes = p.numel() * p.element_size()
-        if name.startswith("mtp.") or nbytes == 0:
-            continue
-        if ".mlp.experts." in name:
-            e, k = c.n_routed_experts, c.num_experts_per_tok
-            weights += nbytes * (1 - (1 - k / e) ** batch)
-        elif "embed_tokens" in name:
-            weights += batch * p.shape[-1] * p.element_size()
-        else:
-            weights += nbytes
+    weights = touched_weight_bytes(model, batch)
     elem = torch.empty((), dtype=model.dtype).element_size()
     cache = 0.0
     for kind in c.layer_types:

@@ -10,8 +10,9 @@ import torch
 from deepinfer_core.conformance.checks import check
 from deepinfer_core.conformance.inputs import make_case
 from deepinfer_core.conformance.spec import shapes
-from deepinfer_core.ops.kv_record import RECORD_BYTES, dequantize_v4_records, quantize_v4_records
-from deepinfer_core.ops.sparse import sparse_attention, write_cache
+from deepinfer_core.ops.kv_record import (PAGE_BYTES, RECORD_BYTES, dequantize_v4_records, flashmla_view, planes,
+                                          quantize_rows, quantize_v4_records, read_records)
+from deepinfer_core.ops.sparse import key_pool, sparse_attention, write_cache
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -26,18 +27,27 @@ FP8_KV_REL_NORM = 0.05
 
 
 def test_record_layout_bytes():
-    """One hand-made row: tile 0 all 3.0 (scale 2^-7: 3 / 448 rounds up to 2^-7, q = 384), tile 1
-    all zero (the floor's scale 2^-22), the other tiles 1.0 (scale 2^-8, q = 256), RoPE part
-    -2.5 in bf16; the scales' bytes are 127 + e, byte 583 is 0."""
+    """One hand-made row at row 65 (page 1, slot 1): tile 0 all 3.0 (scale 2^-7: 3 / 448 rounds
+    up to 2^-7, q = 384), tile 1 all zero (the floor's scale 2^-22), the other tiles 1.0 (scale
+    2^-8, q = 256), RoPE part -2.5 in bf16. Its 576 data bytes sit at page 1's byte 576 (the
+    data plane), its scales' bytes 127 + e and a zero pad at page 1's byte 36864 + 8 (the scale
+    plane after the page's 64 data rows), as FlashMLA's MODEL1 FP8 format has them."""
     row = torch.ones(512)
     row[:64], row[64:128], row[448:] = 3.0, 0.0, -2.5
-    rec = quantize_v4_records(row[None])[0]
-    assert rec.shape == (RECORD_BYTES,) and rec.dtype == torch.uint8
-    assert rec[576:584].tolist() == [120, 105, 119, 119, 119, 119, 119, 0]
-    nope = rec[:448].view(torch.float8_e4m3fn).float()
+    rows = torch.zeros(66, 512)
+    rows[65] = row
+    cache = quantize_v4_records(rows)
+    assert cache.shape == (128, RECORD_BYTES) and cache.dtype == torch.uint8
+    page = cache.view(-1)[PAGE_BYTES:2 * PAGE_BYTES]
+    data, scales = page[576:1152], page[36864 + 8:36864 + 16]
+    assert scales.tolist() == [120, 105, 119, 119, 119, 119, 119, 0]
+    nope = data[:448].view(torch.float8_e4m3fn).float()
     assert nope[:64].eq(384).all() and nope[64:128].eq(0).all() and nope[128:].eq(256).all()
-    assert rec[448:576].view(torch.bfloat16).float().eq(-2.5).all()
-    assert torch.equal(dequantize_v4_records(rec[None], F32)[0], row)
+    assert data[448:].view(torch.bfloat16).float().eq(-2.5).all()
+    assert torch.equal(read_records(cache, torch.tensor([65]), F32)[0], row)
+    assert torch.equal(dequantize_v4_records(cache, F32)[65], row)
+    data_plane, scale_plane = planes(cache)
+    assert data_plane[1, 2:].eq(0).all() and scale_plane[1, 2:].eq(0).all()  # rows 66..127: padding, zero bytes
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
@@ -48,9 +58,9 @@ def test_round_trip_exact_on_representable_rows(dtype):
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(300, 512, generator=g) * torch.logspace(-6, 4, 300)[:, None]).to(dtype)
     x[0] = 0
-    y = dequantize_v4_records(quantize_v4_records(x), dtype)
+    y = dequantize_v4_records(quantize_v4_records(x), dtype)[:300]
     assert y.dtype == dtype and y.shape == x.shape
-    assert torch.equal(dequantize_v4_records(quantize_v4_records(y), dtype), y)
+    assert torch.equal(dequantize_v4_records(quantize_v4_records(y), dtype)[:300], y)
     tiles = x[:, :448].float().view(-1, 7, 64)
     step = tiles.abs().amax(-1, keepdim=True) * 2.0**-3  # one e4m3 ulp at the tile's amax, at most
     assert ((y[:, :448].float().view(-1, 7, 64) - tiles).abs() <= step).all()
@@ -61,35 +71,56 @@ def test_records_refuse_wrong_shapes():
     with pytest.raises(ValueError, match="512"):
         quantize_v4_records(torch.zeros(2, 576))
     with pytest.raises(ValueError, match="584"):
-        dequantize_v4_records(torch.zeros(2, 576, dtype=torch.uint8), F32)
+        dequantize_v4_records(torch.zeros(64, 576, dtype=torch.uint8), F32)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        dequantize_v4_records(torch.zeros(65, RECORD_BYTES, dtype=torch.uint8), F32)
+    with pytest.raises(ValueError, match="not contiguous"):
+        dequantize_v4_records(torch.zeros(64, RECORD_BYTES + 8, dtype=torch.uint8)[:, :RECORD_BYTES], F32)
 
 
 def test_write_cache_quantises_into_a_record_cache():
-    """A uint8 cache of 584-byte rows gets quantize_v4_records(values) at the slots, nothing else."""
-    cache = quantize_v4_records(torch.randn(3, 4, 512))
+    """A record cache [blocks, rows, 584] gets quantize_rows(values)'s bytes in the slots' data and
+    scale planes, nothing else changes."""
+    cache = quantize_v4_records(torch.randn(128, 512)).view(4, 32, RECORD_BYTES)
     before = cache.clone()
     values = torch.randn(3, 512, dtype=BF16)
-    slots = torch.tensor([5, -1, 0])
+    slots = torch.tensor([70, -1, 0])
     write_cache(cache, values, slots)
-    flat, old = cache.view(-1, RECORD_BYTES), before.view(-1, RECORD_BYTES)
-    assert torch.equal(flat[5], quantize_v4_records(values[0])) and torch.equal(flat[0], quantize_v4_records(values[2]))
-    assert torch.equal(flat[1:5], old[1:5]) and torch.equal(flat[6:], old[6:])
+    data, scales = planes(cache)
+    old_data, old_scales = planes(before)
+    d, sc = quantize_rows(values[[0, 2]])
+    assert torch.equal(data[1, 6], d[0]) and torch.equal(scales[1, 6], sc[0])
+    assert torch.equal(data[0, 0], d[1]) and torch.equal(scales[0, 0], sc[1])
+    keep = torch.ones(2, 64, dtype=torch.bool)
+    keep[1, 6] = keep[0, 0] = False
+    assert torch.equal(data[keep], old_data[keep]) and torch.equal(scales[keep], old_scales[keep])
+
+
+def test_flashmla_view_is_its_paged_k_cache():
+    """FlashMLA's sparse decode reads k_cache [pages, 64, 1, 584] with stride(1) = 584 bytes a
+    token and row r at page r // 64: a view of the cache, not a copy."""
+    cache = quantize_v4_records(torch.randn(130, 512))
+    view = flashmla_view(cache)
+    assert view.shape == (3, 64, 1, RECORD_BYTES) and view.stride()[:2] == (PAGE_BYTES, RECORD_BYTES)
+    assert view.data_ptr() == cache.data_ptr()
 
 
 def test_sparse_attention_reads_record_pools_as_their_dequantised_rows():
-    """Record pools (a tuple of them, strided or not) give exactly the attention over the
-    dequantised rows in q's dtype; a mix of record and float pools is refused."""
+    """Record pools (a tuple of them, each whole pages) give exactly the attention over the
+    dequantised rows in q's dtype; a mix of record and float pools, and a record pool that is
+    not whole pages, are refused."""
     g = torch.Generator().manual_seed(1)
     q, rows = torch.randn(3, 4, 512, generator=g, dtype=F32), torch.randn(10, 512, generator=g)
-    rec = quantize_v4_records(rows)
-    wide = torch.zeros(6, RECORD_BYTES + 8, dtype=torch.uint8)
-    wide[:, :RECORD_BYTES] = rec[4:]
-    idx = torch.tensor([[0, 3, 9, -1], [5, -1, -1, -1], [-1, -1, -1, -1]])
+    first, second = quantize_v4_records(rows[:4]), quantize_v4_records(rows[4:])
+    idx = torch.tensor([[0, 3, 64 + 5, -1], [64 + 1, -1, -1, -1], [-1, -1, -1, -1]])
     sinks, scale = torch.randn(4, generator=g), 512**-0.5
-    want = sparse_attention(q, dequantize_v4_records(rec, F32), idx, sinks, scale)
-    assert torch.equal(sparse_attention(q, (rec[:4], wide[:, :RECORD_BYTES]), idx, sinks, scale), want)
+    want = sparse_attention(q, torch.cat([dequantize_v4_records(first, F32), dequantize_v4_records(second, F32)]),
+                            idx, sinks, scale)
+    assert torch.equal(sparse_attention(q, (first, second), idx, sinks, scale), want)
     with pytest.raises(ValueError, match="share dtype"):
-        sparse_attention(q, (rows[:4], rec[4:]), idx, sinks, scale)
+        sparse_attention(q, (rows[:4], second), idx, sinks, scale)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        sparse_attention(q, (first[:10], second), idx.clamp(max=9), sinks, scale)
 
 
 @pytest.mark.parametrize("op", ["write_cache", "sparse_attention"])
@@ -110,11 +141,11 @@ def test_kit_catches_a_write_that_does_not_quantise_as_specified():
     from deepinfer_core.ops import kv_record
 
     def bad(cache, values, slots):
-        flat = cache.view(-1, RECORD_BYTES)
         keep = slots >= 0
-        recs = kv_record.quantize_v4_records(values[keep])
-        recs[:, 576:583] = recs[:, 576:583] - 1  # scale halved: NoPE values clamp at 448
-        flat[slots[keep]] = recs
+        kv_record.write_records(cache, values[keep], slots[keep])
+        _, scales = kv_record.planes(cache)
+        s = slots[keep]
+        scales[s // 64, s % 64, :7] -= 1  # scale halved (NoPE values would clamp at 448)
 
     dims = next(d for d in shapes("write_cache") if d.get("kv_record"))
     outcome = check(bad, make_case("write_cache", dims, BF16, "cpu", seed=0))
@@ -128,7 +159,13 @@ def test_fp8_kv_attention_within_its_bound_of_bf16_kv(seed):
     for dims in [d for d in shapes("sparse_attention") if d.get("kv_record")]:
         fp8 = make_case("sparse_attention", dims, BF16, "cpu", seed=seed)
         bf16 = make_case("sparse_attention", {k: v for k, v in dims.items() if k != "kv_record"}, BF16, "cpu", seed=seed)
-        assert torch.equal(fp8.args[0], bf16.args[0]) and torch.equal(fp8.args[2], bf16.args[2])
+        assert torch.equal(fp8.args[0], bf16.args[0])
+        # the same keys, named past each record pool's padding rows: within e4m3's step of the bf16 rows
+        records, rows = key_pool(fp8.args[1]), key_pool(bf16.args[1])
+        idx8, idx16 = fp8.args[2], bf16.args[2]
+        assert torch.equal(idx8 < 0, idx16 < 0)
+        got, want = read_records(records, idx8.clamp(min=0), F32), rows[idx16.clamp(min=0)].float()
+        assert ((got - want).abs() <= want.abs().amax(-1, keepdim=True) * 2.0**-3).all()
         o8, o16 = sparse_attention(*fp8.args).float(), sparse_attention(*bf16.args).float()
         worst = float(((o8 - o16).abs() / (FP8_KV_ATOL + FP8_KV_RTOL * o16.abs())).max()) if o16.numel() else 0.0
         rel = float((o8 - o16).norm() / o16.norm().clamp(min=1e-30))

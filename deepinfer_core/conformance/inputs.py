@@ -487,7 +487,7 @@ def _write_cache(d: dict, dtype, r: _Draw):
     if d.get("kv_record", False):  # V4 FP8 records of such rows (kv_cache_dtype="fp8"): the write quantises
         if d["entry_dim"] != ROW_DIM:
             raise ValueError(f"write_cache: kv_record caches hold {ROW_DIM}-wide rows, got entry_dim {d['entry_dim']}")
-        cache = quantize_v4_records(cache)
+        cache = quantize_v4_records(cache.view(-1, ROW_DIM))  # [N, 584] in whole pages of 64 rows (padding rows after N)
     values = r.randn(t, d["entry_dim"], dtype=dtype)
     slots = r.perm(slots_total)[:t]
     slots[r.perm(t)[: min(d["padding_tokens"], t)]] = -1
@@ -562,22 +562,31 @@ def _sparse_attention(d: dict, dtype, r: _Draw):
     kv = r.randn(pool, dim, dtype=dtype)
     sinks = r.randn(h)
     indices = _padded_rows(r, counts, k, pool)
-    if d.get("kv_record", False):  # V4 FP8 record pools of the same rows (kv_cache_dtype="fp8")
-        if dim != ROW_DIM:
-            raise ValueError(f"sparse_attention: kv_record pools hold {ROW_DIM}-wide rows, got head_dim {dim}")
-        kv = quantize_v4_records(kv)
-    pools = d.get("pools", 1)
-    if pools > 1:  # drawn after everything else: the same q, pool rows and indices as with one pool
-        kv = _split_pool(r, kv, pools, d.get("pool_sizes"))
+    records = d.get("kv_record", False)  # V4 FP8 record caches of the same rows (kv_cache_dtype="fp8")
+    if records and dim != ROW_DIM:
+        raise ValueError(f"sparse_attention: kv_record pools hold {ROW_DIM}-wide rows, got head_dim {dim}")
+    # drawn after everything else: the same q, pool rows and (remapped) indices as with one pool
+    bounds = _split_bounds(r, pool, d.get("pools", 1), d.get("pool_sizes"))
+    if records:  # each pool a record cache of whole pages: a row's index moves past the pages' padding rows
+        parts = [quantize_v4_records(kv[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
+        shift = torch.zeros(pool + 1, dtype=torch.int64)
+        start = 0
+        for (lo, hi), p in zip(zip(bounds, bounds[1:]), parts):
+            shift[lo:hi] = start - lo
+            start += p.shape[0]
+        indices = torch.where(indices >= 0, indices + shift[indices.clamp(min=0)], indices)
+        kv = parts[0] if len(parts) == 1 else tuple(parts)
+    elif len(bounds) > 2:
+        kv = _split_pool(kv, bounds)
     return (q, kv, indices.to(r.device), sinks, dim**-0.5), {}
 
 
-def _split_pool(r: _Draw, kv: torch.Tensor, parts: int, sizes: list[int] | None = None) -> tuple[torch.Tensor, ...]:
-    """``kv`` [N, d] cut into ``parts`` consecutive pools of ``sizes`` rows, or of random sizes
-    with one of them forced empty in most draws (an SWA layer has no compressed entries; a
-    middle pool may be empty), laid out as the model passes them: pool 0 contiguous (the new
-    rows), the others row-strided views of wider rows (row stride d + HEAD_ROW_EXTRA)."""
-    n, dim = kv.shape
+def _split_bounds(r: _Draw, n: int, parts: int, sizes: list[int] | None = None) -> list[int]:
+    """Row bounds [0, ..., n] of ``parts`` consecutive pools of ``sizes`` rows, or of random
+    sizes with one of them forced empty in most draws (an SWA layer has no compressed entries;
+    a middle pool may be empty). One pool draws nothing."""
+    if parts == 1:
+        return [0, n]
     bounds = [0, *sorted(int(c) for c in r.integers(0, n + 1, parts - 1)), n]
     empty = int(r.integers(0, 2 * parts))  # >= parts (half the draws): none forced empty
     if empty == parts - 1:
@@ -586,8 +595,15 @@ def _split_pool(r: _Draw, kv: torch.Tensor, parts: int, sizes: list[int] | None 
         bounds[empty + 1] = bounds[empty]
     if sizes is not None:
         bounds = [sum(sizes[:i]) for i in range(parts + 1)]
+    return bounds
+
+
+def _split_pool(kv: torch.Tensor, bounds: list[int]) -> tuple[torch.Tensor, ...]:
+    """``kv`` [N, d] cut at ``bounds`` as the model passes its pools: pool 0 contiguous (the new
+    rows), the others row-strided views of wider rows (row stride d + HEAD_ROW_EXTRA)."""
+    dim = kv.shape[1]
     out = []
-    for i in range(parts):
+    for i in range(len(bounds) - 1):
         rows = kv[bounds[i] : bounds[i + 1]]
         if i:
             wide = torch.zeros(rows.shape[0], dim + HEAD_ROW_EXTRA, dtype=kv.dtype, device=kv.device)

@@ -129,10 +129,14 @@ class KVCache:
     @classmethod
     def layer_shape(cls, g: CacheGroup, num_blocks: int, block_size: int, max_num_seqs: int, lookahead: int) -> tuple[int, int, int]:
         if g.kind == "paged":
-            return (num_blocks, block_size // g.tokens_per_entry, g.entry_dim)
-        if g.kind == "ring":
-            return (max_num_seqs * cls.ring_blocks(g, block_size, lookahead), cls.ring_block(g, block_size), g.entry_dim)
-        return (max_num_seqs * (1 + lookahead), g.state_rows, g.entry_dim)
+            blocks, rows = num_blocks, block_size // g.tokens_per_entry
+        elif g.kind == "ring":
+            blocks, rows = max_num_seqs * cls.ring_blocks(g, block_size, lookahead), cls.ring_block(g, block_size)
+        else:
+            blocks, rows = max_num_seqs * (1 + lookahead), g.state_rows
+        while blocks * rows % g.row_multiple:  # padding blocks (no table names them): whole row_multiples
+            blocks += 1
+        return (blocks, rows, g.entry_dim)
 
     @staticmethod
     def bytes_per_token(groups: list[CacheGroup]) -> float:

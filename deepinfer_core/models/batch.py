@@ -34,6 +34,9 @@ class CacheGroup:
         [num_slots * (1 + lookahead), state_rows, entry_dim].
     replay_tokens (ring, state): after a prefix-cache hit, how many tokens before the first
         uncached one are recomputed to rebuild this group (ring: its window; bounded replay).
+    row_multiple: a layer tensor's rows (all dims but the last, flattened) come in multiples of
+        this: extra blocks that no table names pad it (V4's FP8 record caches are pages of 64
+        rows, ``ops/kv_record.py``).
     """
 
     name: str
@@ -46,6 +49,7 @@ class CacheGroup:
     state_rows: int = 1
     replay_tokens: int = 0
     ring_block: int = 0
+    row_multiple: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in CACHE_KINDS:

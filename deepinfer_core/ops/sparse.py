@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_core.ops.kv_record import RECORD_BYTES, ROW_DIM, dequantize_v4_records, is_record_cache, quantize_v4_records
+from deepinfer_core.ops.kv_record import PAGE_ROWS, RECORD_BYTES, ROW_DIM, is_record_cache, read_records, write_records
 from deepinfer_core.ops.norm import rms_norm_f32
 
 # The reference attention and indexer take queries in chunks of at most this many, fewer when
@@ -59,22 +59,23 @@ def _gather_rows(pool: torch.Tensor, idx: torch.Tensor, record_dtype: torch.dtyp
     width = ROW_DIM if record_dtype is not None else pool.shape[-1]
     if pool.shape[0] == 0:
         return pool.new_zeros(*idx.shape, width, dtype=torch.float32)
-    rows = pool[idx.clamp(min=0)]
-    return (dequantize_v4_records(rows, record_dtype) if record_dtype is not None else rows).float()
+    if record_dtype is not None:
+        return read_records(pool, idx.clamp(min=0), record_dtype).float()
+    return pool[idx.clamp(min=0)].float()
 
 
 def write_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store row t of ``values`` [T, C] at flat row slot_mapping[t] of ``cache`` [..., C] (in
     place, cast to the cache's dtype); a negative slot means "do not store".
 
-    A uint8 cache whose rows are 584 bytes holds V4 FP8 records (``ops/kv_record.py``): values
-    [T, 512] are then quantised, each stored row being ``quantize_v4_records(values[t])``,
-    byte for byte."""
-    flat = cache.view(-1, cache.shape[-1])
+    A uint8 cache whose rows are 584 bytes is a V4 FP8 record cache (``ops/kv_record.py``:
+    contiguous, whole pages of 64 rows): values [T, 512] are then quantised into its data and
+    scale planes, row slot_mapping[t] getting ``quantize_rows(values[t])``'s bytes."""
     keep = slot_mapping >= 0
     if is_record_cache(cache):
-        flat[slot_mapping[keep]] = quantize_v4_records(values[keep])
+        write_records(cache, values[keep], slot_mapping[keep])
         return
+    flat = cache.view(-1, cache.shape[-1])
     flat[slot_mapping[keep]] = values[keep].to(cache.dtype)
 
 
@@ -95,14 +96,18 @@ def sparse_attention(
     gets zeros. Scores and the weighted sum in float32; returns [T, H, d] in q's dtype.
 
     FP8 KV (``kv_cache_dtype="fp8"``, V4, d = 512): the pools may instead all be uint8 V4 FP8
-    record pools [N_i, 584] (``ops/kv_record.py``); a named row then reads as
-    ``dequantize_v4_records(row, q.dtype)`` (exact), and the math above runs on those rows.
+    record caches [N_i, 584] (``ops/kv_record.py``: contiguous, N_i a multiple of 64, FlashMLA's
+    paged layout); a named row then reads as ``read_records(pool, row, q.dtype)`` (exact), and
+    the math above runs on those rows.
     """
-    kv = key_pool(kv)  # the reference concatenates; kernels read the parts in place
-    records = kv.dtype == torch.uint8
-    if records and (not is_record_cache(kv) or q.shape[-1] != ROW_DIM):
-        raise ValueError(f"uint8 key pools must be V4 FP8 records [N, {RECORD_BYTES}] read by queries of width {ROW_DIM}, "
-                         f"got pools {tuple(kv.shape)} and q {tuple(q.shape)}")
+    parts = key_pool_parts(kv)
+    records = parts[0].dtype == torch.uint8
+    if records and (not all(is_record_cache(p) and p.is_contiguous() and p.shape[0] % PAGE_ROWS == 0 for p in parts)
+                    or q.shape[-1] != ROW_DIM):
+        raise ValueError(f"uint8 key pools must be V4 FP8 record caches [N_i, {RECORD_BYTES}] (contiguous, N_i a multiple "
+                         f"of {PAGE_ROWS}) read by queries of width {ROW_DIM}, got pools "
+                         f"{[tuple(p.shape) for p in parts]} and q {tuple(q.shape)}")
+    kv = key_pool(parts)  # the reference concatenates (whole pages: a record cache again); kernels read the parts in place
     t_all, heads, d = q.shape
     out = torch.empty_like(q)
     row_dtype = q.dtype if records else None

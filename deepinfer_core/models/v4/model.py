@@ -30,7 +30,7 @@ from deepinfer_core.models.v4.checkpoint import V4Checkpoint
 from deepinfer_core.models.v4.config import V4ModelConfig
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.rope import rope_cos_sin_table
-from deepinfer_core.ops.kv_record import NOPE_DIM, RECORD_BYTES, ROW_DIM
+from deepinfer_core.ops.kv_record import NOPE_DIM, PAGE_ROWS, RECORD_BYTES, ROW_DIM, record_rows
 from deepinfer_core.ops.sparse import KeyPools
 
 CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
@@ -183,10 +183,11 @@ def gather_rows(pools: tuple[torch.Tensor, torch.Tensor], idx: torch.Tensor) -> 
 def new_key_rows(ops: OpTable, kv: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """This step's key rows [T, d] as the attention pool holds them beside ``cache``: themselves,
     or, for an FP8 record cache (kv_cache_dtype="fp8"), their records written by ``write_cache``
-    (so a key reads the same from this step's pool as from the cache on later steps)."""
+    (so a key reads the same from this step's pool as from the cache on later steps), in a
+    record cache of whole pages: rows past T are padding that no index names."""
     if cache.dtype != torch.uint8:
         return kv
-    records = torch.empty(kv.shape[0], cache.shape[-1], dtype=torch.uint8, device=kv.device)
+    records = torch.zeros(record_rows(kv.shape[0]), cache.shape[-1], dtype=torch.uint8, device=kv.device)  # whole pages
     ops.write_cache(records, kv, torch.arange(kv.shape[0], device=kv.device))
     return records
 
@@ -251,11 +252,14 @@ class Attention(nn.Module):
         qr, q, kv = self._project(x, positions, table)
 
         window = caches[f"{name}.window"]
-        pools = [new_key_rows(ops, kv, window), window.view(-1, window.shape[-1])]  # the caches addressed in place, not copied
+        new = new_key_rows(ops, kv, window)
+        pools = [new, window.view(-1, window.shape[-1])]  # the caches addressed in place, not copied
         index = plan.window(WINDOW, c.sliding_window)
+        if new.shape[0] != kv.shape[0]:  # FP8 records: the ring's rows start after pool 0's padding rows
+            index = torch.where(index >= kv.shape[0], index + (new.shape[0] - kv.shape[0]), index)
         if self.compressor is not None:
             entries, chosen = self._compressed(x, qr, plan, caches, name, table)
-            index = torch.cat([index, torch.where(chosen >= 0, chosen + kv.shape[0] + pools[1].shape[0], chosen)], dim=1)
+            index = torch.cat([index, torch.where(chosen >= 0, chosen + new.shape[0] + pools[1].shape[0], chosen)], dim=1)
             pools.append(entries)
         out = sparse_output(self, q, tuple(pools), index, positions, inverse)
         # after the attention: a long prefill chunk's writes wrap the ring over rows its first queries read
@@ -598,6 +602,7 @@ class DeepseekV4ForCausalLM(V4FamilyLM):
         c, dt = self.config, self.dtype
         # the attention keys (window rows, compressed entries): FP8 records of RECORD_BYTES, or rows in the model dtype
         kv_dim, kv_dt = (RECORD_BYTES, torch.uint8) if self.fp8_kv_cache else (c.head_dim, dt)
+        pages = PAGE_ROWS if self.fp8_kv_cache else 1  # record caches come in pages of PAGE_ROWS rows
         names = [f"model.layers.{i}.self_attn" for i in range(len(self.model.layers))]
         if with_mtp:
             names += [f"mtp.layers.{i}.self_attn" for i in range(self.num_mtp_layers)]
@@ -605,20 +610,22 @@ class DeepseekV4ForCausalLM(V4FamilyLM):
         csa = [n for n, k in zip(names, kinds) if k == CSA]
         hca = [n for n, k in zip(names, kinds) if k == HCA]
         replay = self.replay_tokens(with_mtp)
-        groups = [CacheGroup(WINDOW, "ring", tuple(f"{n}.window" for n in names), kv_dim, kv_dt,
-                             window=c.sliding_window, replay_tokens=replay, ring_block=min(RING_BLOCK, c.sliding_window))]
+        groups = [CacheGroup(WINDOW, "ring", tuple(f"{n}.window" for n in names), kv_dim, kv_dt, window=c.sliding_window,
+                             replay_tokens=replay, ring_block=min(RING_BLOCK, c.sliding_window), row_multiple=pages)]
         if csa:
             comp = self.get_submodule(csa[0]).compressor  # every CSA layer has the same row widths
             row = comp.row_dim + comp.indexer.row_dim
             groups += [
-                CacheGroup(CSA_KV, "paged", tuple(f"{n}.compressed" for n in csa), kv_dim, kv_dt, tokens_per_entry=c.csa_ratio),
+                CacheGroup(CSA_KV, "paged", tuple(f"{n}.compressed" for n in csa), kv_dim, kv_dt, tokens_per_entry=c.csa_ratio,
+                           row_multiple=pages),
                 CacheGroup(CSA_INDEX, "paged", tuple(f"{n}.indexer" for n in csa), c.index_head_dim, dt, tokens_per_entry=c.csa_ratio),
                 CacheGroup(CSA_STATE, "ring", tuple(f"{n}.compressor_state" for n in csa), row, torch.float32,
                            window=2 * c.csa_ratio, replay_tokens=replay, ring_block=c.csa_ratio),
             ]
         if hca:
             groups += [
-                CacheGroup(HCA_KV, "paged", tuple(f"{n}.compressed" for n in hca), kv_dim, kv_dt, tokens_per_entry=c.hca_ratio),
+                CacheGroup(HCA_KV, "paged", tuple(f"{n}.compressed" for n in hca), kv_dim, kv_dt, tokens_per_entry=c.hca_ratio,
+                           row_multiple=pages),
                 CacheGroup(HCA_STATE, "ring", tuple(f"{n}.compressor_state" for n in hca), 2 * c.head_dim, torch.float32,
                            window=c.hca_ratio, replay_tokens=replay, ring_block=min(RING_BLOCK, c.hca_ratio)),
             ]

@@ -265,6 +265,46 @@ def profile_decode(llm, batch: int, context: int, steps: int) -> dict:
             "providers": dict(engine.ops.providers)}
 
 
+# SGLang's published DeepSeek-V4-Flash TPOT on H200 at concurrency 1 (TP4 + MTP): set beside
+# this slice's per-layer decode time x the real model's layers, a projection, not a comparison.
+SGLANG_V4_FLASH_TPOT_MS = 3.28
+REAL_LAYERS = {"v4-flash-slice": 43, "v4-pro-slice": 61}
+
+
+def summarize(result: dict, slice_layers: int) -> dict:
+    """The issue's ratios from this run's numbers: decode step over its HBM floor, transformers'
+    decode step and prefill time over ours at the same batch and prompt length, the first call
+    over the repeat, and the per-layer projection beside SGLang's TPOT (labelled as one)."""
+    out: dict = {"cadence_over_floor": {r["batch"]: r.get("step_over_floor") for r in result.get("cadence", [])}}
+    cadence = {r["batch"]: r for r in result.get("cadence", [])}
+    versus = []
+    for peer in result.get("transformers", []):
+        ours = cadence.get(peer.get("batch"))
+        if ours is None or "step_s" not in peer or ours["prompt_len"] != peer.get("context"):
+            continue
+        versus.append({"batch": peer["batch"], "context": peer["context"],
+                       "decode_x_transformers": peer["step_s"] * 1e3 / ours["decode_step_ms"],
+                       # ours: a 1-token generate (prefill + one step) against transformers' prefill alone
+                       "prefill_x_transformers": peer["prefill_s"] / ours["seconds_1"]})
+    out["versus_transformers"] = versus
+    calls = defaultdict(dict)
+    for row in result.get("generate", []):
+        calls[row["batch"]][row["call"]] = row["seconds"]
+    out["first_over_repeat"] = {b: c["first"] / c["repeat"] for b, c in calls.items() if {"first", "repeat"} <= c.keys()}
+    one = cadence.get(1)
+    layers = REAL_LAYERS.get(result["model"])
+    if one and layers:
+        per_layer = one["decode_step_ms"] / slice_layers
+        out["projection"] = {"per_layer_decode_ms_b1": per_layer, "real_layers": layers,
+                             "projected_tpot_ms": per_layer * layers, "sglang_published_tpot_ms": SGLANG_V4_FLASH_TPOT_MS,
+                             "label": "projection: this slice's B=1 decode step per layer x the real model's layers "
+                                      "(one GPU, no MTP, embedding and head counted in every layer), beside SGLang's "
+                                      "published V4-Flash TPOT (H200, TP4 + MTP, concurrency 1); not a comparison"}
+    for key, value in out.items():
+        print(f"summary {key}: {value}", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--accelerator", default="nvidia")
@@ -280,6 +320,8 @@ def main() -> None:
     parser.add_argument("--cadence", action="store_true", help="decode cadence through LLM.generate against the HBM floor")
     parser.add_argument("--hf-peer", action="append", default=None, metavar="BATCHxCONTEXT",
                         help="transformers on the same weights at this point (repeatable)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="the window and compressed caches: the model dtype, or V4's FP8 records")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     batches = args.batch or [1, 8, 32]
@@ -287,9 +329,10 @@ def main() -> None:
     pb, pc = max(b for b, _ in points), max(c for _, c in points)
     model_dir = args.model_dir or slice_dir(args.model, args.expert_dtype)
     llm, load_s = build(max(max(batches), pb), max(args.prompt_len, pc) + args.new_tokens + args.steps + 64, args.accelerator,
-                        model_dir)
+                        model_dir, kv_cache_dtype=args.kv_cache_dtype)
     experts = llm.engine.model.model.layers[0].mlp.experts.gate_up_proj
     result = {"model": args.model, "expert_dtype": args.expert_dtype or "config", "experts_stored_as": str(experts.dtype),
+              "kv_cache_dtype": args.kv_cache_dtype,
               "load_seconds": load_s, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "generate": generate_points(llm, batches, args.prompt_len, args.new_tokens),
               "profile": [profile_decode(llm, b, c, args.steps) for b, c in points]}
@@ -313,6 +356,7 @@ def main() -> None:
             peer = {"batch": b, "context": c, "error": f"{type(e).__name__}: {e}"}
             print(f"transformers B={b} L={c}: {peer['error']}", flush=True)
         result.setdefault("transformers", []).append(peer)
+    result["summary"] = summarize(result, len(llm.engine.model.model.layers))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "v4_slice.json").write_text(json.dumps(result, indent=1))
     if args.cadence:

@@ -1,0 +1,33 @@
+"""benchmarks.v4_slice's summary: the issue's ratios come from the run's own rows (no timing is
+asserted: the rows are made up)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.v4_slice import SGLANG_V4_FLASH_TPOT_MS, summarize
+
+
+def test_summary_ratios_from_the_rows():
+    result = {
+        "model": "v4-flash-slice",
+        "generate": [{"batch": 1, "call": "first", "seconds": 1.1}, {"batch": 1, "call": "repeat", "seconds": 1.0}],
+        "cadence": [{"batch": 1, "prompt_len": 2048, "decode_step_ms": 2.0, "seconds_1": 0.05, "step_over_floor": 1.8},
+                    {"batch": 8, "prompt_len": 2048, "decode_step_ms": 4.0, "seconds_1": 0.2, "step_over_floor": 1.4}],
+        "transformers": [{"batch": 1, "context": 2048, "step_s": 0.0225, "prefill_s": 0.076},
+                         {"batch": 8, "context": 1024, "step_s": 0.05, "prefill_s": 0.3},  # another prompt length: not paired
+                         {"batch": 2, "context": 2048, "error": "OOM"}],
+    }
+    s = summarize(result, slice_layers=4)
+    assert s["cadence_over_floor"] == {1: 1.8, 8: 1.4}
+    assert s["versus_transformers"] == [{"batch": 1, "context": 2048, "decode_x_transformers": pytest.approx(11.25),
+                                         "prefill_x_transformers": pytest.approx(1.52)}]
+    assert s["first_over_repeat"] == {1: pytest.approx(1.1)}
+    proj = s["projection"]
+    assert proj["projected_tpot_ms"] == pytest.approx(2.0 / 4 * 43) and proj["sglang_published_tpot_ms"] == SGLANG_V4_FLASH_TPOT_MS
+    assert "projection" in proj["label"] and "not a comparison" in proj["label"]
+
+
+def test_summary_without_cadence_has_no_projection():
+    s = summarize({"model": "v4-pro-slice", "generate": []}, slice_layers=4)
+    assert s["versus_transformers"] == [] and "projection" not in s

@@ -63,6 +63,37 @@ def test_fp8_kv_cache_bytes_and_greedy_generation(checkpoint):
     assert min(agreeing) >= MIN_AGREEING_TOKENS, agreeing
 
 
+def test_fp8_decode_steps_write_the_window_first_and_read_the_caches_alone(checkpoint, monkeypatch):
+    """Decode-only FP8 steps write their window rows to the ring before the attention and pass
+    the caches alone as its pools (what FlashMLA's sparse decode reads); the same requests with
+    every step taken as a mixed one (new rows as pool 0, the ring written after) give the same
+    tokens and logprobs, and the attention sees 1-2 pools only in the decode-only steps."""
+    from deepinfer_core.models.v4 import batch as v4_batch
+    from deepinfer_core.models.v4 import model as v4_model
+
+    prompts = [random_prompt(PROMPT_LEN_V4["v4_flash_like"], seed=s) for s in (1, 2)]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=0, ignore_eos=True)
+    pool_counts = []
+    real_output = v4_model.sparse_output
+
+    def counting(attn, q, pool, *args):
+        pool_counts.append(len(pool))
+        return real_output(attn, q, pool, *args)
+
+    monkeypatch.setattr(v4_model, "sparse_output", counting)
+    first = _llm(checkpoint, kv_cache_dtype="fp8").generate(prompts, params, use_tqdm=False)
+    assert min(pool_counts) == 1 and max(pool_counts) == 3  # SWA decode: the ring alone; prefill: new rows, ring, entries
+    monkeypatch.setattr(v4_batch.V4Batch, "decode_only", property(lambda self: False))
+    pool_counts.clear()
+    mixed = _llm(checkpoint, kv_cache_dtype="fp8").generate(prompts, params, use_tqdm=False)
+    assert min(pool_counts) == 2  # the new rows always come as pool 0
+    for a, b in zip(first, mixed):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        la = [lp[t] for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)]
+        lb = [lp[t] for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]
+        assert la == pytest.approx(lb, abs=1e-5)
+
+
 def test_fp8_kv_refused_on_a_platform_without_it(checkpoint, monkeypatch):
     import deepinfer_core.plugins as plugins
 

@@ -91,10 +91,11 @@ class V4Batch:
         vf = self.batch.groups[ring].valid_from
         return torch.zeros_like(self.end) if vf is None else self._token_order(vf.long())
 
-    def pool_rows(self, ring: str, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def pool_rows(self, ring: str, seq: torch.Tensor, pos: torch.Tensor, in_ring: bool = False) -> torch.Tensor:
         """Pool index of position ``pos`` of sequence ``seq`` (same shapes): this batch's row when
         the position is new in this step, else T + its ring slot; -1 before the ring's first
-        valid position or below 0."""
+        valid position or below 0. ``in_ring``: this step's rows were written to the ring first,
+        so every position is its ring slot (no batch rows before the ring in the pool)."""
         g = self.groups[ring]
         if ring not in self._ring_tables:
             self._ring_tables[ring] = self._token_order(self.batch.groups[ring].block_tables.long())
@@ -103,18 +104,19 @@ class V4Batch:
         start, lo = self.start[seq], self.valid_from(ring)[seq]
         new = self.base[seq] + (pos - start)
         blocks = table[seq.reshape(-1), ((pos.clamp(min=0) // rb) % table.shape[1]).reshape(-1)].view(pos.shape)
-        cached = self.num_tokens + blocks * rb + pos.clamp(min=0) % rb
-        out = torch.where(pos >= start, new, cached)
+        cached = (0 if in_ring else self.num_tokens) + blocks * rb + pos.clamp(min=0) % rb
+        out = cached if in_ring else torch.where(pos >= start, new, cached)
         skipped = (pos >= self.skipped_from[seq]) & (pos < start)  # rows a tail did not compute
         return torch.where((pos >= lo) & (pos >= 0) & ~skipped, out, torch.full_like(out, -1))
 
-    def window(self, ring: str, window: int) -> torch.Tensor:
-        """[T, window] pool indices of each query's window keys p - window + 1 .. p (-1: none)."""
+    def window(self, ring: str, window: int, in_ring: bool = False) -> torch.Tensor:
+        """[T, window] pool indices of each query's window keys p - window + 1 .. p (-1: none);
+        ``in_ring``: as ``pool_rows`` takes it (the ring's rows alone, this step's written first)."""
         def build() -> torch.Tensor:
             pos = self.positions[:, None] - torch.arange(window, device=self.positions.device)[None, :]
-            return self.pool_rows(ring, self.seq[:, None].expand_as(pos), pos)
+            return self.pool_rows(ring, self.seq[:, None].expand_as(pos), pos, in_ring)
 
-        return self._once(("window", ring, window), build)
+        return self._once(("window", ring, window, in_ring), build)
 
     @property
     def decode_only(self) -> bool:

@@ -252,18 +252,30 @@ class Attention(nn.Module):
         qr, q, kv = self._project(x, positions, table)
 
         window = caches[f"{name}.window"]
-        new = new_key_rows(ops, kv, window)
-        pools = [new, window.view(-1, window.shape[-1])]  # the caches addressed in place, not copied
-        index = plan.window(WINDOW, c.sliding_window)
-        if new.shape[0] != kv.shape[0]:  # FP8 records: the ring's rows start after pool 0's padding rows
-            index = torch.where(index >= kv.shape[0], index + (new.shape[0] - kv.shape[0]), index)
+        ring = window.view(-1, window.shape[-1])  # the caches addressed in place, not copied
+        # FP8 records in a decode-only step: this step's rows go to the ring first and the pools
+        # are the caches alone (ring, compressed entries), as FlashMLA's sparse decode takes them.
+        # A decode step's few rows per sequence cannot wrap the ring over a row its queries read
+        # (the ring holds window + lookahead tokens and a block more); a prefill chunk's can.
+        written_first = window.dtype == torch.uint8 and plan.decode_only
+        if written_first:
+            ops.write_cache(window, kv, plan.slots(WINDOW))
+            pools = [ring]
+            index = plan.window(WINDOW, c.sliding_window, in_ring=True)
+        else:
+            new = new_key_rows(ops, kv, window)
+            pools = [new, ring]
+            index = plan.window(WINDOW, c.sliding_window)
+            if new.shape[0] != kv.shape[0]:  # FP8 records: the ring's rows start after pool 0's padding rows
+                index = torch.where(index >= kv.shape[0], index + (new.shape[0] - kv.shape[0]), index)
         if self.compressor is not None:
             entries, chosen = self._compressed(x, qr, plan, caches, name, table)
-            index = torch.cat([index, torch.where(chosen >= 0, chosen + new.shape[0] + pools[1].shape[0], chosen)], dim=1)
+            before = sum(p.shape[0] for p in pools)
+            index = torch.cat([index, torch.where(chosen >= 0, chosen + before, chosen)], dim=1)
             pools.append(entries)
         out = sparse_output(self, q, tuple(pools), index, positions, inverse)
-        # after the attention: a long prefill chunk's writes wrap the ring over rows its first queries read
-        ops.write_cache(window, kv, plan.slots(WINDOW))
+        if not written_first:  # after the attention: a long prefill chunk's writes wrap the ring over rows its first queries read
+            ops.write_cache(window, kv, plan.slots(WINDOW))
         return out
 
     def forward_context_parallel(self, x: torch.Tensor, positions: torch.Tensor, cp, tables):

@@ -1,4 +1,5 @@
-"""FlashMLA (DeepSeek's MLA decode kernels) as the provider of ``mla_decode_attention``.
+"""FlashMLA (DeepSeek's MLA decode kernels) as the provider of ``mla_decode_attention`` (and,
+through ``flashmla_sparse.py``, of ``sparse_attention`` over V4's FP8 records).
 
 Chosen when ``flash_mla`` imports (``pip install "deepinfer-nvidia-sm100[flashmla]"``: the
 ``sgl-flash-mla`` wheel) and a call's shapes fit its dense decode kernel (``use_legacy=True``):
@@ -168,8 +169,13 @@ def block_size_for(model_config) -> int | None:
 
 
 def provide(ops: dict) -> dict:
-    """``ops`` with FlashMLA providing ``mla_decode_attention`` (the op there becomes its fallback)
-    when FlashMLA is installed; unchanged otherwise."""
-    if version() is None or "mla_decode_attention" not in ops:
+    """``ops`` with FlashMLA providing ``mla_decode_attention`` and, over V4's FP8 records,
+    ``sparse_attention`` (``flashmla_sparse.py``; the ops there become their fallbacks) when
+    FlashMLA is installed; unchanged otherwise."""
+    from deepinfer_nvidia_sm100 import flashmla_sparse
+
+    if version() is None:
         return ops
-    return {**ops, "mla_decode_attention": FlashMLADecode(ops["mla_decode_attention"])}
+    if "mla_decode_attention" in ops:
+        ops = {**ops, "mla_decode_attention": FlashMLADecode(ops["mla_decode_attention"])}
+    return flashmla_sparse.provide(ops, version())

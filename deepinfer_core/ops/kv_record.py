@@ -76,11 +76,16 @@ def flashmla_view(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(-1, PAGE_ROWS, 1, RECORD_BYTES)
 
 
+def check_rows(rows: torch.Tensor) -> None:
+    """ValueError unless ``rows`` is a float [T, 512]: what records are quantised from."""
+    if rows.dim() != 2 or rows.shape[-1] != ROW_DIM or not rows.is_floating_point():
+        raise ValueError(f"V4 FP8 records hold float rows [T, {ROW_DIM}], got {rows.dtype} {tuple(rows.shape)}")
+
+
 def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """rows [T, 512] (any float dtype) -> (data [T, 576], scales [T, 8]) uint8: each row's bytes
     in its page's data and scale planes (module docstring)."""
-    if rows.dim() != 2 or rows.shape[-1] != ROW_DIM or not rows.is_floating_point():
-        raise ValueError(f"V4 FP8 records hold float rows [T, {ROW_DIM}], got {rows.dtype} {tuple(rows.shape)}")
+    check_rows(rows)
     tiles = rows[:, :NOPE_DIM].float().view(-1, TILES, TILE)
     amax = tiles.abs().amax(dim=-1).clamp(min=AMAX_FLOOR)
     mant, exp = torch.frexp(amax / E4M3_MAX)  # amax / 448 = mant * 2^exp, mant in [0.5, 1)

@@ -49,6 +49,21 @@ def key_pool(kv: KeyPools) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def record_pools(parts: tuple[torch.Tensor, ...], q: torch.Tensor) -> bool:
+    """Whether the key pools ``parts`` (from key_pool_parts) are V4 FP8 record caches: False for
+    float pools; True for uint8 ones, which must then all be contiguous [N_i, 584] of whole pages
+    read by queries q [T, H, 512] (ValueError otherwise: a mix of records and rows is refused too,
+    by key_pool_parts)."""
+    if parts[0].dtype != torch.uint8:
+        return False
+    if not all(is_record_cache(p) and p.is_contiguous() and p.shape[0] % PAGE_ROWS == 0 for p in parts) \
+            or q.shape[-1] != ROW_DIM:
+        raise ValueError(f"uint8 key pools must be V4 FP8 record caches [N_i, {RECORD_BYTES}] (contiguous, N_i a multiple "
+                         f"of {PAGE_ROWS}) read by queries of width {ROW_DIM}, got pools "
+                         f"{[tuple(p.shape) for p in parts]} and q {tuple(q.shape)}")
+    return True
+
+
 def _chunk(keys_per_query: int, floats_per_key: int) -> int:
     return max(1, min(ATTENTION_CHUNK, CHUNK_BYTES // max(1, 4 * keys_per_query * floats_per_key)))
 
@@ -101,12 +116,7 @@ def sparse_attention(
     the math above runs on those rows.
     """
     parts = key_pool_parts(kv)
-    records = parts[0].dtype == torch.uint8
-    if records and (not all(is_record_cache(p) and p.is_contiguous() and p.shape[0] % PAGE_ROWS == 0 for p in parts)
-                    or q.shape[-1] != ROW_DIM):
-        raise ValueError(f"uint8 key pools must be V4 FP8 record caches [N_i, {RECORD_BYTES}] (contiguous, N_i a multiple "
-                         f"of {PAGE_ROWS}) read by queries of width {ROW_DIM}, got pools "
-                         f"{[tuple(p.shape) for p in parts]} and q {tuple(q.shape)}")
+    records = record_pools(parts, q)
     kv = key_pool(parts)  # the reference concatenates (whole pages: a record cache again); kernels read the parts in place
     t_all, heads, d = q.shape
     out = torch.empty_like(q)

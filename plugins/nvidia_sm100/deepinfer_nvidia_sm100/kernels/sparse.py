@@ -28,6 +28,14 @@ A block of columns all -1 (or a whole query) leaves the running max at -inf: the
 then taken against 0 instead, so nothing is NaN and a query with no valid key gets zeros.
 P is rounded to the kv dtype for P V in 16-bit (the spec allows it), kept float32 in float32.
 
+DeepSeek-V4's FP8 KV (``kv_cache_dtype="fp8"``): the pools may all be record caches (uint8
+[N_i, 584] in FlashMLA's paged layout, ``deepinfer_core.ops.kv_record``). The kernel then
+(RECORDS) addresses pools by page instead of row (each pool starts on a page: its start and row
+stride are in pages), reads a gathered row's 448 e4m3 bytes, its 7 UE8M0 scale bytes and its 64
+bf16 RoPE values from its page's planes and dequantises them in registers, exactly, to q's
+dtype: the dots stay the 16-bit tensor-core ones (float32 for a float32 q) and see the very
+rows the reference dequantises. ``write_cache`` quantises into such caches (``_write_records``).
+
 Every op is free of host synchronisation; the grids follow from shapes only.
 """
 
@@ -39,7 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_core.ops.sparse import key_pool_parts
+from deepinfer_core.ops import kv_record
+from deepinfer_core.ops.sparse import key_pool_parts, record_pools
 from deepinfer_nvidia_sm100.kernels.device import await_inputs, launch_options, num_sms
 
 LOG2E = 1.4426950408889634
@@ -68,6 +77,7 @@ INTERPRETER_SMS = 4  # under the interpreter: small, so the tests exercise the s
 # write_cache: columns per program
 WRITE_BLOCK_C = 256
 WRITE_NUM_WARPS = 2
+RECORD_WRITE_NUM_WARPS = 2  # V4 FP8 records: one program per token
 
 # compress_pool: a program pools one window; slots per tile = POOL_TILE // channels (pow2)
 POOL_TILE = 4096
@@ -76,6 +86,20 @@ POOL_NUM_WARPS = 4
 # indexer_topk: candidates scored per program
 INDEX_BLOCK_C = 64
 INDEX_NUM_WARPS = 4
+
+
+# V4 FP8 KV records (deepinfer_core.ops.kv_record), for the kernels
+_NOPE_DIM = tl.constexpr(kv_record.NOPE_DIM)  # 448 e4m3 bytes, then the RoPE part's 64 bf16 values
+_TILE = tl.constexpr(kv_record.TILE)  # values per scale
+_TILES = tl.constexpr(kv_record.TILES)
+_PAGE_ROWS = tl.constexpr(kv_record.PAGE_ROWS)
+_PAGE_BYTES = tl.constexpr(kv_record.PAGE_BYTES)
+_DATA_BYTES = tl.constexpr(kv_record.DATA_BYTES)  # a row's data in its page's data plane
+_SCALE_PLANE = tl.constexpr(kv_record.SCALE_PLANE)  # where a page's scale plane starts
+_SCALE_BYTES = tl.constexpr(kv_record.SCALE_BYTES)
+_UE8M0_BIAS = tl.constexpr(kv_record.UE8M0_BIAS)
+_E4M3_MAX = tl.constexpr(kv_record.E4M3_MAX)
+_AMAX_FLOOR = tl.constexpr(kv_record.AMAX_FLOOR)
 
 
 # =============================================================================================
@@ -106,6 +130,28 @@ def _attn_splits(queries: int, head_blocks: int, block_h: int, keys: int, block_
     return max(1, triton.cdiv(keys, per)), per
 
 
+@triton.jit
+def _record_rows(pages, slot, valid, ty, BLOCK_N: tl.constexpr):
+    """[BLOCK_N, 512] key rows from V4 FP8 records, in ``ty``: row i is slot[i] of the page at
+    pages[i] (not read where ~valid[i]: zeros). Viewed as 8 tiles of 64 columns: tile t < 7 is
+    e4m3 bytes times 2^(b_t - 127), b_t the row's scale byte t (the power of two built from its
+    bits: exact), tile 7 the RoPE part's bf16 values; exact in float32 and bfloat16, as
+    read_records is. The scales load once per row, the RoPE part as its own 64 columns."""
+    data = pages + slot * _DATA_BYTES
+    tile = tl.arange(0, _SCALE_BYTES)
+    c = tl.arange(0, _TILE)
+    cols = tile[None, :, None] * _TILE + c[None, None, :]  # [1, 8, 64]
+    nope = valid[:, None, None] & (tile < _TILES)[None, :, None]
+    q8 = tl.load(data[:, None, None] + cols, mask=nope, other=0)
+    b = tl.load((pages + _SCALE_PLANE + slot * _SCALE_BYTES)[:, None] + tile[None, :], mask=valid[:, None], other=0)
+    scale = (b.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(b - 127); the pad byte's 0 gives 0
+    rope = (data + _NOPE_DIM).to(tl.pointer_type(tl.bfloat16))
+    r = tl.load(rope[:, None] + c[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    x = q8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
+    x = tl.where((tile == _TILES)[None, :, None], r[:, None, :], x)
+    return tl.reshape(x, [BLOCK_N, _SCALE_BYTES * _TILE]).to(ty)
+
+
 @triton.jit(do_not_specialize=["num_keys", "split_len", "num_splits", "s_it", "kv1_start", "kv2_start"])
 def _sparse_attn_kernel(
     q_ptr, kv_ptr, kv1_ptr, kv2_ptr, idx_ptr, sink_ptr, out_ptr, part_ptr, lse_ptr,
@@ -120,12 +166,14 @@ def _sparse_attn_kernel(
     s_lt, s_ls,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, POOLS: tl.constexpr,
-    PDL: tl.constexpr,
+    RECORDS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Key pools: row i of the concatenation is row i of kv (POOLS == 1, or i < kv1_start), row
     i - kv1_start of kv1 (POOLS >= 2, i < kv2_start) or row i - kv2_start of kv2 (POOLS == 3),
     each pool with its own row stride and the column stride s_kd; the row's pointer is chosen per
-    gathered index (one load per tile, whichever pool each row is in)."""
+    gathered index (one load per tile, whichever pool each row is in). RECORDS: the pools are V4
+    FP8 record caches and the same choice is made per page (starts and strides in pages), row i
+    being slot i % 64 of page i // 64; the rows are dequantised to q's dtype."""
     await_inputs(PDL)
     pid = tl.program_id(0)
     hb = pid % HEAD_BLOCKS
@@ -137,7 +185,7 @@ def _sparse_attn_kernel(
     h_mask = heads < num_heads
     d = tl.arange(0, BLOCK_D)
     d_mask = d < D
-    kv_ty = kv_ptr.dtype.element_ty
+    kv_ty = q_ptr.dtype.element_ty if RECORDS else kv_ptr.dtype.element_ty  # the dots' dtype
     q = tl.load(q_ptr + t * s_qt + heads[:, None] * s_qh + d[None, :] * s_qd,
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0).to(kv_ty)
 
@@ -152,12 +200,16 @@ def _sparse_attn_kernel(
         idx = tl.load(idx_row + cols * s_ik, mask=cols < end, other=-1)
         valid = idx >= 0
         row = tl.maximum(idx, 0).to(tl.int64)
-        rows = kv_ptr + row * s_kn
+        unit = row // _PAGE_ROWS if RECORDS else row  # what the pools' starts and strides count
+        rows = kv_ptr + unit * s_kn
         if POOLS >= 2:  # an empty pool's start is the next one's: its rows are never chosen
-            rows = tl.where(row >= kv1_start, kv1_ptr + (row - kv1_start) * s_k1n, rows)
+            rows = tl.where(unit >= kv1_start, kv1_ptr + (unit - kv1_start) * s_k1n, rows)
         if POOLS >= 3:
-            rows = tl.where(row >= kv2_start, kv2_ptr + (row - kv2_start) * s_k2n, rows)
-        kv = tl.load(rows[:, None] + d[None, :] * s_kd, mask=valid[:, None] & d_mask[None, :], other=0.0)
+            rows = tl.where(unit >= kv2_start, kv2_ptr + (unit - kv2_start) * s_k2n, rows)
+        if RECORDS:
+            kv = _record_rows(rows, row % _PAGE_ROWS, valid, kv_ty, BLOCK_N)
+        else:
+            kv = tl.load(rows[:, None] + d[None, :] * s_kd, mask=valid[:, None] & d_mask[None, :], other=0.0)
         s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -220,12 +272,11 @@ def _sparse_attn_combine_kernel(
     tl.store(out_ptr + t * s_ot + h * s_oh + d * s_od, (acc / total).to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def _key_pools(kv) -> tuple[list[torch.Tensor], list[int], int]:
+def _key_pools(parts: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], list[int], int]:
     """(the non-empty pools, at least one; the row each starts at in the concatenation; the
     column stride they share). Pools without rows are dropped (the others' starts already skip
     them); a pool whose column stride is not the others' (only a column-strided view can
     differ) is copied contiguous. Shapes and strides only: no device work in the usual case."""
-    parts = key_pool_parts(kv)
     starts = [sum(p.shape[0] for p in parts[:i]) for i in range(len(parts))]
     kept = [(p, s) for p, s in zip(parts, starts) if p.shape[0]] or [(parts[0], 0)]
     pools, starts = [p for p, _ in kept], [s for _, s in kept]
@@ -238,18 +289,24 @@ def sparse_attention(q: torch.Tensor, kv, indices: torch.Tensor, sinks: torch.Te
                      scale: float) -> torch.Tensor:
     """Shared-KV attention with per-head sinks over the named pool rows (contract:
     deepinfer_core.ops.sparse.sparse_attention). ``kv``: one pool [N, d], or a tuple of 1..3
-    pools read in place (the kernel picks each gathered row's pool, no concatenation).
-    Graph-capture safe."""
-    pools, starts, s_kd = _key_pools(kv)
+    pools read in place (the kernel picks each gathered row's pool, no concatenation), or 1..3
+    V4 FP8 record caches (d = 512: dequantised in registers to q's dtype). Graph-capture safe."""
+    parts = key_pool_parts(kv)
+    records = record_pools(parts, q)
+    pools, starts, s_kd = _key_pools(parts)
     t_all, heads, d = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if t_all == 0 or heads == 0:
         return out
     kv = pools[0]
     kv1, kv2 = (pools + [kv, kv])[1:3]  # unused pointers (POOLS < 3) repeat pool 0
-    starts_12 = (starts + [0, 0])[1:3]
+    # records: pools are addressed by page (each starts on one), rows by their page's slot
+    unit = kv_record.PAGE_ROWS if records else 1
+    starts_12 = [s // unit for s in (starts + [0, 0])[1:3]]
+    row_strides = [kv_record.PAGE_BYTES if records else p.stride(0) for p in (kv, kv1, kv2)]
+    dot_dtype = q.dtype if records else kv.dtype
     keys = indices.shape[1]
-    block_h, block_n, num_warps = _attn_tiles(heads, kv.dtype)
+    block_h, block_n, num_warps = _attn_tiles(heads, dot_dtype)
     head_blocks = triton.cdiv(heads, block_h)
     num_splits, split_len = _attn_splits(t_all, head_blocks, block_h, keys, block_n, q.device)
     split = num_splits > 1
@@ -259,17 +316,17 @@ def sparse_attention(q: torch.Tensor, kv, indices: torch.Tensor, sinks: torch.Te
     else:
         partial = lse = out  # unused without splits
     block_d = max(16, triton.next_power_of_2(d))
-    precision = "ieee" if kv.dtype == torch.float32 else "tf32"
+    precision = "ieee" if dot_dtype == torch.float32 else "tf32"
     _sparse_attn_kernel[(t_all * num_splits * head_blocks,)](
         q, kv, kv1, kv2, indices, sinks, out, partial, lse,
         scale * LOG2E,
         heads, keys, split_len, num_splits,
         *starts_12,
-        *q.stride(), kv.stride(0), kv1.stride(0), kv2.stride(0), s_kd, *indices.stride(), *out.stride(),
+        *q.stride(), *row_strides, s_kd, *indices.stride(), *out.stride(),
         *(partial.stride()[:3] if split else (0, 0, 0)),
         *(lse.stride()[:2] if split else (0, 0)),
         D=d, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_N=block_n, HEAD_BLOCKS=head_blocks,
-        SPLIT=split, DOT_PRECISION=precision, POOLS=len(pools),
+        SPLIT=split, DOT_PRECISION=precision, POOLS=len(pools), RECORDS=records,
         num_warps=num_warps, num_stages=ATTN_NUM_STAGES, **launch_options(q.device),
     )
     if split:
@@ -284,7 +341,8 @@ def sparse_attention(q: torch.Tensor, kv, indices: torch.Tensor, sinks: torch.Te
 
 
 sparse_attention.impl = ("triton: gathered-key flash-decoding over 1-3 key pools in place, (query, key split, "
-                         "head block) programs, log-sum-exp combine with the sink in the denominator")
+                         "head block) programs, log-sum-exp combine with the sink in the denominator; V4 FP8 record "
+                         "pools (FlashMLA's paged layout) dequantised in registers to q's dtype before the dots")
 
 
 # =============================================================================================
@@ -303,9 +361,79 @@ def _write_cache_kernel(cache_ptr, val_ptr, slot_ptr, C, s_cn, s_cc, s_vt, s_vc,
     tl.store(cache_ptr + tl.maximum(slot, 0) * s_cn + cols * s_cc, v.to(cache_ptr.dtype.element_ty), mask=keep)
 
 
+@triton.jit
+def _e4m3_bits(y):
+    """float32 y (|y| <= 448) -> its float8_e4m3fn byte, rounded to nearest, ties to even, as
+    torch's cast (c10's fp8e4m3fn_from_fp32_value, whose steps these are). In integer steps
+    rather than .to(tl.float8e4nv), which lowers to cvt.rn.satfinite (the same rounding) on the
+    GPU but which Triton's interpreter (3.6) gets wrong: ties away from zero, a mantissa carry
+    dropped (1.96875 -> 1.0), subnormals truncated. So the interpreter tests what the GPU runs."""
+    u = y.to(tl.uint32, bitcast=True)
+    a = u & 0x7FFFFFFF
+    # below 2^-6, e4m3's subnormals (steps of 2^-9): adding 2^14, whose float32 step is 2^-9, rounds once
+    sub = (a.to(tl.float32, bitcast=True) + 16384.0).to(tl.uint32, bitcast=True) - (141 << 23)
+    # normal: drop 20 mantissa bits to nearest even (a carry moves the exponent), rebias 127 -> 7
+    norm = (a + 0x7FFFF + ((a >> 20) & 1) - (120 << 23)) >> 20
+    return (tl.where(a < (121 << 23), sub, norm) | ((u >> 31) << 7)).to(tl.uint8)
+
+
+@triton.jit
+def _bf16_bits(x):
+    """float32 x (finite) -> its bfloat16 bits, rounded to nearest, ties to even: .to(tl.bfloat16)
+    on the GPU (cvt.rn), which the interpreter gets wrong as it does e4m3 (see _e4m3_bits)."""
+    u = x.to(tl.uint32, bitcast=True)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.uint16)
+
+
+@triton.jit
+def _write_records_kernel(cache_ptr, val_ptr, slot_ptr, s_vt, s_vc, PDL: tl.constexpr):
+    """Program t: values[t] as row slot_mapping[t] of a V4 FP8 record cache (nothing for a
+    negative slot), as kv_record.quantize_rows does it: per 64-value NoPE tile amax (float32,
+    floored at AMAX_FLOOR), e the smallest integer with 2^e >= amax / 448 (the float32 quotient
+    rounded as torch divides, then its exponent field, plus one unless the mantissa is zero),
+    q = e4m3(clamp(x 2^-e, +-448)); scale bytes e + 127 and a zero pad; the RoPE part as bf16."""
+    await_inputs(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    keep = slot >= 0
+    slot = tl.maximum(slot, 0)
+    page = cache_ptr + (slot // _PAGE_ROWS) * _PAGE_BYTES
+    data = page + (slot % _PAGE_ROWS) * _DATA_BYTES
+    tile = tl.arange(0, _SCALE_BYTES)  # the 7 NoPE tiles, then the scale row's pad byte
+    c = tl.arange(0, _TILE)
+    nope = keep & (tile < _TILES)[:, None]
+    cols = tile[:, None] * _TILE + c[None, :]
+    x = tl.load(val_ptr + t * s_vt + cols * s_vc, mask=nope, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), _AMAX_FLOOR)
+    ratio = tl.math.div_rn(amax, _E4M3_MAX).to(tl.int32, bitcast=True)  # a normal float: amax >= 1e-4
+    e = ((ratio >> 23) & 0xFF) - 127 + ((ratio & 0x7FFFFF) != 0).to(tl.int32)
+    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact
+    y = tl.minimum(tl.maximum(x * inv[:, None], -_E4M3_MAX), _E4M3_MAX)
+    tl.store(data + cols, _e4m3_bits(y), mask=nope)
+    scale = tl.where(tile < _TILES, e + _UE8M0_BIAS, 0).to(tl.uint8)
+    tl.store(page + _SCALE_PLANE + (slot % _PAGE_ROWS) * _SCALE_BYTES + tile, scale, mask=keep)
+    rope = tl.load(val_ptr + t * s_vt + (_NOPE_DIM + c) * s_vc, mask=keep, other=0.0).to(tl.float32)
+    tl.store((data + _NOPE_DIM).to(tl.pointer_type(tl.uint16)) + c, _bf16_bits(rope), mask=keep)
+
+
+def _write_records(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """write_cache into a V4 FP8 record cache: one program per token (``_write_records_kernel``)."""
+    kv_record.planes(cache)  # a contiguous cache of whole pages, else ValueError
+    kv_record.check_rows(values)
+    if values.shape[0] == 0:
+        return
+    _write_records_kernel[(values.shape[0],)](
+        cache, values, slot_mapping, *values.stride(),
+        num_warps=RECORD_WRITE_NUM_WARPS, **launch_options(values.device),
+    )
+
+
 def write_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Row t of ``values`` [T, C] to flat row slot_mapping[t] of ``cache`` [..., C], cast to the
-    cache's dtype (round to nearest even, as torch casts); negative slots skipped in the kernel."""
+    cache's dtype (round to nearest even, as torch casts); negative slots skipped in the kernel.
+    A V4 FP8 record cache (uint8 [..., 584]) gets values [T, 512] quantised (``_write_records``)."""
+    if kv_record.is_record_cache(cache):
+        return _write_records(cache, values, slot_mapping)
     flat = cache.view(-1, cache.shape[-1])
     t, c = values.shape
     if t == 0 or c == 0:
@@ -316,7 +444,9 @@ def write_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.T
     )
 
 
-write_cache.impl = "triton: one program per (token, column block), negative slots skipped on the device"
+write_cache.impl = ("triton: one program per (token, column block), negative slots skipped on the device; V4 FP8 "
+                    "record caches: one program per token quantises its 7 NoPE tiles (power-of-two scales, e4m3 "
+                    "rounded to nearest even) and stores the RoPE part as bf16")
 
 
 # =============================================================================================

@@ -23,6 +23,7 @@ from deepinfer_core.ops import REFERENCE_OPS
 pytest.importorskip("triton", reason="triton is not installed (pip install triton): the NVIDIA kernels cannot run")
 
 from deepinfer_nvidia_sm100.kernels import hyper
+from tests.nvidia.sm90 import compile_sm90
 from tests.op_spec import assert_close
 
 ON_GPU = torch.cuda.is_available()
@@ -260,56 +261,26 @@ def test_a_sublayer_under_cuda_graph(tokens, device):
 # ---- compiled for sm_90 (no GPU needed) ------------------------------------------------------
 
 _COMPILE_SM90 = r'''
-import os, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from deepinfer_nvidia_sm100.kernels import hyper
-
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-failed = []
-
-def build(kernel, pointers, consts, num_warps):
-    signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in kernel.arg_names}
-    k = triton.compile(ASTSource(kernel, signature, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": num_warps})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"]); f.flush()
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    if "STACK:0 " not in usage:
-        failed.append(f"{kernel.__name__} {consts}: spills ({usage.strip()[-120:]})")
 
 for x in ("bf16", "fp32"):
     for block_t in (16, 32, 64):
-        build(hyper._mixes_kernel, {"x_ptr": "*" + x, "fn_ptr": "*fp32", "parts_ptr": "*fp32"},
-              {"N_OUT": 24, "BLOCK_T": block_t, "BLOCK_N": 32, "BLOCK_K": hyper.MIX_BLOCK_K, "PDL": True}, hyper.MIX_NUM_WARPS)
+        spills(hyper._mixes_kernel, {"x_ptr": "*" + x, "fn_ptr": "*fp32", "parts_ptr": "*fp32"},
+               {"N_OUT": 24, "BLOCK_T": block_t, "BLOCK_N": 32, "BLOCK_K": hyper.MIX_BLOCK_K, "PDL": True}, hyper.MIX_NUM_WARPS)
     for mode, hc in ((0, 4), (0, 3), (1, 4), (2, 4), (3, 4), (0, 1)):
         n_out = hc if mode == 2 else (2 + hc) * hc
         ptrs = {n: "*fp32" for n in ("parts_ptr", "base_ptr", "scale_ptr", "w_in_ptr", "pre_ptr", "post_ptr", "comb_ptr")}
-        build(hyper._token_kernel, {**ptrs, "x_ptr": "*" + x, "y_ptr": "*" + x, "rms_eps": "fp32", "hc_eps": "fp32"},
-              {"HC": hc, "MODE": mode, "HC_PAD": max(2, triton.next_power_of_2(hc)), "BLOCK_P": hyper.MIX_MAX_PARTS,
-               "BLOCK_N": max(16, triton.next_power_of_2(n_out + 1)), "BLOCK_D": hyper.TOKEN_BLOCK_D, "PDL": True},
-              hyper.TOKEN_NUM_WARPS)
+        spills(hyper._token_kernel, {**ptrs, "x_ptr": "*" + x, "y_ptr": "*" + x, "rms_eps": "fp32", "hc_eps": "fp32"},
+               {"HC": hc, "MODE": mode, "HC_PAD": max(2, triton.next_power_of_2(hc)), "BLOCK_P": hyper.MIX_MAX_PARTS,
+                "BLOCK_N": max(16, triton.next_power_of_2(n_out + 1)), "BLOCK_D": hyper.TOKEN_BLOCK_D, "PDL": True},
+               hyper.TOKEN_NUM_WARPS)
     for hc in (3, 4):
-        build(hyper._post_kernel, {"out_ptr": "*" + x, "x_ptr": "*" + x, "post_ptr": "*fp32", "comb_ptr": "*fp32", "new_ptr": "*" + x},
-              {"HC": hc, "HC_PAD": 4, "BLOCK_D": hyper.POST_MAX_BLOCK_D, "PDL": True}, 4)
-print("\n".join(failed))
-sys.exit(1 if failed else 0)
+        spills(hyper._post_kernel, {"out_ptr": "*" + x, "x_ptr": "*" + x, "post_ptr": "*fp32", "comb_ptr": "*fp32", "new_ptr": "*" + x},
+               {"HC": hc, "HC_PAD": 4, "BLOCK_D": hyper.POST_MAX_BLOCK_D, "PDL": True}, 4)
 '''
 
 
 def test_kernels_compile_for_sm90_without_spills():
     """Every kernel, at the tile sizes the launchers pick, compiles for sm_90 with Triton's own
     ptxas and keeps its values in registers (CI has no GPU; this is what can be checked there)."""
-    import os
-    import subprocess
-    import sys
-
-    import triton
-
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
-        pytest.skip("this triton has no NVIDIA backend binaries (ptxas, cuobjdump)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, do not interpret
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    compile_sm90(_COMPILE_SM90)

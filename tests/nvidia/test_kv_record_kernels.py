@@ -15,6 +15,7 @@ from deepinfer_core.ops import sparse as ref  # noqa: E402
 from deepinfer_core.ops.kv_record import (E4M3_MAX, RECORD_BYTES, dequantize_v4_records, quantize_v4_records,  # noqa: E402
                                           record_rows)
 from deepinfer_nvidia_sm100.kernels import sparse  # noqa: E402
+from tests.nvidia.sm90 import compile_sm90  # noqa: E402
 
 
 def _e4m3_values() -> torch.Tensor:
@@ -164,3 +165,35 @@ def test_attention_refuses_record_mixes():
     with pytest.raises(ValueError, match="width 512"):
         sparse.sparse_attention(torch.zeros(1, 1, 256), records, idx, torch.zeros(1), 1.0)
 
+
+# ---- compiled for sm_90 (no GPU needed) ------------------------------------------------------
+
+_COMPILE_SM90 = r'''
+import torch
+from deepinfer_nvidia_sm100.kernels import sparse
+
+for values in ("fp32", "bf16", "fp16"):
+    spills(sparse._write_records_kernel, {"cache_ptr": "*u8", "val_ptr": "*" + values, "slot_ptr": "*i64"}, {"PDL": True},
+           sparse.RECORD_WRITE_NUM_WARPS)
+for heads in (64, 16):  # the bf16 tiles: 64 heads a program, and 16
+    block_h, block_n, warps = sparse._attn_tiles(heads, torch.bfloat16)
+    for split, pools in ((True, 1), (False, 3)):
+        stack = {}
+        for records in (True, False):
+            kv = "*u8" if records else "*bf16"
+            ptrs = {"q_ptr": "*bf16", "kv_ptr": kv, "kv1_ptr": kv, "kv2_ptr": kv, "idx_ptr": "*i64", "sink_ptr": "*fp32",
+                    "out_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32", "scale_log2": "fp32"}
+            consts = {"D": 512, "BLOCK_D": 512, "BLOCK_H": block_h, "BLOCK_N": block_n, "HEAD_BLOCKS": 1, "SPLIT": split,
+                      "DOT_PRECISION": "tf32", "POOLS": pools, "RECORDS": records, "PDL": True}
+            stack[records] = build(sparse._sparse_attn_kernel, ptrs, consts, warps, sparse.ATTN_NUM_STAGES)
+        if stack[True] > stack[False]:
+            failed.append(f"sparse attention over records, {heads} heads, split {split}, {pools} pools: "
+                          f"{stack[True]} stack bytes, over rows' {stack[False]}")
+'''
+
+
+def test_record_kernels_compile_for_sm90():
+    """The write kernel compiles for sm_90 (Triton's ptxas) without spills, the bf16 attention over
+    records compiles and spills no more than over bf16 rows at the same tiles (which, compiled
+    so, without the launch's alignment hints, spill a few hundred bytes already)."""
+    compile_sm90(_COMPILE_SM90)

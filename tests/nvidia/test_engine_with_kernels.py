@@ -22,20 +22,26 @@ PROMPTS = [[5, 17, 42, 99, 3, 64, 7], [11, 12], [150, 2, 2, 8, 33, 41, 90, 100, 
 # kernels' summation order differs from the reference: worst 5.0e-6 (greedy decode) and 6.7e-6
 # (FP8 prompt logprobs, down to -16) measured; a 1% error in the FP8 weight scales moves them by ~1.5.
 LOGPROB_ATOL = 1e-4
+# kv_cache_dtype="fp8": the kernels' float32 summation order moves a layer's output by ~1e-7, and the
+# next layers' key rows with it; a value that lands next to an e4m3 rounding boundary then rounds the
+# other way, a whole e4m3 step (2^-4 relative). Measured: record kernels 2.5e-3 from the reference
+# (the float kernel over the same records dequantised: the same 2.5e-3; float32 KV: 4.3e-6).
+FP8_KV_LOGPROB_ATOL = 1e-2
 
 
 @pytest.fixture
 def use_kernels(monkeypatch, device):
-    """use_kernels(fp8, fp4): from then on, engines built for accelerator="cpu" get the NVIDIA op
-    table (interpreted on the CPU), on a platform that keeps FP8 weights when ``fp8`` and MXFP4
-    experts packed when ``fp4``."""
+    """use_kernels(fp8, fp4, only): from then on, engines built for accelerator="cpu" get the NVIDIA
+    op table (interpreted on the CPU), on a platform that keeps FP8 weights when ``fp8`` and MXFP4
+    experts packed when ``fp4``; with ``only`` (op names), just those ops of it, the reference's
+    for the rest."""
     if device.type != "cpu":
         pytest.skip("on a GPU the real plugin is tested end to end by tests/test_gpu.py")
     import deepinfer_core.plugins as plugins
 
     original = plugins.load_backend
 
-    def enable(fp8: bool = False, fp4: bool = False) -> None:
+    def enable(fp8: bool = False, fp4: bool = False, only: tuple[str, ...] | None = None) -> None:
         def load_backend(requested=None, model_config=None, batch_invariant=False):
             from deepinfer_nvidia_sm100 import backend as nvidia
 
@@ -43,6 +49,8 @@ def use_kernels(monkeypatch, device):
             platform.fp8_weights = fp8
             platform.fp4_experts = fp4
             impls = nvidia.deepinfer_ops(platform=platform, model_config=model_config, batch_invariant=batch_invariant)  # the plugin's own table
+            if only is not None:
+                impls = {op: impls[op] for op in only}
             providers = {**dict.fromkeys(REFERENCE_OPS, "reference"), **dict.fromkeys(impls, "nvidia")}
             fallback = reference_ops(batch_invariant)  # V4 ops: reference
             return manager, backend, platform, OpTable({**fallback, **impls}, providers, batch_invariant), limits
@@ -52,12 +60,12 @@ def use_kernels(monkeypatch, device):
     return enable
 
 
-def assert_same_greedy(expected, got) -> None:
-    """The same tokens, and logprobs within LOGPROB_ATOL, request by request."""
+def assert_same_greedy(expected, got, atol: float = LOGPROB_ATOL) -> None:
+    """The same tokens, and logprobs within ``atol``, request by request."""
     for a, b in zip(expected, got):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert la.keys() == lb.keys() and all(abs(la[t] - lb[t]) <= LOGPROB_ATOL for t in la), (la, lb)
+            assert la.keys() == lb.keys() and all(abs(la[t] - lb[t]) <= atol for t in la), (la, lb)
 
 
 def reference_then_kernels(tmp_path, use_kernels, name: str, params: SamplingParams):
@@ -160,3 +168,27 @@ def test_v4_kernels_drive_the_engine(tmp_path, use_kernels, name):
     experts = llm.engine.model.model.layers[0].mlp.experts.gate_up_proj
     assert experts.dtype == (torch.uint8 if fp4 else torch.float32)
     assert_same_greedy(expected, llm.generate(prompts, params, use_tqdm=False))
+
+
+def test_fp8_kv_record_kernels_drive_the_engine(tmp_path, use_kernels):
+    """kv_cache_dtype="fp8" on a tiny V4 with V4's real 512-wide key rows, the record kernels in
+    the reference's table (the other kernels see no records; the whole table in the interpreter
+    would take ~45 s): write_cache alone gives the reference's very logprobs (every record it
+    writes, into the window ring, the compressed caches and this step's pool, is the reference's
+    bytes); with sparse_attention too, the same greedy tokens, logprobs within FP8_KV_LOGPROB_ATOL."""
+    from tests.hf_checkpoints_v4 import write_checkpoint_v4
+
+    path = tmp_path / "v4"
+    write_checkpoint_v4("v4_flash_like", path, head_dim=512, qk_rope_head_dim=64, index_head_dim=64)
+    prompts = [[(7 * i + 3) % 150 + 2 for i in range(n)] for n in (40, 9)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    # 32 blocks of 16 tokens hold both requests: an interpreted launch copies the whole cache in and out
+    kw = dict(model=str(path), accelerator="cpu", dtype="float32", max_num_batched_tokens=16, num_kv_blocks=32,
+              progress=False, kv_cache_dtype="fp8")
+    expected = LLM(**kw).generate(prompts, params, use_tqdm=False)
+    for only, atol in ((("write_cache",), 0.0), (("write_cache", "sparse_attention"), FP8_KV_LOGPROB_ATOL)):
+        use_kernels(only=only)
+        llm = LLM(**kw)
+        assert {op for op, p in llm.engine.ops.providers.items() if p == "nvidia"} == set(only)
+        assert {g.name: g.dtype for g in llm.engine.cache_groups}["window"] == torch.uint8
+        assert_same_greedy(expected, llm.generate(prompts, params, use_tqdm=False), atol)

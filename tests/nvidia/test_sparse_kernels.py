@@ -19,7 +19,7 @@ from deepinfer_nvidia_sm100.kernels import sparse  # noqa: E402
 ON_GPU = torch.cuda.is_available()
 CPU_MAX_ELEMENTS = 1 << 21
 CPU_EXAMPLES = 4
-KV_RECORDS = False  # the kit's FP8 KV record shapes: the NVIDIA platform takes none yet (backend.FP8_KV_CACHE)
+KV_RECORDS = True  # the kit's FP8 KV record shapes (backend.FP8_KV_CACHE: the kernels take V4 FP8 records)
 
 
 @pytest.mark.parametrize("op", sorted(sparse.OPS))

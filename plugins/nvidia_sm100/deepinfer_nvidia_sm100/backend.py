@@ -43,8 +43,9 @@ KERNEL_MODULES = ("elementwise", "fp8_linear", "cache", "mla_decode", "mla_prefi
 # GPU (``deepinfer backends`` shows them as "reference"). Every other op of deepinfer_core.ops is a kernel here.
 LEFT_TO_REFERENCE = frozenset({"indexer_block_candidates", "engram_hash_ids", "engram_gate"})
 # Whether the kernels read and write DeepSeek-V4's FP8 KV records (kv_cache_dtype="fp8", ops/kv_record.py):
-# not yet (write_cache and sparse_attention take bf16 / fp16 / fp32 caches), so the engine refuses fp8 here.
-FP8_KV_CACHE = False
+# write_cache quantises into record caches and sparse_attention dequantises record pools in registers
+# (kernels/sparse.py). FlashMLA's sparse FP8 decode does not take them yet: the Triton kernel does.
+FP8_KV_CACHE = True
 # Decode batch sizes captured as CUDA graphs (capped by the engine's max_num_seqs).
 # The step budget (prefill chunk) by measurement: H200, V2-Lite shape (27 layers, bf16), 128 prompts
 # of 1024 tokens through LLM.generate prefill at 27.6k tokens/s with 2048, 81.2k with 8192 and

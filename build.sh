@@ -31,12 +31,14 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   esac
 fi
 # The plugins are small and probe-only until selected, so both are always installed:
-# `deepinfer backends` then shows why each can or cannot run here. The installs are editable, so
+# `deepinfer backends` then shows why each can or cannot run here. The Ascend plugin's tilelang
+# extra (TileLang, ~80 MB of wheels: its tests lower the Ascend kernels to AscendC on any machine)
+# comes with it. The installs are editable, so
 # pip runs again only when tools/venv_is_current.py says the pyproject files changed since the
 # last install or the venv lacks what it installed.
 stamp=.venv/.deepinfer-install
 if ! .venv/bin/python -P tools/venv_is_current.py "$PWD" "$stamp" 2>/dev/null; then
-  "${pip[@]}" install -e ".[dev,eval]" -e plugins/nvidia_sm100 -e plugins/ascend_950
+  "${pip[@]}" install -e ".[dev,eval]" -e plugins/nvidia_sm100 -e "plugins/ascend_950[tilelang]"
   .venv/bin/python -P tools/venv_is_current.py "$PWD" "$stamp" --write
 fi
 

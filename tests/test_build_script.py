@@ -52,6 +52,8 @@ def test_current_only_with_the_right_stamp(tmp_path, monkeypatch):
     assert not venv_is_current.current(REPO, stamp)  # a dev requirement went missing
     monkeypatch.setattr(venv_is_current.md, "requires", lambda name: [*real(name), 'no-such-distribution>=1; extra == "eval"'])
     assert not venv_is_current.current(REPO, stamp)  # so did lm-eval's extra, which build.sh installs too
+    monkeypatch.setattr(venv_is_current.md, "requires", lambda name: [*real(name), 'no-such-distribution>=1; extra == "tilelang"'])
+    assert not venv_is_current.current(REPO, stamp)  # the Ascend plugin's tilelang extra, which build.sh installs, went missing
     monkeypatch.setattr(venv_is_current.md, "requires", lambda name: [*real(name), 'no-such-distribution>=1; extra == "bench"'])
     assert venv_is_current.current(REPO, stamp)  # build.sh does not install the bench extra
 
@@ -62,6 +64,18 @@ def test_another_checkout_is_not_current(tmp_path):
     stamp = tmp_path / "stamp"
     venv_is_current.main([str(other), str(stamp), "--write"])  # same pyproject files, other place
     assert not venv_is_current.current(other, stamp)  # this venv's packages import from REPO, not from it
+
+
+def test_build_sh_installs_the_extras_it_checks():
+    """build.sh's pip line installs exactly the extras venv_is_current checks: deepinfer's and the
+    Ascend plugin's tilelang (whose tests lower the TileLang kernels in CI)."""
+    script = (REPO / "build.sh").read_text()
+    assert f'-e ".[{",".join(venv_is_current.EXTRAS)}]"' in script
+    for distribution, extras in venv_is_current.PLUGIN_EXTRAS.items():
+        folder = {"deepinfer-ascend-950": "plugins/ascend_950"}[distribution]
+        assert f'-e "{folder}[{",".join(extras)}]"' in script
+    pyproject = (REPO / "plugins/ascend_950/pyproject.toml").read_text()
+    assert 'tilelang = ["tilelang==0.1.15"]' in pyproject  # pinned: the version the kernels lower with
 
 
 @needs_this_checkout

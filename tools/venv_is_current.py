@@ -6,8 +6,8 @@
 Current means: STAMP holds the hash of ROOT's pyproject files (the installs are editable, so
 only what those declare can change what pip installs), the core and both plugin packages import
 from ROOT (not from another checkout), the reference backend's entry point is registered, and
-every requirement of deepinfer[dev] and deepinfer[eval] (the extras build.sh installs) is
-installed. Run it with -P so that the working directory does not shadow the installed packages.
+every requirement of deepinfer[dev] and deepinfer[eval] and of deepinfer-ascend-950[tilelang] (the
+extras build.sh installs) is installed. Run it with -P so that the working directory does not shadow the installed packages.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 
 PACKAGES = ("deepinfer_core", "deepinfer_nvidia_sm100", "deepinfer_ascend_950")
 EXTRAS = ("dev", "eval")  # what ./build.sh installs: pip install -e ".[dev,eval]"
+PLUGIN_EXTRAS = {"deepinfer-ascend-950": ("tilelang",)}  # ... and -e "plugins/ascend_950[tilelang]"
 
 
 def digest(root: Path) -> str:
@@ -43,17 +44,25 @@ def _installed(requirement: str) -> bool:
     return True
 
 
+def _wanted(distribution: str, extras: tuple[str, ...]) -> list[str] | None:
+    """The requirements of ``distribution`` and of its ``extras`` (None: it is not installed)."""
+    try:
+        requires = md.requires(distribution) or []
+    except md.PackageNotFoundError:
+        return None
+    return [r for r in requires if "extra ==" not in r or any(re.search(rf"extra == ['\"]{e}['\"]", r) for e in extras)]
+
+
 def current(root: Path, stamp: Path) -> bool:
     if not stamp.is_file() or stamp.read_text().strip() != digest(root):
         return False
     if not all(_from(m, root) for m in PACKAGES) or not md.entry_points(group="deepinfer.backends", name="reference"):
         return False
-    try:
-        requires = md.requires("deepinfer") or []
-    except md.PackageNotFoundError:
-        return False
-    wanted = [r for r in requires if "extra ==" not in r or any(re.search(rf"extra == ['\"]{e}['\"]", r) for e in EXTRAS)]
-    return all(_installed(r) for r in wanted)
+    for distribution, extras in {"deepinfer": EXTRAS, **PLUGIN_EXTRAS}.items():
+        wanted = _wanted(distribution, extras)
+        if wanted is None or not all(_installed(r) for r in wanted):
+            return False
+    return True
 
 
 def main(argv: list[str]) -> int:

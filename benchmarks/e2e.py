@@ -156,6 +156,9 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
     for name, p in model.named_parameters():
         if p.numel() == 0 or name.startswith("mtp."):
             continue  # released (fused) weights
+        if p.dtype == torch.uint8 and name.endswith("_proj"):
+            raise ValueError(f"{name} is kept as packed MXFP4, which transformers' model cannot share; "
+                             "run the transformers peer on a slice with --expert-dtype bf16")
         out.update(checkpoint_weights(model, name.removesuffix(".weight"), p) if name.endswith(".weight") else {name: p})
     return out
 

@@ -1,7 +1,9 @@
 """The ``deepinfer`` command.
 
 ``deepinfer backends [--accelerator NAME]``: every installed backend, whether it can run here
-(and why not, and the fix), which one would be selected, and op by op who provides it.
+(and why not, and the fix), which one would be selected, and op by op who provides it; with
+``--plan NAME``, instead of selecting, the op table backend NAME would build on its own hardware
+(its ``deepinfer_op_plan``), shown on any machine.
 ``deepinfer generate --prompt TEXT ...``: offline generation through ``deepinfer_core.LLM``.
 ``deepinfer conformance [--backend NAME] ...``: the backend's ops against the reference (or, with
 ``--e2e``, end-to-end baselines; with ``--replay CASE``, one failing case again); exit status 0
@@ -28,6 +30,10 @@ def _backends(args: argparse.Namespace) -> int:
     from deepinfer_core.ops import OP_NAMES, OPTIONAL_OPS
     from deepinfer_core.plugins import ENTRY_POINT_GROUP, REFERENCE_BACKEND, BackendError, PluginManager
 
+    if args.plan and (args.accelerator or args.batch_invariant):
+        print("error: --plan NAME shows one backend's op table without selecting or loading one; "
+              "--accelerator and --batch-invariant do not apply to it", file=sys.stderr)
+        return 2
     manager = PluginManager()
     backends = manager.discover()
     rows = sorted([*backends.values(), *manager.rejected], key=lambda b: (-(b.info.priority if b.info else -1), b.name))
@@ -42,6 +48,8 @@ def _backends(args: argparse.Namespace) -> int:
         if b.info and b.info.description:
             print(f"  {'':<{width}}  {'':>8}  about:  {b.info.description}")
     print()
+    if args.plan:
+        return _plan(manager, args.plan)
 
     requested = args.accelerator or settings().accelerator
     how = (
@@ -73,6 +81,36 @@ def _backends(args: argparse.Namespace) -> int:
         if name in unused:
             impl = "not called: the model runs the ops it fuses"
         print(f"  {name:<{op_width}}  {who[name]:<{who_width}}  {impl}")
+    return 0
+
+
+def _plan(manager, name: str) -> int:
+    """``backends --plan NAME``: the op table backend NAME would build on its own hardware, from its
+    ``deepinfer_op_plan``, without loading it (so on any machine)."""
+    from deepinfer_core.ops import OP_NAMES, OPTIONAL_OPS
+    from deepinfer_core.plugins import BackendError
+
+    try:
+        backend = manager.find(name)
+        plan = manager.op_plan(backend)
+    except BackendError as e:
+        print(f"error: {_one_line(str(e))}", file=sys.stderr)
+        return 1
+    here = "available here" if backend.available else f"unavailable here: {backend.probe.reason}"
+    print(f"Plan: {backend.name} ({here}): the op table it builds on its own hardware, from its deepinfer_op_plan; "
+          f"nothing was loaded")
+    unused = [op for op in OP_NAMES if op in OPTIONAL_OPS and op not in plan.provides]
+    falls_back = [op for op in OP_NAMES if op not in plan.provides and op not in unused]
+    print(f"Ops: {len(plan.provides)} of {len(OP_NAMES)} from {backend.name}, {len(falls_back)} fall back to the reference"
+          + (f", {len(unused)} optional fusion{'s' * (len(unused) > 1)} not provided (not called)" if unused else ""))
+    op_width = max(len(op) for op in OP_NAMES)
+    who = {op: backend.name if op in plan.provides else "none (optional)" if op in unused else "reference (fallback)"
+           for op in OP_NAMES}
+    who_width = max(len("PROVIDER"), *(len(w) for w in who.values()))
+    print(f"  {'OP':<{op_width}}  {'PROVIDER':<{who_width}}  IMPLEMENTATION")
+    for op in OP_NAMES:
+        how = plan.provides.get(op) or f"why not: {plan.left_out.get(op, 'no reason given')}"
+        print(f"  {op:<{op_width}}  {who[op]:<{who_width}}  {how}")
     return 0
 
 
@@ -340,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("backends", help="list installed backends, the one selected, and who provides each op")
     p.add_argument("--accelerator", help="backend to select (default: DEEPINFER_ACCELERATOR, else automatic)")
     p.add_argument("--batch-invariant", action="store_true", help="show the backend's batch-invariant op table")
+    p.add_argument("--plan", metavar="NAME",
+                   help="instead of selecting a backend, show op by op what backend NAME would run on its own hardware "
+                        "(and why it leaves an op to the reference), on any machine: nothing is loaded")
     p.set_defaults(func=_backends)
     g = sub.add_parser("generate", help="generate completions for prompts")
     g.add_argument("--model", help="HF checkpoint directory or repo id (default: DEEPINFER_HF_MODEL_DIR or the built-in tiny model)")

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from deepinfer_core.hookspecs import BackendInfo, ProbeResult, SchedulerLimits
+from deepinfer_core.hookspecs import BackendInfo, OpPlan, ProbeResult, SchedulerLimits
 
 
 def _is_int(v: Any) -> bool:
@@ -93,6 +93,25 @@ def info_problems(info: Any, op_names: tuple[str, ...]) -> list[str]:
     unknown = sorted(set(info.required_ops) - set(op_names)) if not problems else []
     if unknown:
         problems.append(f"BackendInfo.required_ops names unknown ops {unknown}")
+    return problems
+
+
+def op_plan_problems(plan: Any, op_names: tuple[str, ...]) -> list[str]:
+    if not isinstance(plan, OpPlan):
+        return _wrong_type(plan, "an OpPlan")
+    problems = []
+    for field_name in ("provides", "left_out"):
+        value = getattr(plan, field_name)
+        if not isinstance(value, dict) or not all(isinstance(k, str) and _is_text(v) for k, v in value.items()):
+            problems.append(f"OpPlan.{field_name} is {value!r:.60}, expected a dict of op names to non-empty strings")
+    if problems:
+        return problems
+    unknown = sorted((set(plan.provides) | set(plan.left_out)) - set(op_names))
+    if unknown:
+        problems.append(f"OpPlan names unknown ops {unknown}")
+    both = sorted(set(plan.provides) & set(plan.left_out))
+    if both:
+        problems.append(f"OpPlan both provides and leaves out {both}")
     return problems
 
 

@@ -11,6 +11,8 @@ Hooks are called by the core:
 * once at start-up, for the selected backend only: ``deepinfer_platform``, then
   ``deepinfer_ops`` and ``deepinfer_scheduler_limits``;
 * once per engine step, for every backend that implements it: ``deepinfer_step_observer``;
+* by ``deepinfer backends --plan NAME``, for the named backend whether or not it can run here:
+  ``deepinfer_op_plan`` (optional: the op table it would build on its own hardware);
 * once per process group, by ``parallel.communicator.communicator_for`` (the expert-parallel layer
   ``parallel.expert_parallel`` uses what it returns): ``deepinfer_communicator``. The engine itself
   runs one process yet, so it never asks.
@@ -54,7 +56,8 @@ PROJECT = "deepinfer"
 #      torch.einsum) and ``apply_token_bitmask`` (grammar masks); a backend that leaves them out
 #      gets the reference's, as for any op. (Later, within 3: the optional op
 #      ``norm_rope_write_latent``, which the model calls only where a backend provides it; a
-#      core older than it refuses a table that names it as an unknown op.)
+#      core older than it refuses a table that names it as an unknown op. Later still, within 3: the
+#      optional hook ``deepinfer_op_plan``, which a core older than it never calls.)
 SPEC_VERSION = 3
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -124,6 +127,22 @@ class SchedulerLimits:
     max_num_seqs: int | None = None
     graph_batch_sizes: tuple[int, ...] | None = None
     block_size: int | None = None
+
+
+@dataclass(frozen=True)
+class OpPlan:
+    """What a backend's op table holds on its own hardware, said without loading anything
+    (``deepinfer_op_plan``; ``deepinfer backends --plan NAME`` prints it on any machine).
+
+    provides: {op name: what implements it there} for the ops ``deepinfer_ops`` returns there
+        (one line each, like an op callable's ``impl``: "torch_npu.npu_rms_norm", with the cases
+        it hands back to the reference, if any);
+    left_out: {op name: why the backend leaves it to the reference} for the others.
+    An op named in neither is shown as a fallback with no reason given.
+    """
+
+    provides: dict[str, str] = field(default_factory=dict)
+    left_out: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -203,6 +222,17 @@ class BackendSpec:
         prompt token, a token recomputed after a preemption and a decoded token go through the
         same arithmetic); ``mla_prefill_attention`` is not called then. Ops left out come from
         the reference's batch-invariant table (``deepinfer_core.ops.invariant``).
+        """
+
+    @hookspec(firstresult=True)
+    def deepinfer_op_plan(self) -> OpPlan:
+        """Return the OpPlan of this backend: op by op, what its ``deepinfer_ops`` would return on
+        its own hardware and why it leaves the rest to the reference. Optional.
+
+        Called by ``deepinfer backends --plan NAME`` for the named backend, whether or not its
+        probe found the hardware (it is how a machine without the chip shows what the backend
+        would run), so it follows the probe's rules: cheap, no heavy imports (no ``torch_npu``,
+        no CUDA initialisation), and it must not raise for an ordinary "not here".
         """
 
     @hookspec(firstresult=True)

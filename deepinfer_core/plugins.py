@@ -18,7 +18,7 @@ from typing import Any, Callable
 import pluggy
 
 from deepinfer_core import hook_checks, hookspecs
-from deepinfer_core.hookspecs import SPEC_VERSION, BackendInfo, ProbeResult, SchedulerLimits, StepStats
+from deepinfer_core.hookspecs import SPEC_VERSION, BackendInfo, OpPlan, ProbeResult, SchedulerLimits, StepStats
 from deepinfer_core.ops import OP_NAMES, OPTIONAL_OPS, REFERENCE_OPS, OpTable, reference_ops
 
 log = logging.getLogger("deepinfer")
@@ -259,6 +259,22 @@ class PluginManager:
 
     def available_names(self) -> list[str]:
         return [b.name for b in self.backends.values() if b.available]
+
+    def op_plan(self, backend: Backend) -> OpPlan:
+        """The backend's ``deepinfer_op_plan`` (whether or not it can run here): what its op table would
+        hold on its own hardware. BackendError when it is broken, has no plan, or breaks the contract."""
+        if backend.error:
+            raise BackendError(f"backend {backend.name!r} ({backend.source}) is broken: {backend.error}")
+        try:
+            plan = self._call(backend.name, "deepinfer_op_plan")
+        except Exception as e:
+            raise BackendError(f"backend {backend.name!r}: deepinfer_op_plan() raised {type(e).__name__}: {e}") from e
+        if plan is None:
+            raise BackendError(f"backend {backend.name!r} does not describe its op table without loading it (it has no "
+                               f"deepinfer_op_plan hook); on its own hardware `deepinfer backends --accelerator "
+                               f"{backend.name}` shows the table it builds")
+        self._require(backend, "deepinfer_op_plan()", hook_checks.op_plan_problems(plan, OP_NAMES))
+        return plan
 
     # ---- loading -----------------------------------------------------------------------------
     def load(self, backend: Backend, model_config: Any = None, batch_invariant: bool = False) -> tuple[Any, OpTable, SchedulerLimits | None, list[str]]:

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from deepinfer_core import hook_checks
-from deepinfer_core.hookspecs import SPEC_VERSION, BackendInfo, ProbeResult, SchedulerLimits, StepStats, hookimpl
+from deepinfer_core.hookspecs import SPEC_VERSION, BackendInfo, OpPlan, ProbeResult, SchedulerLimits, StepStats, hookimpl
 from deepinfer_core.ops import REFERENCE_OPS
 from deepinfer_core.platform import Platform
 from deepinfer_core.plugins import BackendError, PluginManager
@@ -160,6 +160,44 @@ def test_a_hook_returning_the_wrong_thing_is_named_at_start_up(hooks, needles):
     assert msg.startswith("backend 'inline'"), msg
     for needle in needles:
         assert needle in msg, msg
+
+
+@pytest.mark.parametrize(
+    "plan, needle",
+    [
+        (None, "has no deepinfer_op_plan hook"),
+        ({"rms_norm": "x"}, "returned a dict"),
+        (OpPlan(provides={"flash": "kernel"}), "OpPlan names unknown ops ['flash']"),
+        (OpPlan(provides={"rms_norm": "a"}, left_out={"rms_norm": "b"}), "both provides and leaves out ['rms_norm']"),
+        (OpPlan(left_out={"linear": ""}), "OpPlan.left_out is"),
+    ],
+    ids=["missing", "dict", "unknown-op", "both", "empty-reason"],
+)
+def test_a_bad_op_plan_is_named(plan, needle):
+    hooks = {} if plan is None else {"deepinfer_op_plan": lambda: plan}
+    manager = PluginManager()
+    backend = manager.add("inline", _backend("inline", **hooks))
+    with pytest.raises(BackendError) as err:
+        manager.op_plan(backend)
+    assert str(err.value).startswith("backend 'inline'") and needle in str(err.value), str(err.value)
+
+
+def test_an_op_plan_is_shown_for_a_backend_that_cannot_run_here(capsys, monkeypatch):
+    from deepinfer_core import cli
+
+    plan = OpPlan(provides={"rms_norm": "vendor kernel"}, left_out={"linear": "the vendor BLAS is what torch calls"})
+    module = _backend("inline", deepinfer_op_plan=lambda: plan)
+    module.deepinfer_probe = hookimpl(lambda: ProbeResult(False, reason="no such chip here", fix="buy one"))
+    manager = PluginManager()
+    manager.add("inline", module)
+    assert cli._plan(manager, "inline") == 0
+    out = capsys.readouterr().out
+    assert "Plan: inline (unavailable here: no such chip here)" in out
+    rows = {line.split()[0]: line for line in out.splitlines()[3:]}
+    assert rows["rms_norm"].split()[1] == "inline" and rows["rms_norm"].endswith("vendor kernel")
+    assert "reference (fallback)  why not: the vendor BLAS is what torch calls" in rows["linear"]
+    assert rows["sample_tokens"].endswith("why not: no reason given")
+    assert "none (optional)" in rows["norm_rope_write_latent"]
 
 
 def test_op_signatures_that_keep_the_contract_are_accepted():

@@ -408,14 +408,17 @@ def test_ascend_probe_never_imports_torch_npu(poisoned_torch_npu, tmp_path, monk
     monkeypatch.syspath_prepend(str(site))
     for var in backend.CANN_ENV_VARS:
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(backend, "CANN_DEFAULT", str(tmp_path / "Ascend" / "ascend-toolkit"))
+    locations = (str(tmp_path / "Ascend" / "cann"), str(tmp_path / "Ascend" / "ascend-toolkit"))
+    monkeypatch.setattr(backend, "CANN_LOCATIONS", locations)
     probe = backend.deepinfer_probe()
-    assert probe.reason == f"CANN toolkit not found (ASCEND_HOME_PATH unset, {tmp_path / 'Ascend'} missing)"
-    assert probe.fix.startswith("install CANN and source set_env.sh")
-    (tmp_path / "Ascend" / "ascend-toolkit").mkdir(parents=True)  # installed, not sourced
-    assert "environment is not set" in backend.deepinfer_probe().reason
-    monkeypatch.setenv("ASCEND_HOME_PATH", str(tmp_path / "Ascend" / "ascend-toolkit"))
+    assert probe.reason == f"CANN toolkit not found (ASCEND_HOME_PATH unset; none of {', '.join(locations)} exists)"
+    assert probe.fix.startswith("install CANN 9.2") and "source /usr/local/Ascend/cann/set_env.sh" in probe.fix
+    (tmp_path / "Ascend" / "cann").mkdir(parents=True)  # installed (CANN >= 8.5's place), not sourced
+    probe = backend.deepinfer_probe()
+    assert "environment is not set" in probe.reason and probe.fix == f"source {locations[0]}/set_env.sh before starting deepinfer"
+    monkeypatch.setenv("ASCEND_HOME_PATH", str(tmp_path / "Ascend" / "cann"))
     monkeypatch.setattr(backend, "DEVICE_GLOB", str(tmp_path / "dev" / "davinci[0-9]*"))
+    monkeypatch.delenv(backend.VISIBLE_DEVICES, raising=False)
     probe = backend.deepinfer_probe()
     assert probe.reason.startswith("no Ascend NPU device found (") and "davinci*" in probe.reason
     (tmp_path / "dev").mkdir()
@@ -430,7 +433,9 @@ def test_ascend_requested_without_torch_npu_or_cann_cli(fake_site, poisoned_torc
     """End to end in a fresh process: torch_npu present but CANN absent -> a clear error, and
     torch_npu never imported (the process would break)."""
     site, marker = poisoned_torch_npu
-    if os.path.isdir("/usr/local/Ascend") or os.environ.get("ASCEND_HOME_PATH"):
+    from deepinfer_ascend_950 import backend
+
+    if any(os.path.isdir(os.path.expanduser(p)) for p in backend.CANN_LOCATIONS) or os.environ.get("ASCEND_HOME_PATH"):
         pytest.skip("this machine has CANN")
     env = _env(fake_site, DEEPINFER_ACCELERATOR="ascend")
     env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
@@ -438,7 +443,7 @@ def test_ascend_requested_without_torch_npu_or_cann_cli(fake_site, poisoned_torc
     done = _cli("backends", env=env)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "error: backend 'ascend' was requested but cannot run here: CANN toolkit not found" in done.stderr
-    assert "Fix: install CANN and source set_env.sh" in done.stderr
+    assert "Fix: install CANN 9.2" in done.stderr and "source /usr/local/Ascend/cann/set_env.sh" in done.stderr
     assert "fakegood" in done.stdout  # the listing still came first
     assert not marker.exists()
 

@@ -3,8 +3,12 @@
 Cheap to import, and the probe NEVER imports ``torch_npu``: installed without a sourced CANN
 toolkit, importing it fails in a way that breaks ``import torch`` for the whole process. The
 probe only looks: is there a ``torch_npu`` spec (``importlib.util.find_spec``, which does not
-execute it), is the CANN environment set, are there ``/dev/davinci*`` devices. ``torch_npu``
-is imported in ``deepinfer_platform`` alone, which runs only for the selected backend.
+execute it) built for the installed torch (their versions, from package metadata), is the CANN
+toolkit installed and its environment sourced (``ASCEND_HOME_PATH``; CANN >= 8.5 installs under
+``/usr/local/Ascend/cann``, older releases under ``/usr/local/Ascend/ascend-toolkit``), are there
+``/dev/davinci*`` devices (those ``ASCEND_RT_VISIBLE_DEVICES`` lists, where it is set).
+``torch_npu`` is imported in ``deepinfer_platform`` and inside the op calls alone, which run only
+for the selected backend.
 
 Ops: none yet. ``deepinfer_ops`` returns ``{}``, so every op falls back to the reference
 implementation, which runs on the ``npu`` device like on any torch device. The NPU kernels
@@ -23,10 +27,18 @@ from deepinfer_core.parallel import local_rank
 from deepinfer_core.hookspecs import BackendInfo, ProbeResult, hookimpl
 
 NAME = "ascend"
-CANN_ENV_VARS: tuple[str, ...] = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")
-CANN_DEFAULT = "/usr/local/Ascend/ascend-toolkit"
-DEVICE_GLOB = "/dev/davinci[0-9]*"
-CANN_FIX = "install CANN and source set_env.sh (source /usr/local/Ascend/ascend-toolkit/set_env.sh)"
+CANN_ENV_VARS: tuple[str, ...] = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")  # exported by CANN's set_env.sh
+# Where CANN installs when its environment is not sourced: CANN >= 8.5 (9.x included) under cann/,
+# CANN <= 8.3 under ascend-toolkit/; root installs under /usr/local/Ascend, others under ~/Ascend
+# (hiascend.com environment-variable reference, CANN 8.5.0 - 9.2.0-beta).
+CANN_LOCATIONS: tuple[str, ...] = (
+    "/usr/local/Ascend/cann", "/usr/local/Ascend/ascend-toolkit", "~/Ascend/cann", "~/Ascend/ascend-toolkit",
+)
+CANN_VERSION = "9.2"  # what the Ascend 950 backend is written for (CANN >= 9.0 supports the 950PR, 9.1 the 950DT)
+DEVICE_GLOB = "/dev/davinci[0-9]*"  # one node per NPU (davinci_manager and the like do not match)
+VISIBLE_DEVICES = "ASCEND_RT_VISIBLE_DEVICES"  # physical NPU ids this process may use (logical 0, 1, ...)
+CANN_FIX = (f"install CANN {CANN_VERSION} (the toolkit and its Ascend 950 operator package) and source its set_env.sh "
+            f"before starting deepinfer (source /usr/local/Ascend/cann/set_env.sh)")
 
 log = logging.getLogger("deepinfer")
 
@@ -37,7 +49,76 @@ def _torch_npu_fix() -> str:
         pin = f" 'torch-npu=={major}.{minor}.*'"
     except (PackageNotFoundError, ValueError):
         pin = " torch-npu"
-    return f"install torch_npu matching your torch and CANN: pip install deepinfer[ascend]{pin} on a machine with CANN"
+    return (f"install torch_npu matching your torch and CANN: pip install deepinfer[ascend]{pin} on a machine with "
+            f"CANN {CANN_VERSION} sourced (or DEEPINFER_ACCELERATOR=ascend ./build.sh there)")
+
+
+def _minor(v: str) -> tuple[str, ...]:
+    return tuple(v.split("+")[0].split(".")[:2])
+
+
+def _version_mismatch() -> str | None:
+    """Why the installed torch_npu cannot run with the installed torch (each torch_npu release is
+    built for one torch release: torch-npu 2.13.0 requires torch 2.13.0), from package metadata."""
+    try:
+        npu, torch = version("torch_npu"), version("torch")
+    except PackageNotFoundError:
+        return None  # unknown: importing it will tell
+    if _minor(npu) != _minor(torch):
+        return f"torch_npu {npu} is built for torch {'.'.join(_minor(npu))}, but torch {torch} is installed"
+    return None
+
+
+def _cann_home() -> tuple[str | None, ProbeResult | None]:
+    """(the sourced CANN toolkit's path, None) or (None, why not)."""
+    for var in CANN_ENV_VARS:
+        value = os.environ.get(var)
+        if value:
+            if not os.path.isdir(value):
+                return None, ProbeResult(False, reason=f"CANN toolkit not found ({var}={value} does not exist)", fix=CANN_FIX)
+            return value, None
+    for location in CANN_LOCATIONS:
+        path = os.path.expanduser(location)
+        if os.path.isdir(path):
+            return None, ProbeResult(
+                False,
+                reason=f"CANN toolkit found at {path} but its environment is not set (ASCEND_HOME_PATH unset)",
+                fix=f"source {path}/set_env.sh before starting deepinfer",
+            )
+    places = ", ".join(CANN_LOCATIONS)
+    return None, ProbeResult(False, reason=f"CANN toolkit not found (ASCEND_HOME_PATH unset; none of {places} exists)",
+                             fix=CANN_FIX)
+
+
+def _visible_devices() -> tuple[list[str], ProbeResult | None]:
+    """The /dev/davinci nodes this process may use, in logical order, or why there are none."""
+    devices = {os.path.basename(path)[len("davinci"):]: path for path in glob.glob(DEVICE_GLOB)}
+    devices = {k: v for k, v in devices.items() if k.isdigit()}
+    none_found = ProbeResult(
+        False,
+        reason=f"no Ascend NPU device found ({DEVICE_GLOB.replace('[0-9]', '')} missing)",
+        fix="run on a machine with an Ascend NPU (check `npu-smi info`) or choose DEEPINFER_ACCELERATOR=cpu",
+    )
+    visible = os.environ.get(VISIBLE_DEVICES)
+    if visible is None:
+        if not devices:
+            return [], none_found
+        return [devices[k] for k in sorted(devices, key=int)], None
+    wanted = [v.strip() for v in visible.split(",") if v.strip()]
+    if not wanted:
+        return [], ProbeResult(False, reason=f"no NPU visible ({VISIBLE_DEVICES}={visible!r})",
+                               fix=f"unset {VISIBLE_DEVICES} or list an NPU in it, or choose DEEPINFER_ACCELERATOR=cpu")
+    if not devices:
+        return [], none_found
+    missing = [w for w in wanted if w not in devices]
+    if missing:
+        return [], ProbeResult(
+            False,
+            reason=f"{VISIBLE_DEVICES}={visible!r} names NPUs this machine does not have ({', '.join(missing)}; present: "
+                   f"{', '.join(sorted(devices, key=int))})",
+            fix=f"list present NPU ids in {VISIBLE_DEVICES} (`npu-smi info`), or unset it",
+        )
+    return [devices[w] for w in wanted], None
 
 
 @hookimpl
@@ -56,37 +137,18 @@ def deepinfer_probe() -> ProbeResult:
     # 1. torch_npu installed? find_spec locates the package without executing it.
     if importlib.util.find_spec("torch_npu") is None:
         return ProbeResult(False, reason="torch_npu is not installed", fix=_torch_npu_fix())
-
-    # 2. The CANN toolkit, with its environment sourced (torch_npu needs its libraries).
-    cann = None
-    for var in CANN_ENV_VARS:
-        value = os.environ.get(var)
-        if value:
-            if not os.path.isdir(value):
-                return ProbeResult(False, reason=f"CANN toolkit not found ({var}={value} does not exist)", fix=CANN_FIX)
-            cann = value
-            break
-    if cann is None:
-        if os.path.isdir(CANN_DEFAULT):
-            return ProbeResult(
-                False,
-                reason=f"CANN toolkit found at {CANN_DEFAULT} but its environment is not set (ASCEND_HOME_PATH unset)",
-                fix=f"source {CANN_DEFAULT}/set_env.sh before starting deepinfer",
-            )
-        return ProbeResult(
-            False,
-            reason=f"CANN toolkit not found (ASCEND_HOME_PATH unset, {os.path.dirname(CANN_DEFAULT)} missing)",
-            fix=CANN_FIX,
-        )
-
-    # 3. NPU devices.
-    devices = sorted(glob.glob(DEVICE_GLOB))
-    if not devices:
-        return ProbeResult(
-            False,
-            reason=f"no Ascend NPU device found ({DEVICE_GLOB.replace('[0-9]', '')} missing)",
-            fix="run on a machine with an Ascend NPU (check `npu-smi info`) or choose DEEPINFER_ACCELERATOR=cpu",
-        )
+    # 2. built for this torch? (metadata only)
+    mismatch = _version_mismatch()
+    if mismatch:
+        return ProbeResult(False, reason=mismatch, fix=_torch_npu_fix())
+    # 3. The CANN toolkit, with its environment sourced (torch_npu needs its libraries).
+    cann, why_not = _cann_home()
+    if why_not is not None:
+        return why_not
+    # 4. NPU devices, as ASCEND_RT_VISIBLE_DEVICES maps them.
+    devices, why_not = _visible_devices()
+    if why_not is not None:
+        return why_not
     try:
         index = local_rank()
     except ValueError as e:
@@ -94,15 +156,16 @@ def deepinfer_probe() -> ProbeResult:
     if index >= len(devices):
         return ProbeResult(
             False,
-            reason=f"LOCAL_RANK={index} but only {len(devices)} NPU device(s) are present",
-            fix="start at most one process per NPU",
+            reason=f"LOCAL_RANK={index} but only {len(devices)} NPU device(s) are visible",
+            fix=f"start at most one process per NPU, or widen {VISIBLE_DEVICES}",
         )
     try:
         npu_version = version("torch_npu")
     except PackageNotFoundError:
         npu_version = "unknown version"
     return ProbeResult(
-        True, detail=f"{len(devices)} NPU device(s), npu:{index}, CANN at {cann}, torch_npu {npu_version}"
+        True, detail=f"{len(devices)} NPU device(s) visible, npu:{index} ({devices[index]}), CANN at {cann}, "
+                     f"torch_npu {npu_version}"
     )
 
 

@@ -164,3 +164,13 @@ def test_every_callable_keeps_its_reference_signature_and_names_what_runs():
         assert signature_problem(fn, REFERENCE_OPS[name]) is None, name
         assert fn.impl == PROVIDES[name] and fn.impl.startswith(("torch_npu.", "as moe_experts"))
     assert "torch_npu" not in sys.modules or sys.modules["torch_npu"] is fake  # importing npu_ops imported none
+
+
+def test_the_model_covers_exactly_the_operators_the_glue_calls():
+    import ast
+    import inspect
+
+    called = {node.attr for node in ast.walk(ast.parse(inspect.getsource(npu_ops)))
+              if isinstance(node, ast.Attribute) and node.attr.startswith("npu_")}
+    assert called == set(npu_ops.OPERATORS)
+    assert all(callable(getattr(fake, name, None)) for name in npu_ops.OPERATORS)

@@ -10,9 +10,12 @@ toolkit installed and its environment sourced (``ASCEND_HOME_PATH``; CANN >= 8.5
 ``torch_npu`` is imported in ``deepinfer_platform`` and inside the op calls alone, which run only
 for the selected backend.
 
-Ops: none yet. ``deepinfer_ops`` returns ``{}``, so every op falls back to the reference
-implementation, which runs on the ``npu`` device like on any torch device. The NPU kernels
-are tracked separately; no stub kernels live here.
+Ops: stock torch_npu fused operators (CANN) where their documented layouts take DeepInfer's
+(``npu_ops.OPS``; each callable's ``impl`` and ``op_plan.PROVIDES`` say what runs), the TileLang
+kernels of ``tilelang_ops`` where that package is installed, and the reference implementation, on
+the NPU, for the rest, each with its reason (``op_plan.LEFT_OUT``); ``op_table`` puts them together.
+``deepinfer backends --plan ascend`` prints that table on any machine. None of it has run on an
+Ascend chip yet (README.md).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import os
 from importlib.metadata import PackageNotFoundError, version
 
 from deepinfer_core.parallel import local_rank
-from deepinfer_core.hookspecs import BackendInfo, ProbeResult, hookimpl
+from deepinfer_core.hookspecs import BackendInfo, OpPlan, ProbeResult, hookimpl
 
 NAME = "ascend"
 CANN_ENV_VARS: tuple[str, ...] = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")  # exported by CANN's set_env.sh
@@ -128,7 +131,7 @@ def deepinfer_backend() -> BackendInfo:
         priority=100,
         min_spec_version=3,
         max_spec_version=3,
-        description="Huawei Ascend 950 NPUs (CANN + torch_npu); ops fall back to the reference for now",
+        description="Huawei Ascend 950 NPUs (CANN + torch_npu): stock CANN fused ops where they fit, the reference elsewhere; never run on a chip",
     )
 
 
@@ -188,7 +191,8 @@ def deepinfer_platform():
         device=f"npu:{index}",
         backend=NAME,
         supported_dtypes=(torch.bfloat16, torch.float16, torch.float32),
-        fp8_weights=False,  # FP8 kernels are a separate issue; the loader dequantises FP8 checkpoints
+        fp8_weights=False,  # no stock block-FP8 GEMM for the 950 (op_plan.LEFT_OUT): the loader dequantises FP8
+        fp4_experts=False,  # CANN's MX grouped matmul wants load-time weight preparation (op_plan.NOT_MAPPED)
         graph_capture=False,  # NPU graph mode comes with the kernels
         batch_invariant=False,
         extra={"device_name": device_name},
@@ -197,9 +201,20 @@ def deepinfer_platform():
 
 @hookimpl
 def deepinfer_ops(platform, model_config):
-    # No kernels yet (a separate issue): every op falls back to the reference implementation,
-    # which runs on npu:N like on any torch device. `deepinfer backends` shows each as a fallback.
-    return {}
+    """npu_ops' stock-operator callables, then the TileLang kernels for what they leave out, less
+    DEEPINFER_ASCEND_REFERENCE_OPS (op_table). The rest fall back to the reference (op_plan.LEFT_OUT)."""
+    from deepinfer_ascend_950 import op_table
+
+    return op_table.ops()
+
+
+@hookimpl
+def deepinfer_op_plan() -> OpPlan:
+    """What deepinfer_ops returns on a 950 with this installation (op_table.plan). Imports no torch."""
+    from deepinfer_ascend_950 import op_table
+
+    provides, left_out = op_table.plan()
+    return OpPlan(provides=provides, left_out=left_out)
 
 
 @hookimpl

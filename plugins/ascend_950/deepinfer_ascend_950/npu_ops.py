@@ -346,6 +346,13 @@ def mhc_post(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch
     return _npu().npu_mhc_post(x, comb.float(), out, post.float())
 
 
+# Every torch_npu operator the callables above call (the hardware tests check this torch_npu has each).
+OPERATORS: tuple[str, ...] = (
+    "npu_rms_norm", "npu_add_rms_norm", "npu_interleave_rope", "npu_swiglu", "npu_moe_gating_top_k",
+    "npu_moe_init_routing_v2", "npu_grouped_matmul", "npu_fused_infer_attention_score", "npu_mhc_pre",
+    "npu_mhc_sinkhorn", "npu_mhc_post",
+)
+
 OPS: dict[str, Callable] = {
     "rms_norm": rms_norm,
     "add_rms_norm": add_rms_norm,

@@ -45,12 +45,11 @@ PROVIDES: dict[str, str] = {
                        "with pre_in in torch; same limits as mhc_pre",
 }
 
-# The ops a TileLang kernel for the Ascend target is the planned provider of (issue 50 item 3:
-# no stock torch_npu operator takes them). deepinfer_ascend_950.tilelang_kernels provides them
-# when it exists (backend.TILELANG_MODULE); until then they run the reference on the NPU.
-TILELANG_PENDING: frozenset[str] = frozenset({
-    "silu_and_mul_clamped", "moe_route_sqrtsoftplus", "write_cache", "compress_pool", "indexer_topk",
-    "sparse_attention", "mhc_collapse", "indexer_block_candidates", "engram_hash_ids", "engram_gate",
+# The ops the TileLang kernels of tilelang_ops provide where that package is installed and
+# TileLang can run (op_table: its KERNELS name them in the plan). Elsewhere they run the reference
+# on the NPU, and the plan says why.
+TILELANG_PLANNED: frozenset[str] = frozenset({
+    "moe_route_sqrtsoftplus", "write_cache", "compress_pool", "engram_hash_ids", "engram_gate",
 })
 
 SPLIT_CACHE = ("CANN's MLA operators take the latent and the rope key as two caches ([blocks, bs, 1, 512] and "

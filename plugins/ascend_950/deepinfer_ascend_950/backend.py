@@ -218,5 +218,13 @@ def deepinfer_op_plan() -> OpPlan:
 
 
 @hookimpl
+def deepinfer_communicator(platform, group):
+    """Collectives over HCCL, with the dtypes HCCL lacks carried as bytes (hccl.py)."""
+    from deepinfer_ascend_950.hccl import HcclCommunicator
+
+    return HcclCommunicator(group)
+
+
+@hookimpl
 def deepinfer_scheduler_limits(platform, model_config):
     return None  # the engine's defaults

@@ -177,6 +177,7 @@ def deepinfer_platform():
     import torch
     import torch_npu  # noqa: F401  (registers the "npu" device with torch) -- only ever here
 
+    from deepinfer_ascend_950.graphs import NpuGraphs
     from deepinfer_core.platform import Platform
 
     index = local_rank()
@@ -193,7 +194,10 @@ def deepinfer_platform():
         supported_dtypes=(torch.bfloat16, torch.float16, torch.float32),
         fp8_weights=False,  # no stock block-FP8 GEMM for the 950 (op_plan.LEFT_OUT): the loader dequantises FP8
         fp4_experts=False,  # CANN's MX grouped matmul wants load-time weight preparation (op_plan.NOT_MAPPED)
-        graph_capture=False,  # NPU graph mode comes with the kernels
+        # NPU graphs are offered, not used: mla_decode_attention and sample_tokens run the reference on
+        # the NPU, which reads lengths on the host (graphs.py)
+        graph_capture=False,
+        graphs=NpuGraphs,
         batch_invariant=False,
         extra={"device_name": device_name},
     )

@@ -152,6 +152,10 @@ def plot_cadence(result: dict, out: Path) -> Path | None:
 
 
 def generate_points(llm, batches, prompt_len: int, new_tokens: int) -> list[dict]:
+    """Per batch size: a first call, a repeat on new prompts of the same shape (what a warm engine
+    costs: no prefix-cache hits) and the repeat's prompts again ("cached": prefix-cache hits).
+    Each call records its slowest engine steps (wall time, tokens scheduled), which is where a
+    first call's compilation or allocation shows."""
     from deepinfer_core import SamplingParams
 
     vocab = llm.engine.model_config.vocab_size
@@ -159,19 +163,50 @@ def generate_points(llm, batches, prompt_len: int, new_tokens: int) -> list[dict
     out = []
     for batch in batches:
         g = torch.Generator().manual_seed(batch)
-        prompts = [torch.randint(2, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
-        for call in ("first", "repeat"):
+        fresh = [[torch.randint(2, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)] for _ in range(2)]
+        for call, prompts in (("first", fresh[0]), ("repeat", fresh[1]), ("cached", fresh[1])):
             _sync()
-            t0 = time.perf_counter()
-            res = llm.generate(prompts, params, use_tqdm=False)
-            _sync()
-            dt = time.perf_counter() - t0
+            with _StepTimes(llm.engine) as steps:
+                t0 = time.perf_counter()
+                res = llm.generate(prompts, params, use_tqdm=False)
+                _sync()
+                dt = time.perf_counter() - t0
             emitted = sum(len(r.outputs[0].token_ids) for r in res)
             row = {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "call": call,
-                   "seconds": dt, "output_tokens": emitted, "output_tok_per_s": emitted / dt}
-            print(f"generate B={batch} P={prompt_len} N={new_tokens} {call}: {dt:.2f} s, {emitted / dt:.1f} output tok/s", flush=True)
+                   "seconds": dt, "output_tokens": emitted, "output_tok_per_s": emitted / dt,
+                   "steps": len(steps.rows), "slowest_steps": steps.slowest(3)}
+            slow = ", ".join(f"{r['seconds'] * 1e3:.0f} ms ({r['tokens']} tok)" for r in row["slowest_steps"])
+            print(f"generate B={batch} P={prompt_len} N={new_tokens} {call}: {dt:.2f} s, {emitted / dt:.1f} output tok/s, "
+                  f"{len(steps.rows)} steps, slowest {slow}", flush=True)
             out.append(row)
     return out
+
+
+class _StepTimes:
+    """Every step's StepStats while active (chained before the engine's own observer, if any):
+    ``seconds`` runs from the step's launch to its tokens being processed."""
+
+    def __init__(self, engine):
+        self.engine, self.rows = engine, []
+
+    def __enter__(self):
+        self.saved = self.engine.observer
+
+        def observe(stats, _next=self.saved):
+            self.rows.append({"seconds": stats.seconds, "tokens": stats.num_prefill_tokens + stats.num_decode_tokens,
+                              "prefill_tokens": stats.num_prefill_tokens})
+            if _next is not None:
+                _next(stats)
+
+        self.engine.observer = observe
+        return self
+
+    def __exit__(self, *exc):
+        self.engine.observer = self.saved
+        return False
+
+    def slowest(self, n: int) -> list[dict]:
+        return sorted(self.rows, key=lambda r: -r["seconds"])[:n]
 
 
 def _wrap_ops(ops, timings: dict | None = None) -> dict:

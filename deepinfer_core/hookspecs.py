@@ -57,7 +57,10 @@ PROJECT = "deepinfer"
 #      gets the reference's, as for any op. (Later, within 3: the optional op
 #      ``norm_rope_write_latent``, which the model calls only where a backend provides it; a
 #      core older than it refuses a table that names it as an unknown op. Later still, within 3: the
-#      optional hook ``deepinfer_op_plan``, which a core older than it never calls.)
+#      optional hook ``deepinfer_op_plan``, which a core older than it never calls. And ``compress_entries``,
+#      DeepSeek-V4's compressor from its window rows to rotated entries in one op, which V4 calls
+#      instead of gathering and ``compress_pool`` + ``rotary_embedding`` (V4.1 still calls
+#      ``compress_pool``): a backend that leaves it out gets the reference's, as for any op.)
 SPEC_VERSION = 3
 
 hookspec = pluggy.HookspecMarker(PROJECT)

@@ -763,6 +763,50 @@ def _pool_empty_slots_as_zero_logits(kv, score, norm_weight, eps):
     return REFERENCE_OPS["compress_pool"](kv, score.nan_to_num(neginf=0.0), norm_weight, eps)
 
 
+def _entries_written_out(rows, state, windows, positions, norm_weight, eps, cos_sin, overlap, dtype, *,
+                         swap_series=False, read_empty=False, neox=False, row_stride_r=False):
+    """compress_entries another way: the pools concatenated, each slot's columns picked by a
+    mask, the pooling in float32 rounded once (vLLM's and DeepSeek's order, not the reference's
+    per-slot roundings). One part switchable to a bug: the two series swapped, empty slots
+    weighed as row 0, RoPE on NeoX halves, the pools read as if their rows were R apart."""
+    if row_stride_r:
+        rows, state = (torch.as_strided(p, p.shape, (p.shape[1], 1)) for p in (rows, state))
+    pool = torch.cat([rows, state]).float()
+    span, width = windows.shape[1], pool.shape[1] // 2
+    slots = pool[windows.clamp(min=0)] if pool.shape[0] else pool.new_zeros((*windows.shape, 2 * width))
+    kv, gate = slots[..., :width], slots[..., width:]
+    if overlap:
+        dim = width // 2
+        second = (torch.arange(span, device=windows.device) >= span // 2) ^ swap_series
+        kv, gate = (torch.where(second[None, :, None], t[..., dim:], t[..., :dim]) for t in (kv, gate))
+    valid = (windows >= 0) | read_empty
+    pooled = (torch.softmax(gate.masked_fill(~valid[..., None], float("-inf")), dim=1) * kv.to(dtype).float()).sum(1)
+    x = pooled.to(dtype).float()
+    y = (norm_weight.float() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype).float()
+    r = cos_sin.shape[-1]
+    cos, sin, pe = cos_sin[positions, : r // 2], cos_sin[positions, r // 2 :], y[:, -r:]
+    a, b = (pe[:, : r // 2], pe[:, r // 2 :]) if neox else (pe[:, 0::2], pe[:, 1::2])
+    ra, rb = a * cos - b * sin, b * cos + a * sin
+    rotated = torch.cat([ra, rb], dim=-1) if neox else torch.stack([ra, rb], dim=-1).flatten(1)
+    return torch.cat([y[:, :-r], rotated.to(dtype).float()], dim=-1).to(dtype)
+
+
+def _entries_series_swapped(*args):
+    return _entries_written_out(*args, swap_series=True)
+
+
+def _entries_reading_empty_slots(*args):
+    return _entries_written_out(*args, read_empty=True)
+
+
+def _entries_rope_neox(*args):
+    return _entries_written_out(*args, neox=True)
+
+
+def _entries_rows_r_apart(*args):
+    return _entries_written_out(*args, row_stride_r=True)
+
+
 def _experts_without_clamp(x, w13, w2, weights, ids, limit, w13_scale=None, w2_scale=None, block=None):
     return REFERENCE_OPS["moe_experts"](x, w13, w2, weights, ids, w13_scale, w2_scale, block)
 
@@ -788,6 +832,10 @@ WRONG_V4 = [
     ("mhc_pre", _mhc_one_sinkhorn_round_short, "comb:"),
     ("mhc_post", _mhc_post_comb_not_transposed, "streams:"),
     ("compress_pool", _pool_empty_slots_as_zero_logits, "entries:"),
+    ("compress_entries", _entries_series_swapped, "entries:"),
+    ("compress_entries", _entries_reading_empty_slots, "entries:"),
+    ("compress_entries", _entries_rope_neox, "entries:"),
+    ("compress_entries", _entries_rows_r_apart, "entries:"),
     ("moe_experts_clamped", _experts_without_clamp, "y:"),
     ("silu_and_mul_clamped", _swiglu_clamping_gate_both_ways, "y:"),
 ]  # fmt: skip
@@ -801,6 +849,19 @@ WRONG_V4 = [
 def test_v4_selections_are_compared_as_sets(op, fn):
     report = check(op, fn, examples=2)
     assert report.result == "PASS", report.detail()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_compress_entries_pooled_in_float32_passes(dtype):
+    """The spec's bounds admit pooling in float32 with one rounding (vLLM's, DeepSeek's order)
+    instead of the reference's rounded weights and products, and the shapes reach its edges."""
+    report = check("compress_entries", _entries_written_out, examples=2, dtype=dtype)
+    assert report.result == "PASS", report.detail()
+    cases = [make_case("compress_entries", d, F32, "cpu", seed=1) for d in shapes("compress_entries")]
+    rows, state, windows = zip(*(c.args[:3] for c in cases))
+    assert any(not r.is_contiguous() for r in rows) and any(s.shape[0] == 0 for s in state)
+    assert any(((w[:, : w.shape[1] // 2] < 0).all(dim=1) & (w[:, -1] >= 0)).any() for w in windows if w.numel())  # first windows
+    assert all((w[:, -1] >= 0).all() for w in windows)  # every window has its closing row
 
 
 def test_indexer_ties_treat_minus_zero_as_zero():

@@ -742,6 +742,42 @@ def test_compress_pool_weighs_in_kv_dtype_as_hf(dtype):
     torch.testing.assert_close(sparse.compress_pool(kv, gate, weight, 1e-6), hf, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compress_entries_is_pool_then_rope_on_the_named_rows(overlap, dtype):
+    """compress_entries over two row-strided pools (a ring of the older rows, this step's newer
+    ones) is, bit for bit, compress_pool on HF's window layout of the same rows (kv rounded to
+    the dtype first) and then rotary_embedding of the trailing dims at each window's start."""
+    m, seq, c, r = 4, 18, 12, 6
+    width = 2 * c if overlap else c
+    kv, gate = randn(seq, width).to(dtype).float(), randn(seq, width)
+    wide = torch.cat([randn(seq, 3), kv, gate], dim=1)  # rows of a wider tensor: columns 3.. are the op's
+    state, rows = wide[:10, 3:], wide[10:, 3:]  # tokens 0..9 in the ring, 10..17 new: row 8 + t is ring row t
+    n = seq // m
+    span = 2 * m if overlap else m
+    tokens = torch.arange(n)[:, None] * m + torch.arange(span)[None, :] - (m if overlap else 0)
+    windows = torch.where(tokens < 0, -1, torch.where(tokens >= 10, tokens - 10, tokens + rows.shape[0]))
+    positions = torch.arange(n) * m
+    table = rope.rope_cos_sin_table(r, 10000.0, None, 64)
+    weight = 1 + 0.1 * randn(c)
+    got = sparse.compress_entries(rows, state, windows, positions, weight, 1e-6, table, overlap, dtype)
+    windows_kv, windows_gate = _windows(kv, gate, m, overlap)
+    pooled = sparse.compress_pool(windows_kv.to(dtype), windows_gate, weight, 1e-6)
+    pe = rope.rotary_embedding(pooled[:, None, -r:], pooled[:, -r:], positions, table, True)[0][:, 0]
+    assert got.dtype == dtype and torch.equal(got, torch.cat([pooled[:, :-r], pe], dim=-1))
+
+
+def test_compress_entries_refuses_inconsistent_shapes():
+    rows, windows, positions, table = torch.zeros(3, 32), torch.zeros(2, 8, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), torch.zeros(9, 4)
+    ok = (rows, rows[:0], windows, positions, torch.ones(8), 1e-6, table, True, torch.float32)
+    assert sparse.compress_entries(*ok).shape == (2, 8)
+    for i, bad, says in [(1, torch.zeros(3, 16), "rows"), (0, torch.zeros(3, 30), "multiple of 4"),
+                         (2, windows[:, :7], "even"), (3, positions[:1], "positions"), (4, torch.ones(16), "norm_weight"),
+                         (6, torch.zeros(9, 10), "r <= dim"), (6, torch.zeros(9, 3), "r even")]:
+        with pytest.raises(ValueError, match=says):
+            sparse.compress_entries(*ok[:i], bad, *ok[i + 1 :])
+
+
 def test_indexer_topk_matches_hf_scorer_and_topk():
     """transformers' DeepseekV4IndexerScorer with its causal top-k (entries w < (p + 1) // m, picks
     beyond them -1): the same queries with each one's visible entries as candidates."""

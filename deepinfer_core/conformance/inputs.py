@@ -507,6 +507,42 @@ def _compress_pool(d: dict, dtype, r: _Draw):
     return (kv, score.to(r.device), _v4_norm_weight(c, r).to(r.device), NORM_EPS), {}
 
 
+def _compress_entries(d: dict, dtype, r: _Draw):
+    n, t, s, m, dim, rd = (d[k] for k in ("entries", "tokens", "state_rows", "ratio", "dim", "rope_dim"))
+    overlap = bool(d["overlap"])
+    span, width = (2 * m, 4 * dim) if overlap else (m, 2 * dim)  # width: [kv | gate] of the op's rows
+    off, row = d["col_offset"], d["row_width"]
+    if t + s < span or off + width > row or d["first_windows"] > n:
+        raise ValueError(f"compress_entries: need tokens + state_rows >= span ({span}), col_offset + {width} <= "
+                         f"row_width and first_windows <= entries, got {d}")
+
+    def pool(count: int) -> torch.Tensor:
+        """[count, R] float32 rows as the model keeps them: kv values of the compute dtype (its
+        projection's output), gate logits + position bias float32; a column slice of wider rows
+        (the CSA layers' compressor and indexer parts share one row)."""
+        wide = r.normal(count, row)
+        wide[:, off : off + width // 2] = wide[:, off : off + width // 2].to(dtype).float()
+        wide[:, off + width // 2 : off + width] += r.normal(count, width // 2)
+        return wide.to(r.device)[:, off : off + width]
+
+    rows, state = pool(t), pool(s)
+    # each window names span distinct rows of the concatenation; a sequence's first window has
+    # no previous one (its first half empty), gappy windows lose random slots (never the last:
+    # the closing token's own row)
+    windows = torch.stack([r.perm(t + s)[:span] for _ in range(n)]) if n else torch.empty(0, span, dtype=torch.int64)
+    order = r.perm(n)
+    first, rest = order[: d["first_windows"]], order[d["first_windows"] :][: d["gappy_windows"]]
+    windows[first, : span // 2] = -1
+    if rest.numel():
+        gaps = r.integers(0, 2, rest.numel(), span).bool()
+        gaps[:, -1] = False
+        windows[rest] = windows[rest].masked_fill(gaps, -1)
+    positions = r.integers(0, d["max_positions"] // m, n) * m  # an entry's first position
+    cos_sin = _cos_sin_cpu(d["rope"], rd, d["max_positions"]).to(r.device)
+    return (rows, state, windows.to(r.device), positions.to(r.device), _v4_norm_weight(dim, r).to(r.device), NORM_EPS,
+            cos_sin, overlap, dtype), {}
+
+
 def _padded_rows(r: _Draw, counts: list[int], width: int, pool: int) -> torch.Tensor:
     """[len(counts), width] int64: row i has counts[i] distinct rows of [0, pool) at random
     positions, -1 elsewhere."""
@@ -758,6 +794,7 @@ BUILDERS: dict[str, Callable[[dict, torch.dtype, _Draw], tuple[tuple, dict]]] = 
     "mhc_head": _mhc_head,
     "write_cache": _write_cache,
     "compress_pool": _compress_pool,
+    "compress_entries": _compress_entries,
     "indexer_topk": _indexer_topk,
     "sparse_attention": _sparse_attention,
     "mhc_pre_delayed": _mhc_pre_delayed,
@@ -802,7 +839,8 @@ COUNT_DIMS = {
     "rms_norm_f32": ("tokens",), "rms_normalize": ("tokens",), "silu_and_mul_clamped": ("tokens",),
     "moe_route_sqrtsoftplus": ("tokens",), "moe_experts_clamped": ("tokens",), "mhc_pre": ("tokens",),
     "mhc_post": ("tokens",), "mhc_head": ("tokens",), "write_cache": ("tokens", "padding_tokens"),
-    "compress_pool": ("windows", "empty_windows"), "indexer_topk": ("tokens", "short_queries"),
+    "compress_pool": ("windows", "empty_windows"), "compress_entries": ("entries", "first_windows"),
+    "indexer_topk": ("tokens", "short_queries"),
     "sparse_attention": ("tokens", "empty_queries"),
     "mhc_pre_delayed": ("tokens", "one_hot_tokens"), "mhc_collapse": ("tokens", "one_hot_tokens"),
     "indexer_block_candidates": ("tokens", "empty_queries"), "engram_hash_ids": ("tokens", "blocked_tokens"),
@@ -812,6 +850,7 @@ COUNT_DIMS = {
 BOUNDED_COUNTS = {"sample_tokens": ("greedy_rows", "rows"), "write_latent_cache": ("padding_tokens", "tokens"),
                   "norm_rope_write_latent": ("padding_tokens", "tokens"),
                   "write_cache": ("padding_tokens", "tokens"), "compress_pool": ("empty_windows", "windows"),
+                  "compress_entries": ("first_windows", "entries"),
                   "indexer_topk": ("short_queries", "tokens"), "sparse_attention": ("empty_queries", "tokens"),
                   "mhc_pre_delayed": ("one_hot_tokens", "tokens"), "mhc_collapse": ("one_hot_tokens", "tokens"),
                   "indexer_block_candidates": ("empty_queries", "tokens"), "engram_hash_ids": ("blocked_tokens", "tokens"),

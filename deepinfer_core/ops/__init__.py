@@ -41,6 +41,7 @@ REFERENCE_OPS: dict[str, Callable] = {
     "mhc_head": hyper.mhc_head,
     "write_cache": sparse.write_cache,
     "compress_pool": sparse.compress_pool,
+    "compress_entries": sparse.compress_entries,
     "indexer_topk": sparse.indexer_topk,
     "sparse_attention": sparse.sparse_attention,
     # DeepSeek-V4.1

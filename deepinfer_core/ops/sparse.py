@@ -1,5 +1,6 @@
-"""DeepSeek-V4 attention ops: attention with sinks over gathered keys, the compressors' pooling,
-the lightning indexer's top-k, and a plain cache-row write.
+"""DeepSeek-V4 attention ops: attention with sinks over gathered keys, the compressors' pooling
+(alone, and fused from the window rows to rotated entries), the lightning indexer's top-k, and a
+plain cache-row write.
 
 These ops work on *pools* of rows and index tensors, which the model builds once per forward:
 a key pool is every row a batch's queries may read (the new tokens' keys, the sliding-window
@@ -14,6 +15,7 @@ import torch
 
 from deepinfer_core.ops.kv_record import PAGE_ROWS, RECORD_BYTES, ROW_DIM, is_record_cache, read_records, write_records
 from deepinfer_core.ops.norm import rms_norm_f32
+from deepinfer_core.ops.rope import rotary_embedding
 
 # The reference attention and indexer take queries in chunks of at most this many, fewer when
 # the keys per query are many: each chunk's float32 gather stays within CHUNK_BYTES.
@@ -148,6 +150,78 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor, norm_weight: torch.Tens
     weights = torch.softmax(score.float(), dim=1).to(kv.dtype)
     pooled = (kv * weights).sum(dim=1)
     return rms_norm_f32(pooled, norm_weight, eps)
+
+
+def _two_pool_rows(rows: torch.Tensor, state: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows ``idx`` [N, S] of the concatenation of ``rows`` and ``state`` without building it,
+    [N, S, R] float32 (-1 and an empty pool read as zeros: masked by the caller). No host
+    synchronisation: the model calls it inside decode graphs where a backend leaves
+    ``compress_entries`` to the reference."""
+    n = rows.shape[0]
+    first = rows[idx.clamp(0, max(n - 1, 0))] if n else rows.new_zeros((*idx.shape, rows.shape[-1]))
+    second = state[(idx - n).clamp(0, max(state.shape[0] - 1, 0))] if state.shape[0] else state.new_zeros((*idx.shape, state.shape[-1]))
+    return torch.where((idx < n)[..., None], first.float(), second.float())
+
+
+def _check_compress_entries(rows, state, windows, positions, norm_weight, cos_sin, overlap) -> tuple[int, int]:
+    """(dim, rope dims) of a ``compress_entries`` call; ValueError on inconsistent shapes."""
+    width2 = rows.shape[-1] if rows.dim() == 2 else -1
+    parts = 4 if overlap else 2
+    if rows.dim() != 2 or state.dim() != 2 or state.shape[1] != width2 or width2 % parts:
+        raise ValueError(f"compress_entries: rows [T, R] and state [S, R] with R a multiple of {parts} "
+                         f"({'overlap: kv and gate of two series' if overlap else 'kv and gate'}), got "
+                         f"{tuple(rows.shape)} and {tuple(state.shape)}")
+    dim = width2 // parts
+    if windows.dim() != 2 or windows.shape[1] < 1 or (overlap and windows.shape[1] % 2) or positions.shape != windows.shape[:1]:
+        raise ValueError(f"compress_entries: windows [N, span] (span >= 1, even when overlapping) and positions [N], got "
+                         f"{tuple(windows.shape)} and {tuple(positions.shape)}")
+    r = cos_sin.shape[-1]
+    if norm_weight.shape != (dim,) or cos_sin.dim() != 2 or r % 2 or dim % 2 or not 0 < r <= dim:
+        raise ValueError(f"compress_entries: norm_weight [{dim}] and a cos/sin table [P, r] with r even and "
+                         f"0 < r <= dim ({dim}, even), got {tuple(norm_weight.shape)} and {tuple(cos_sin.shape)}")
+    return dim, r
+
+
+def compress_entries(
+    rows: torch.Tensor, state: torch.Tensor, windows: torch.Tensor, positions: torch.Tensor, norm_weight: torch.Tensor,
+    eps: float, cos_sin: torch.Tensor, overlap: bool, dtype: torch.dtype,
+) -> torch.Tensor:
+    """DeepSeek-V4's compressor from its window rows to rotated entries (§3.5): gather, pool,
+    normalise and rotate in one op (the compressor and the CSA indexer's own compressor each
+    call it once per step).
+
+    rows: [T, R] float32, this step's compressor rows, each [kv | gate logits + position bias]
+    (kv and gate ``R / 2`` wide); state: [S, R] float32, the state ring's rows. Either may be a
+    row-strided view of wider rows (a CSA layer's compressor and indexer rows are column slices
+    of one row) and either may have no rows. windows: [N, span] int64, row numbers into the
+    concatenation (rows first: row i < T is rows[i], row T + j is state[j]), oldest slot first,
+    -1 for an empty slot; positions: [N] int64, each entry's RoPE position; norm_weight: [dim];
+    cos_sin: [P, r] as ``rotary_embedding`` takes it.
+
+    ``overlap`` (CSA): span = 2 * ratio, kv and gate are each 2 * dim wide and slot s < ratio
+    (the previous window) contributes their first dim columns, slot s >= ratio their last dim
+    columns. Otherwise (HCA): span = ratio, kv and gate are dim wide.
+
+    entry[n] = RoPE(rms_norm_f32(sum_s softmax_s(gate[s, c]) * kv[s, c])) over the valid slots,
+    computed as the model always has: kv cast to ``dtype`` first, the float32 softmax over the
+    slots rounded to ``dtype`` and the weighted sum in ``dtype`` (``compress_pool``), then
+    ``rms_norm_f32``, then the trailing r channels rotated as interleaved pairs at
+    ``positions[n]`` (``rotary_embedding``). Returns [N, dim] in ``dtype``. A window needs a
+    valid slot (a model's closing token is its own); one without gives an unspecified entry.
+    """
+    dim, r = _check_compress_entries(rows, state, windows, positions, norm_weight, cos_sin, overlap)
+    slots = _two_pool_rows(rows, state, windows)  # [N, span, R]
+    width = slots.shape[-1] // 2
+    kv, score = slots[..., :width], slots[..., width:]
+    if overlap:  # the previous window's first series, this window's second
+        m = windows.shape[1] // 2
+        kv = torch.cat([kv[:, :m, :dim], kv[:, m:, dim:]], dim=1)
+        score = torch.cat([score[:, :m, :dim], score[:, m:, dim:]], dim=1)
+    valid = (windows >= 0)[:, :, None]
+    kv = kv.masked_fill(~valid, 0.0).to(dtype)
+    entries = compress_pool(kv, score.masked_fill(~valid, float("-inf")), norm_weight, eps)
+    rotated = rotary_embedding(entries[:, None, -r:], entries[:, -r:], positions, cos_sin, True)[0][:, 0]
+    return torch.cat([entries[:, :-r], rotated], dim=-1)
 
 
 def _scores(q, weights, keys, cands, scale) -> torch.Tensor:

@@ -131,19 +131,14 @@ class Compressor(nn.Module):
         score = self.gate_proj(x).float() + self.position_bias[positions % self.ratio]
         return torch.cat([kv.float(), score], dim=-1)
 
-    def pool(self, rows: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """rows [N, S, row_dim] of each window (S = ratio, or 2 * ratio oldest first when
-        overlapping), valid [N, S] -> entries [N, dim] rotated at ``positions``."""
-        width = rows.shape[-1] // 2
-        kv, score = rows[..., :width], rows[..., width:]
-        if self.overlap:  # the previous window's first series, this window's second
-            m, c = self.ratio, self.dim
-            kv = torch.cat([kv[:, :m, :c], kv[:, m:, c:]], dim=1)
-            score = torch.cat([score[:, :m, :c], score[:, m:, c:]], dim=1)
-        score = score.masked_fill(~valid[:, :, None], float("-inf"))
-        kv = kv.masked_fill(~valid[:, :, None], 0.0).to(dtype)
-        entries = self.ops.compress_pool(kv, score, self.kv_norm.weight, self.kv_norm.eps)
-        return apply_rope(self.ops, entries[:, None], positions, table)[:, 0]
+    def entries(self, rows: torch.Tensor, state: torch.Tensor, windows: torch.Tensor, positions: torch.Tensor,
+                table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Entries [N, dim] in ``dtype`` rotated at ``positions`` [N], pooled from the windows
+        ``windows`` [N, S] (S = ratio, or 2 * ratio oldest first when overlapping; -1: an empty
+        slot) name in the concatenation of ``rows`` [T, row_dim] and ``state`` [S', row_dim]
+        (``ops.compress_entries``: gathered, pooled, normalised and rotated in one op)."""
+        return self.ops.compress_entries(rows, state, windows, positions, self.kv_norm.weight, self.kv_norm.eps, table,
+                                         self.overlap, dtype)
 
 
 class Indexer(Compressor):
@@ -169,15 +164,6 @@ class Indexer(Compressor):
         chosen = [self.ops.indexer_topk(q[lo : lo + step], weights[lo : lo + step], keys, plan.entry_slots(CSA_KV, lo, lo + step),
                                         self.top_k, self.head_dim**-0.5) for lo in range(0, t, step)]
         return torch.cat(chosen) if chosen else q.new_zeros((0, 0), dtype=torch.int64)
-
-
-def gather_rows(pools: tuple[torch.Tensor, torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
-    """Rows ``idx`` of the concatenation of two row pools without building it (-1: zeros)."""
-    a, b = pools
-    n = a.shape[0]
-    first = a[idx.clamp(0, max(n - 1, 0))] if n else a.new_zeros((*idx.shape, a.shape[-1]))
-    second = b[(idx - n).clamp(0, max(b.shape[0] - 1, 0))] if b.shape[0] else b.new_zeros((*idx.shape, b.shape[-1]))
-    return torch.where((idx < n)[..., None], first.to(b.dtype), second)
 
 
 def new_key_rows(ops: OpTable, kv: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
@@ -299,9 +285,10 @@ class Attention(nn.Module):
         m, span = comp.ratio, 2 * comp.ratio if comp.overlap else comp.ratio
         ends = torch.arange(cp.length // m, device=x.device) * m + m - 1  # the tokens that close a window
         rows_pos = ends[:, None] - span + 1 + torch.arange(span, device=x.device)[None, :]
-        window_rows, valid, offset = rows[rows_pos.clamp(min=0)], rows_pos >= 0, 0
+        windows, offset = torch.where(rows_pos >= 0, rows_pos, torch.full_like(rows_pos, -1)), 0  # row p: position p
         for part, cache_name in zip(parts, ("compressed", "indexer")):
-            saved[cache_name] = part.pool(window_rows[..., offset:offset + part.row_dim], valid, ends - (m - 1), table, x.dtype)
+            part_rows = rows[:, offset:offset + part.row_dim]
+            saved[cache_name] = part.entries(part_rows, part_rows[:0], windows, ends - (m - 1), table, x.dtype)
             offset += part.row_dim
         plan = PrefixPlan(positions, {CSA_KV: m, HCA_KV: m}, cp.length)
         chosen = comp.indexer.select(x, qr, plan, table, saved["indexer"]) if csa else plan.visible(HCA_KV)
@@ -320,13 +307,12 @@ class Attention(nn.Module):
         span = 2 * comp.ratio if comp.overlap else comp.ratio
         em = plan.emitters(kv_group, state_group, span)
         if em.tokens.numel():
-            window_rows = gather_rows((rows, state.view(-1, state.shape[-1])), em.rows)  # before this step's writes
-            valid = em.rows >= 0
+            ring = state.view(-1, state.shape[-1])  # read in place, before this step's writes
             offset = 0
             for part, cache_name in zip(parts, ("compressed", "indexer")):
-                part_rows = window_rows[..., offset : offset + part.row_dim]
+                cols = slice(offset, offset + part.row_dim)  # this part's columns of the rows and the ring
                 offset += part.row_dim
-                entries = part.pool(part_rows, valid, em.entry_positions, table, x.dtype)
+                entries = part.entries(rows[:, cols], ring[:, cols], em.rows, em.entry_positions, table, x.dtype)
                 self.ops.write_cache(caches[f"{name}.{cache_name}"], entries, em.slots)
         self.ops.write_cache(state, rows, plan.slots(state_group))
         compressed = caches[f"{name}.compressed"]

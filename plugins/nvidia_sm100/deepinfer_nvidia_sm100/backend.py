@@ -38,10 +38,11 @@ DRIVER_FILES: tuple[str, ...] = ("/dev/nvidiactl", "/proc/driver/nvidia/version"
 log = logging.getLogger("deepinfer")
 SUPPORTED = "sm_90 and sm_100"
 # Kernel modules under deepinfer_nvidia_sm100.kernels, each exporting OPS = {op name: callable}.
-KERNEL_MODULES = ("elementwise", "fp8_linear", "cache", "mla_decode", "mla_prefill", "moe", "sampling", "bitmask", "hyper", "sparse")
+KERNEL_MODULES = ("elementwise", "fp8_linear", "cache", "mla_decode", "mla_prefill", "moe", "sampling", "bitmask", "hyper", "sparse",
+                  "compress")
 # The ops this plugin has no kernel for yet: the engine runs their reference implementations on the
 # GPU (``deepinfer backends`` shows them as "reference"). Every other op of deepinfer_core.ops is a kernel here.
-LEFT_TO_REFERENCE = frozenset({"compress_entries", "indexer_block_candidates", "engram_hash_ids", "engram_gate"})
+LEFT_TO_REFERENCE = frozenset({"indexer_block_candidates", "engram_hash_ids", "engram_gate"})
 # Whether the kernels read and write DeepSeek-V4's FP8 KV records (kv_cache_dtype="fp8", ops/kv_record.py):
 # write_cache quantises into record caches and sparse_attention dequantises record pools in registers
 # (kernels/sparse.py). FlashMLA's sparse FP8 decode does not take them yet: the Triton kernel does.

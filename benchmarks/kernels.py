@@ -66,7 +66,7 @@ from benchmarks.ceilings import measure
 # Modules whose ops are all capturable: their cases are timed as CUDA-graph replays, which is how
 # the engine runs them in decode steps (no Python launch overhead in the numbers). The others
 # (prefill attention, sampling: host reads allowed) are timed with plain do_bench.
-GRAPH_TIMED = ("elementwise", "cache", "fp8_linear", "mla_decode", "moe", "hyper", "sparse")
+GRAPH_TIMED = ("elementwise", "cache", "fp8_linear", "mla_decode", "moe", "hyper", "sparse", "compress")
 BENCHES = "benchmarks.kernel_benches"  # bench(device) of kernel module X: BENCHES.X
 
 L2_FALLBACK_BYTES = 50 * 2**20  # an H200's L2, where the device does not report its own

@@ -11,9 +11,10 @@ import sys
 
 import pytest
 
-# Run before a test's script body: build(kernel, pointers, consts, num_warps, num_stages=None)
-# compiles one kernel (arguments not in ``pointers`` or ``consts`` are i32) and returns its stack
-# bytes (0: no spills); spills(...) appends a line to ``failed`` for a kernel that spills.
+# Run before a test's script body: resources(kernel, pointers, consts, num_warps, num_stages=None)
+# compiles one kernel (arguments not in ``pointers`` or ``consts`` are i32) and returns its (stack
+# bytes, registers a thread); build(...) its stack bytes (0: no spills); spills(...) appends a
+# line to ``failed`` for a kernel that spills.
 PRELUDE = r'''
 import os, re, subprocess, sys, tempfile
 import triton
@@ -23,14 +24,17 @@ from triton.compiler import ASTSource
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 failed = []
 
-def build(kernel, pointers, consts, num_warps, num_stages=None):
+def resources(kernel, pointers, consts, num_warps, num_stages=None):
     signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in kernel.arg_names}
     options = {"num_warps": num_warps, **({"num_stages": num_stages} if num_stages else {})}
     k = triton.compile(ASTSource(kernel, signature, constexprs=consts), target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"]); f.flush()
         usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    return int(re.search(r"STACK:(\d+)", usage).group(1))
+    return int(re.search(r"STACK:(\d+)", usage).group(1)), int(re.search(r"REG:(\d+)", usage).group(1))
+
+def build(kernel, pointers, consts, num_warps, num_stages=None):
+    return resources(kernel, pointers, consts, num_warps, num_stages)[0]
 
 def spills(kernel, pointers, consts, num_warps, num_stages=None):
     stack = build(kernel, pointers, consts, num_warps, num_stages)

@@ -28,6 +28,7 @@ from deepinfer_core.conformance.ops_suite import run_op  # noqa: E402
 from deepinfer_core.conformance.spec import shapes, tolerance  # noqa: E402
 from deepinfer_core.ops import sparse as ref  # noqa: E402
 from deepinfer_core.ops.rope import rope_cos_sin_table  # noqa: E402
+from tests.nvidia.sm90 import compile_sm90  # noqa: E402
 from deepinfer_nvidia_sm100.kernels import compress  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
@@ -341,14 +342,8 @@ def test_one_kernel_and_a_graph_replay(kind, device):
 # ---- compiled for sm_90 (no GPU needed) ------------------------------------------------------------
 
 _COMPILE_SM90 = r'''
-import os, re, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from deepinfer_nvidia_sm100.kernels import compress
 
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-failed, seen = [], []
 kernel = compress._compress_entries_kernel
 for out in ("bf16", "fp32"):
     for overlap, span, dim in ((True, 8, 512), (True, 8, 128), (False, 128, 512), (False, 128, 128)):
@@ -356,19 +351,9 @@ for out in ("bf16", "fp32"):
         consts = {"OVERLAP": overlap, "BLOCK_S": block_s, "BLOCK_J": block_j, "ONE_TILE": one_tile, "PDL": True}
         pointers = {"rows_ptr": "*fp32", "state_ptr": "*fp32", "win_ptr": "*i64", "pos_ptr": "*i64", "w_ptr": "*fp32",
                     "cs_ptr": "*fp32", "out_ptr": "*" + out, "eps": "fp32"}
-        signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in kernel.arg_names}
-        k = triton.compile(ASTSource(kernel, signature, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": compress.NUM_WARPS})
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"]); f.flush()
-            usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-        regs = int(re.search(r"REG:(\d+)", usage).group(1))
-        seen.append(f"{out} overlap={overlap} span={span} dim={dim}: {regs} registers")
-        if "STACK:0 " not in usage or regs > 128:
-            failed.append(f"{seen[-1]}: spills or too many registers ({usage.strip()[-160:]})")
-print("\n".join(seen))
-print("\n".join(failed), file=sys.stderr)
-sys.exit(1 if failed else 0)
+        stack, regs = resources(kernel, pointers, consts, compress.NUM_WARPS)
+        if stack or regs > 128:
+            failed.append(f"{out} overlap={overlap} span={span} dim={dim}: {stack} stack bytes, {regs} registers")
 '''
 
 
@@ -376,14 +361,4 @@ def test_kernel_compiles_for_sm90_without_spills():
     """Every variant the launcher picks (CSA / HCA, compressor / indexer width, bf16 / float32
     entries) compiles for sm_90 with Triton's ptxas, without a stack and within 128 registers a
     thread (4 programs of 4 warps an SM: measured 55-120)."""
-    import subprocess
-    import sys
-
-    import triton
-
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
-        pytest.skip("this triton has no NVIDIA backend binaries (ptxas, cuobjdump)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, do not interpret
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    compile_sm90(_COMPILE_SM90)

@@ -82,7 +82,7 @@ def tilelang_env(tmp_path_factory):
 
 def test_every_kernel_is_lowered_here():
     assert {name for name, _, _ in CASES} == set(KERNELS)
-    assert {k.op for k in KERNELS.values()} == set(ops.OPS)
+    assert {k.op for k in KERNELS.values()} | {op for k in KERNELS.values() for op in k.composes} == set(ops.OPS)
 
 
 @needs_tilelang
@@ -234,6 +234,23 @@ def test_compress_pool_glue(stand_ins, dtype):
         torch.testing.assert_close(out, ref_sparse.compress_pool(kv, score, weight, 1e-6), rtol=0, atol=0)
     dt = ops.DTYPE_NAMES[dtype]
     assert stand_ins == [("deepinfer_compress_pool", 8, 128, dt), ("deepinfer_compress_pool", 128, 512, dt)]  # not the empty / awkward ones
+
+
+@needs_tilelang
+@pytest.mark.parametrize("overlap, ratio, dim", [(True, 4, 512), (False, 128, 512)])
+def test_compress_entries_glue(stand_ins, overlap, ratio, dim):
+    """V4's compressor on the NPU: the reference's gather and RoPE around the pooling kernel, equal
+    to the reference op bit for bit when the kernel pools as the reference does."""
+    from deepinfer_core.conformance.inputs import make_case
+
+    span = 2 * ratio if overlap else ratio
+    dims = {"entries": 4, "tokens": 6, "state_rows": span + 4, "ratio": ratio, "overlap": overlap, "dim": dim,
+            "rope_dim": 64, "col_offset": 0, "row_width": 4 * dim if overlap else 2 * dim, "first_windows": 1,
+            "gappy_windows": 1, "rope": "v3_yarn", "max_positions": 4096}
+    case = make_case("compress_entries", dims, torch.bfloat16, "cpu", seed=3)
+    got = ops.compress_entries(*case.args)
+    torch.testing.assert_close(got, ref_sparse.compress_entries(*case.args), rtol=0, atol=0)
+    assert stand_ins == [("deepinfer_compress_pool", span, dim, "bfloat16")]
 
 
 @needs_tilelang

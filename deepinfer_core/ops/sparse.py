@@ -209,6 +209,12 @@ def compress_entries(
     ``positions[n]`` (``rotary_embedding``). Returns [N, dim] in ``dtype``. A window needs a
     valid slot (a model's closing token is its own); one without gives an unspecified entry.
     """
+    return compress_entries_with(compress_pool, rows, state, windows, positions, norm_weight, eps, cos_sin, overlap, dtype)
+
+
+def compress_entries_with(pool, rows, state, windows, positions, norm_weight, eps, cos_sin, overlap, dtype) -> torch.Tensor:
+    """``compress_entries`` pooling with ``pool`` (a ``compress_pool``): for a backend that has a
+    pooling kernel but no fused compressor (the reference's gather and RoPE around its kernel)."""
     dim, r = _check_compress_entries(rows, state, windows, positions, norm_weight, cos_sin, overlap)
     slots = _two_pool_rows(rows, state, windows)  # [N, span, R]
     width = slots.shape[-1] // 2
@@ -219,7 +225,7 @@ def compress_entries(
         score = torch.cat([score[:, :m, :dim], score[:, m:, dim:]], dim=1)
     valid = (windows >= 0)[:, :, None]
     kv = kv.masked_fill(~valid, 0.0).to(dtype)
-    entries = compress_pool(kv, score.masked_fill(~valid, float("-inf")), norm_weight, eps)
+    entries = pool(kv, score.masked_fill(~valid, float("-inf")), norm_weight, eps)
     rotated = rotary_embedding(entries[:, None, -r:], entries[:, -r:], positions, cos_sin, True)[0][:, 0]
     return torch.cat([entries[:, :-r], rotated], dim=-1)
 

@@ -49,7 +49,7 @@ PROVIDES: dict[str, str] = {
 # TileLang can run (op_table: its KERNELS name them in the plan). Elsewhere they run the reference
 # on the NPU, and the plan says why.
 TILELANG_PLANNED: frozenset[str] = frozenset({
-    "moe_route_sqrtsoftplus", "write_cache", "compress_pool", "engram_hash_ids", "engram_gate",
+    "moe_route_sqrtsoftplus", "write_cache", "compress_pool", "compress_entries", "engram_hash_ids", "engram_gate",
 })
 
 SPLIT_CACHE = ("CANN's MLA operators take the latent and the rope key as two caches ([blocks, bs, 1, 512] and "
@@ -85,6 +85,7 @@ LEFT_OUT: dict[str, str] = {
     "write_cache": "bf16 caches: one torch index_put; no CANN operator writes V4's 584-byte FP8 records (448 e4m3 "
                    "NoPE values, 64 bf16 RoPE values, 8 scale bytes: ops/kv_record.py)",
     "compress_pool": "no stock torch_npu operator (vllm-ascend runs its custom compressor op)",
+    "compress_entries": "no stock torch_npu operator (V4's compressor: gather, pool, norm, RoPE)",
     "indexer_topk": "npu_lightning_indexer picks from a causal prefix of one paged key pool (V3.2's DSA), takes bf16 / "
                     "fp16 weights on the 950 and documents no tie order (OP/npu_lightning_indexer); V4 names explicit "
                     "candidate rows per query, ties to the earlier column",

@@ -72,9 +72,15 @@ def _tilelang_plan() -> tuple[dict[str, str], str | None]:
     if reason is not None:
         return {}, reason
     kernels: dict[str, list[str]] = {}
+    around: dict[str, list[str]] = {}  # ops the reference composes around a kernel
     for kernel in package.KERNELS.values():
         kernels.setdefault(kernel.op, []).append(kernel.name)
-    return {op: f"TileLang: {' + '.join(names)} (tilelang_ops, AscendC through bisheng)" for op, names in kernels.items()}, None
+        for op in getattr(kernel, "composes", ()):
+            around.setdefault(op, []).append(kernel.name)
+    planned = {op: f"TileLang: {' + '.join(names)} (tilelang_ops, AscendC through bisheng)" for op, names in kernels.items()}
+    for op, names in around.items():
+        planned.setdefault(op, f"the reference around TileLang's {' + '.join(names)} (tilelang_ops, AscendC through bisheng)")
+    return planned, None
 
 
 def plan() -> tuple[dict[str, str], dict[str, str]]:

@@ -40,11 +40,14 @@ TILELANG_VERSION = "0.1.15"  # the version the kernels were written and lowered 
 @dataclass(frozen=True)
 class Kernel:
     """One TileLang kernel: its prim_func ``name`` (AscendC entry point ``name + "_kernel"``), the
-    DeepInfer op it provides, and its factory (``module:function``, the module under this package)."""
+    DeepInfer op it provides, its factory (``module:function``, the module under this package), and
+    the ops the reference composes around it (``composes``: e.g. V4's ``compress_entries``, the
+    reference's gather and RoPE around this pooling kernel)."""
 
     name: str
     op: str
     factory: str
+    composes: tuple[str, ...] = ()
 
     @property
     def entry(self) -> str:
@@ -59,7 +62,7 @@ class Kernel:
 KERNELS: dict[str, Kernel] = {
     k.name: k
     for k in (
-        Kernel("deepinfer_compress_pool", "compress_pool", "compress:compress_pool_kernel"),
+        Kernel("deepinfer_compress_pool", "compress_pool", "compress:compress_pool_kernel", ("compress_entries",)),
         Kernel("deepinfer_route_topk", "moe_route_sqrtsoftplus", "route:route_topk_kernel"),
         Kernel("deepinfer_route_fixed", "moe_route_sqrtsoftplus", "route:route_fixed_kernel"),
         Kernel("deepinfer_engram_hash", "engram_hash_ids", "engram:engram_hash_kernel"),

@@ -115,8 +115,16 @@ def write_cache(cache, values, slot_mapping):
     kernel(values.contiguous(), slot_mapping.to(torch.int32).contiguous(), cache.view(pages, kv_record.PAGE_BYTES))
 
 
+def compress_entries(rows, state, windows, positions, norm_weight, eps, cos_sin, overlap, dtype):
+    """V4's compressor: the reference's gather and RoPE around the pooling kernel (compress_pool
+    above: the kernel where it takes the shapes, else the reference). No fused kernel yet."""
+    return ref_sparse.compress_entries_with(compress_pool, rows, state, windows, positions, norm_weight, eps, cos_sin,
+                                            overlap, dtype)
+
+
 OPS = {
     "compress_pool": compress_pool,
+    "compress_entries": compress_entries,
     "moe_route_sqrtsoftplus": moe_route_sqrtsoftplus,
     "engram_hash_ids": engram_hash_ids,
     "engram_gate": engram_gate,

@@ -45,24 +45,28 @@ def _rows_covering(values: torch.Tensor, e: int) -> torch.Tensor:
     return torch.cat([nope, _bf16_ties().expand(nope.shape[0], -1)], dim=1) * 2.0**e
 
 
-def _write_both(cache: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+def _write_both(cache: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, device: torch.device) -> None:
+    """The kernel's write on ``device`` against the reference's on the CPU, byte for byte; ``cache``
+    (a CPU tensor) then holds the result, for a next write."""
     want = cache.clone()
     ref.write_cache(want, values, slots)
-    sparse.write_cache(cache, values, slots)
+    got = cache.to(device)
+    sparse.write_cache(got, values.to(device), slots.to(device))
+    cache.copy_(got.cpu())
     diff = (cache != want).nonzero()
     assert diff.numel() == 0, f"{len(diff)} bytes differ, first at {diff[:4].tolist()}"
 
 
-def test_write_rounds_every_e4m3_case_as_torch():
+def test_write_rounds_every_e4m3_case_as_torch(device):
     """Every e4m3 value, tie and near-tie, both signs, under scales 2^e from the floor's 2^-22 to
     2^119 (448 * 2^119 is near float32's largest), and bf16 ties in the RoPE parts: the same bytes
     as the reference (which casts with torch)."""
     rows = torch.cat([_rows_covering(_e4m3_values(), e) for e in (0, -22, -9, 5, 60, 119)])
     cache = torch.zeros(record_rows(rows.shape[0]), RECORD_BYTES, dtype=torch.uint8)
-    _write_both(cache, rows, torch.arange(rows.shape[0]))
+    _write_both(cache, rows, torch.arange(rows.shape[0]), device)
 
 
-def test_write_scale_exponents_at_their_edges():
+def test_write_scale_exponents_at_their_edges(device):
     """amax / 448 exactly a power of two, one float32 step above and below it, at the floor
     (1e-4) and below it, an all-zero tile, float32 subnormals, values near float32's largest,
     and random magnitudes 1e-30..1e30: scale bytes and data as the reference's frexp gives them."""
@@ -81,11 +85,11 @@ def test_write_scale_exponents_at_their_edges():
     rows = torch.cat([nope, rope.expand(nope.shape[0], -1)], dim=1)
     rows = torch.cat([rows, torch.randn(9, 512, generator=g) * torch.logspace(-30, 30, 9)[:, None]])
     cache = torch.zeros(record_rows(rows.shape[0]), RECORD_BYTES, dtype=torch.uint8)
-    _write_both(cache, rows, torch.arange(rows.shape[0]))
+    _write_both(cache, rows, torch.arange(rows.shape[0]), device)
 
 
 @pytest.mark.parametrize("values_dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_write_paged_cache_strided_values_negative_slots(values_dtype):
+def test_write_paged_cache_strided_values_negative_slots(values_dtype, device):
     """A record cache [blocks, 32, 584] (two blocks a page) written from a column slice of wider
     values, slots -1 and -5 skipped, rows on both sides of page boundaries: the reference's bytes,
     every other byte kept."""
@@ -93,9 +97,9 @@ def test_write_paged_cache_strided_values_negative_slots(values_dtype):
     cache = quantize_v4_records(torch.randn(192, 512, generator=g)).view(6, 32, RECORD_BYTES)
     wide = (torch.randn(7, 1024, generator=g) * 3).to(values_dtype)
     slots = torch.tensor([63, -1, 64, 0, -5, 191, 127])
-    _write_both(cache, wide[:, 512:], slots)
-    _write_both(cache, wide[:0, 512:], slots[:0])  # nothing to write
-    _write_both(cache, wide[:2, 512:], torch.tensor([-1, -1]))
+    _write_both(cache, wide[:, 512:], slots, device)
+    _write_both(cache, wide[:0, 512:], slots[:0], device)  # nothing to write
+    _write_both(cache, wide[:2, 512:], torch.tensor([-1, -1]), device)
 
 
 def test_write_refuses_what_is_not_a_record_write():
@@ -128,17 +132,18 @@ def _record_case(sizes: list[int], t: int, heads: int, k: int, seed: int):
 
 @pytest.mark.parametrize("t", [1, 5])  # split and unsplit
 @pytest.mark.parametrize("sizes", [[70], [3, 40, 100], [0, 20, 70], [30, 0], [0, 0, 50]])
-def test_attention_over_record_pools(t, sizes):
+def test_attention_over_record_pools(t, sizes, device):
     """1-3 record pools (empty ones first, in the middle, last; 1-2 pages each) and -1 columns:
     the very bits of the kernel over the dequantised rows (the same tiles and splits), and the
-    reference over the records within the spec's tolerance."""
+    reference (on the CPU) over the records within the spec's tolerance."""
     q, pools, rows, idx, sinks = _record_case(sizes, t, 3, 48, seed=len(sizes) + t)
-    out = sparse.sparse_attention(q, pools, idx, sinks, 512**-0.5)
-    assert torch.equal(out, sparse.sparse_attention(q, rows, idx, sinks, 512**-0.5))
-    torch.testing.assert_close(out, ref.sparse_attention(q, pools, idx, sinks, 512**-0.5), atol=1e-5, rtol=1e-4)
+    on = [x.to(device) for x in (q, idx, sinks)]
+    out = sparse.sparse_attention(on[0], tuple(p.to(device) for p in pools), on[1], on[2], 512**-0.5)
+    assert torch.equal(out, sparse.sparse_attention(on[0], rows.to(device), on[1], on[2], 512**-0.5))
+    torch.testing.assert_close(out.cpu(), ref.sparse_attention(q, pools, idx, sinks, 512**-0.5), atol=1e-5, rtol=1e-4)
 
 
-def test_attention_reads_each_record_row_from_its_page():
+def test_attention_reads_each_record_row_from_its_page(device):
     """Each query names one row among -1s, the first or last slot of a page of each pool, with a
     negligible sink: its output is exactly that row, dequantised (a wrong page, slot, plane or
     pool would give another)."""
@@ -149,7 +154,8 @@ def test_attention_reads_each_record_row_from_its_page():
     for i, row in enumerate(boundary):
         idx[i, i % 4] = row
     q = q.expand(len(boundary), -1, -1).contiguous()
-    out = sparse.sparse_attention(q, pools, idx, torch.full_like(sinks, -1e4), 512**-0.5)
+    out = sparse.sparse_attention(q.to(device), tuple(p.to(device) for p in pools), idx.to(device),
+                                  torch.full_like(sinks, -1e4).to(device), 512**-0.5).cpu()
     for i, row in enumerate(boundary):
         assert torch.equal(out[i], rows[row].expand(2, -1)), row
 

@@ -60,7 +60,9 @@ PROJECT = "deepinfer"
 #      optional hook ``deepinfer_op_plan``, which a core older than it never calls. And ``compress_entries``,
 #      DeepSeek-V4's compressor from its window rows to rotated entries in one op, which V4 calls
 #      instead of gathering and ``compress_pool`` + ``rotary_embedding`` (V4.1 still calls
-#      ``compress_pool``): a backend that leaves it out gets the reference's, as for any op.)
+#      ``compress_pool``): a backend that leaves it out gets the reference's, as for any op. Later again,
+#      within 3: the communicator's optional ``moe_dispatch`` / ``moe_combine`` pair, which a core
+#      older than it never calls: it exchanges through ``all_to_all`` as before.)
 SPEC_VERSION = 3
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -244,8 +246,14 @@ class BackendSpec:
         all_to_all / MoE dispatch-combine, broadcast, barrier), or ``None`` to use the core's
         torch.distributed one (``parallel.communicator.TorchCommunicator``, whose methods are the
         interface; ``all_to_all_start``, the non-blocking exchange the shared expert overlaps
-        with, is optional). Called once per process group of a data-parallel LLM (the expert-
-        and context-parallel groups), through ``parallel.communicator.communicator_for``.
+        with, is optional). Also optional, as a pair: ``moe_dispatch(x, topk_weights, topk_ids,
+        slots, num_slots)`` and ``moe_combine(y, dispatched)``, a fused MoE dispatch-combine (a
+        vendor operator) that the expert-parallel layer uses instead of its ``all_to_all``
+        exchange for each call the communicator takes; ``moe_dispatch`` returns ``None`` to
+        decline a call, on every rank of the group alike (the contract:
+        ``parallel.communicator.Dispatched``). Called once per process group of a data-parallel
+        LLM (the expert- and context-parallel groups), through
+        ``parallel.communicator.communicator_for``.
         """
 
     @hookspec(firstresult=True)

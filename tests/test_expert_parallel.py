@@ -1,13 +1,16 @@
 """Expert parallelism for one MoE layer (deepinfer_core/parallel/expert_parallel.py) across 2 and 4
 CPU processes on gloo: every rank's tokens get the same routed-expert output as the reference
 ``moe_experts`` over all experts in one process, with the plain layout and with an EPLB
-placement holding copies of the hot experts, including a rank that has no tokens. And the
-communicator comes from the backend's ``deepinfer_communicator`` when it has one."""
+placement holding copies of the hot experts, including a rank that has no tokens. A communicator
+offering the optional fused ``moe_dispatch`` / ``moe_combine`` is used through them, and one that
+declines falls back to the all_to_all exchange, with the same outputs. And the communicator
+comes from the backend's ``deepinfer_communicator`` when it has one."""
 
 from __future__ import annotations
 
 import os
 import socket
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +20,8 @@ import torch.multiprocessing as mp
 
 from deepinfer_core.parallel.communicator import TorchCommunicator, communicator_for
 from deepinfer_core.parallel.eplb import Placement, num_physical_experts, rebalance
-from deepinfer_core.parallel.expert_parallel import ExpertShard, _Layer, moe_expert_parallel
+from deepinfer_core.parallel.expert_parallel import (ExpertShard, _Layer, combine_all_to_all, dispatch_all_to_all,
+                                                     moe_expert_parallel)
 from deepinfer_core.ops.moe import moe_experts
 
 EXPERTS, TOP_K, HIDDEN, INTER = 8, 3, 16, 24
@@ -54,9 +58,39 @@ def _placement(kind: str, world: int) -> Placement:
     return rebalance(load, num_physical_experts(EXPERTS, world, extra=world), world)
 
 
+class _FusedByAllToAll(TorchCommunicator):
+    """A communicator with the optional fused pair (``moe_dispatch`` / ``moe_combine``) made of the
+    core's own all_to_all dispatch and combine, blocking: through it the layer must give exactly
+    what it gives without it. ``mode`` "weights in combine": the dispatch hands the expert op
+    weights of one and the combine applies the routing weights (the other way the contract
+    allows; exact too, a product by 1.0 being exact). "declining": every call is declined."""
+
+    def __init__(self, mode: str = "plain"):
+        super().__init__()
+        self.mode, self.calls = mode, Counter()
+
+    def moe_dispatch(self, x, topk_weights, topk_ids, slots, num_slots):
+        self.calls["dispatch"] += 1
+        assert slots.shape == topk_ids.shape == topk_weights.shape and slots.dtype == torch.int64
+        assert num_slots % self.size == 0 and bool((slots >= 0).all()) and bool((slots < num_slots).all())
+        if self.mode == "declining":
+            return None
+        got = dispatch_all_to_all(self, x, topk_weights, topk_ids, slots, num_slots // self.size).wait()
+        if self.mode == "weights in combine":
+            got.state["weights"], got.weights = got.weights, torch.ones_like(got.weights)
+        return got
+
+    def moe_combine(self, y, dispatched):
+        self.calls["combine"] += 1
+        if self.mode == "weights in combine":
+            y = y * dispatched.state["weights"].to(y.dtype)
+        return combine_all_to_all(self, y, dispatched)
+
+
 def _worker(rank: int, world: int, port: int, kind: str, empty_rank: int | None, backend: str = "gloo") -> None:
     """One rank: its tokens' routed experts across the group against ``moe_experts`` over all
-    experts. ``backend`` "nccl" (tests/nvidia/test_multi_gpu.py): rank r computes on GPU r and
+    experts; then the same through communicators offering the fused pair (``_FusedByAllToAll``),
+    bit for bit. ``backend`` "nccl" (tests/nvidia/test_multi_gpu.py): rank r computes on GPU r and
     the exchange runs over NCCL; the reference stays on the CPU."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
@@ -77,6 +111,12 @@ def _worker(rank: int, world: int, port: int, kind: str, empty_rank: int | None,
         assert got.device == device
         torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5 if device.type == "cuda" else 1e-6)
         assert torch.equal(during, on[0] * 2)
+        for mode in ("plain", "weights in combine", "declining"):
+            comm = _FusedByAllToAll(mode)
+            fused, during = moe_expert_parallel(*on, shard, comm, moe_experts, lambda: on[0] * 3)
+            assert torch.equal(fused, got), mode
+            assert torch.equal(during, on[0] * 3)
+            assert comm.calls == Counter(dispatch=1, combine=0 if mode == "declining" else 1), (mode, comm.calls)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -4,10 +4,16 @@ A backend may provide its own through ``deepinfer_communicator`` (hookspecs: Dee
 a vendor collective library); ``communicator_for`` asks the selected backend first and falls
 back to ``TorchCommunicator``: torch.distributed on the group's own backend (NCCL on NVIDIA,
 HCCL on Ascend, gloo on CPU). Nothing here is a transport of its own.
+
+A communicator may also offer a fused MoE dispatch-combine, ``moe_dispatch`` / ``moe_combine``
+(optional, like ``all_to_all_start``; ``TorchCommunicator`` has none): the expert-parallel layer
+uses it where present and where it takes the call, and its own ``all_to_all`` exchange otherwise.
+The pair's contract is ``Dispatched``'s docstring.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +31,40 @@ class Pending:
             self.work.wait()
             self.work = None
         return self.result
+
+
+@dataclass
+class Dispatched:
+    """What a communicator's optional ``moe_dispatch`` returns: the rows this rank's experts compute.
+
+    ``moe_dispatch(x, topk_weights, topk_ids, slots, num_slots)``, called by every rank of the
+    group for each MoE layer (a rank without tokens too, with T = 0): ``x`` [T, D] this rank's
+    tokens, ``topk_weights`` [T, k] float32 and ``topk_ids`` [T, k] int64 (logical experts) their
+    routing, ``slots`` [T, k] int64 the physical slot each pair goes to, of ``num_slots``, split
+    evenly and in order over the ranks (slot s is local slot s % (num_slots / size) of rank
+    s // (num_slots / size); each row's slots are distinct). It returns ``None`` to decline the
+    call, and must then decline it on every rank of the group (decide on what every rank shares,
+    or agree through a collective): the core then moves the rows through ``all_to_all``.
+    Otherwise a ``Dispatched``:
+
+    * ``rows`` [N, D]: the rows sent to this rank, one per (token, expert) pair, in x's dtype;
+    * ``weights`` [N, 1] float32 and ``local`` [N, 1] int64: what the expert op gets as its
+      weights and expert ids (``experts_op(rows, w13, w2, weights, local, ...)``, local slots);
+    * ``state``: the communicator's own, for the combine.
+
+    ``moe_combine(y, dispatched)`` with the expert op's output ``y`` [N, D] returns [T, D] in x's
+    dtype: for each token, the sum over its k pairs of weight * expert output. Each routing
+    weight is applied once: through ``weights`` (the expert op multiplies), or in the combine
+    (``weights`` then ones). The pairs may be added in any order: a fused combine may round
+    differently from the core's, which adds them in ascending expert id as the reference does.
+    An error in the shared expert or the experts still reaches ``moe_combine`` (``y`` zeros), so
+    the group stays in step; the core raises it after.
+    """
+
+    rows: torch.Tensor
+    weights: torch.Tensor
+    local: torch.Tensor
+    state: Any = None
 
 
 class TorchCommunicator:

@@ -16,7 +16,10 @@ and back.
    in ascending expert id, the reference's order.
 
 A rank with no tokens still takes part (it sends nothing and computes what it receives). The
-communicator is ``parallel.communicator``'s (torch.distributed, or the backend's own).
+communicator is ``parallel.communicator``'s (torch.distributed, or the backend's own). Where it
+offers a fused dispatch-combine (``moe_dispatch`` / ``moe_combine``, ``communicator.Dispatched``)
+and takes the call, steps 1 and 3 are its own (the shared expert then runs after the dispatch
+returns) and step 2 is unchanged; where it declines, or has none, they run as above.
 
 ``ExpertParallel`` does this for a whole model built with only this rank's slots
 (``initial_slots``: the model allocates and the loader reads just those experts, so no rank ever
@@ -35,7 +38,7 @@ from typing import Any
 
 import torch
 
-from deepinfer_core.parallel.communicator import start_all_to_all
+from deepinfer_core.parallel.communicator import Dispatched, start_all_to_all
 from deepinfer_core.parallel.eplb import Placement, num_physical_experts, rebalance
 
 log = logging.getLogger("deepinfer")
@@ -77,17 +80,70 @@ def moe_expert_parallel(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     """([T, D], what ``meanwhile()`` returned): the routed experts' weighted sum for this rank's
     tokens ``x`` [T, D], their experts ``topk_ids`` [T, k] (logical ids) and weights [T, k],
     computed across ``comm``'s ranks with ``experts_op`` (an OpTable's ``moe_experts``);
-    ``meanwhile`` runs while the dispatched rows are in flight."""
-    placement, layer = shard.placement, shard.layer
-    tokens, k = topk_ids.shape
-    per = placement.slots_per_gpu
-    flat_ids = topk_ids.reshape(-1)
-    token_of = torch.arange(tokens, device=x.device).repeat_interleave(k)
-    copies = placement.replicas[layer].to(x.device)[flat_ids]
-    pick = (token_of + comm.rank) % copies  # spread a replicated expert's pairs over its copies
-    slot = placement.log2phy[layer].to(x.device)[flat_ids, pick]
-    dest, local = slot // per, slot % per
+    ``meanwhile`` runs while the dispatched rows are in flight.
 
+    A communicator with ``moe_dispatch`` / ``moe_combine`` (a fused dispatch-combine, see
+    ``communicator.Dispatched``) moves the rows where it takes the call; where it declines (None,
+    on every rank alike) or has none, the rows go through ``all_to_all`` here."""
+    placement = shard.placement
+    slots = physical_slots(topk_ids, placement, shard.layer, comm.rank)
+    fused = getattr(comm, "moe_dispatch", None)
+    got = fused(x, topk_weights, topk_ids, slots, placement.phy2log.shape[1]) if fused is not None else None
+    in_flight = None if got is not None else dispatch_all_to_all(comm, x, topk_weights, topk_ids, slots, placement.slots_per_gpu)
+    # An error in the shared expert or the experts is raised only after the combine: the other
+    # ranks are waiting for this rank's rows, and must get them (zeros) to stay in step.
+    during, error = None, None
+    try:
+        during = meanwhile() if meanwhile is not None else None
+    except Exception as e:  # noqa: BLE001 - raised below, after the exchange
+        error = e
+    dispatched = got if in_flight is None else in_flight.wait()
+    rows = dispatched.rows
+    y = rows.new_zeros((rows.shape[0], x.shape[1]))
+    if rows.shape[0] and error is None:
+        try:
+            y = experts_op(rows, shard.w13, shard.w2, dispatched.weights, dispatched.local, shard.w13_scale, shard.w2_scale,
+                           shard.block)
+        except Exception as e:  # noqa: BLE001 - raised below, after the exchange
+            error = e
+    out = comm.moe_combine(y, dispatched) if in_flight is None else combine_all_to_all(comm, y, dispatched)
+    if error is not None:
+        raise error
+    return out, during
+
+
+def physical_slots(topk_ids: torch.Tensor, placement: Placement, layer: int, rank: int) -> torch.Tensor:
+    """[T, k] int64: the physical slot each (token, expert) pair goes to, one copy of its expert
+    picked by the token's rank and position (so copies share the load). Slot s is local slot
+    s % slots_per_gpu of rank s // slots_per_gpu."""
+    tokens, k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)
+    token_of = torch.arange(tokens, device=topk_ids.device).repeat_interleave(k)
+    copies = placement.replicas[layer].to(topk_ids.device)[flat_ids]
+    pick = (token_of + rank) % copies  # spread a replicated expert's pairs over its copies
+    return placement.log2phy[layer].to(topk_ids.device)[flat_ids, pick].view(tokens, k)
+
+
+class _AllToAllInFlight:
+    """``dispatch_all_to_all``'s rows and (weight, slot) pairs, started; ``wait()`` gives them."""
+
+    def __init__(self, rows, metas, state: dict):
+        self.rows, self.metas, self.state = rows, metas, state
+
+    def wait(self) -> Dispatched:
+        recv_x, recv_meta = self.rows.wait(), self.metas.wait()
+        return Dispatched(recv_x, recv_meta[:, :1].float(), recv_meta[:, 1:].long(), self.state)
+
+
+def dispatch_all_to_all(comm, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, slots: torch.Tensor,
+                        slots_per_rank: int) -> _AllToAllInFlight:
+    """The core's dispatch over ``comm.all_to_all``: each pair goes, as its token's row, its
+    routing weight and its slot's local index, to the rank holding the slot; the counts are
+    exchanged first, then the rows are started, not waited for (``start_all_to_all``)."""
+    tokens, k = slots.shape
+    token_of = torch.arange(tokens, device=x.device).repeat_interleave(k)
+    flat = slots.reshape(-1)
+    dest, local = flat // slots_per_rank, flat % slots_per_rank
     order = torch.argsort(dest, stable=True)  # pairs grouped by destination rank
     counts = torch.bincount(dest, minlength=comm.size)
     ones = [1] * comm.size
@@ -98,34 +154,26 @@ def moe_expert_parallel(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     meta = torch.stack((topk_weights.reshape(-1)[order].double(), local[order].double()), dim=1)
     rows = start_all_to_all(comm, x[token_of[order]], send_counts, recv_counts)
     metas = start_all_to_all(comm, meta, send_counts, recv_counts)
-    # An error in the shared expert or the experts is raised only after the combine: the other
-    # ranks are waiting for this rank's rows, and must get them (zeros) to stay in step.
-    during, error = None, None
-    try:
-        during = meanwhile() if meanwhile is not None else None
-    except Exception as e:  # noqa: BLE001 - raised below, after the exchange
-        error = e
-    recv_x, recv_meta = rows.wait(), metas.wait()
-    recv_w, recv_local = recv_meta[:, :1].float(), recv_meta[:, 1:].long()
-    y = recv_x.new_zeros((recv_x.shape[0], x.shape[1]))
-    if recv_x.shape[0] and error is None:
-        try:
-            y = experts_op(recv_x, shard.w13, shard.w2, recv_w, recv_local, shard.w13_scale, shard.w2_scale, shard.block)
-        except Exception as e:  # noqa: BLE001 - raised below, after the exchange
-            error = e
-    back, _ = comm.all_to_all(y, recv_counts, send_counts)
-    if error is not None:
-        raise error
-    hidden = x.shape[1]
+    state = {"order": order, "send_counts": send_counts, "recv_counts": recv_counts, "topk_ids": topk_ids}
+    return _AllToAllInFlight(rows, metas, state)
 
+
+def combine_all_to_all(comm, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+    """``dispatch_all_to_all``'s way back: the weighted outputs ``y`` return to their tokens'
+    ranks, and each token adds its pairs in ascending expert id, the reference's order."""
+    state = dispatched.state
+    back, _ = comm.all_to_all(y, state["recv_counts"], state["send_counts"])
+    topk_ids = state["topk_ids"]
+    tokens, k = topk_ids.shape
+    hidden = y.shape[1]
     pair_out = torch.empty_like(back)
-    pair_out[order] = back  # back in (token, slot) order
+    pair_out[state["order"]] = back  # back in (token, slot) order
     pair_out = pair_out.view(tokens, k, hidden)
-    out = torch.zeros_like(x)
+    out = back.new_zeros((tokens, hidden))
     ascending = torch.argsort(topk_ids, dim=1)
     for j in range(k):  # each token's experts added in ascending id, as the reference does
-        out += pair_out[torch.arange(tokens, device=x.device), ascending[:, j]]
-    return out, during
+        out += pair_out[torch.arange(tokens, device=y.device), ascending[:, j]]
+    return out
 
 
 def initial_placement(num_experts: int, ep_size: int, num_groups: int = 1, extra: int | None = None,
@@ -188,8 +236,11 @@ class ExpertParallel:
         while the others step (from layer ``first``: the rest of a pass that stopped there)."""
         for moe in self.layers[first:]:
             w13, hidden = moe.ep.shard.w13, moe.ep.shard.w2.shape[1]  # w2 [S, D, I] (or I/2 packed MXFP4)
-            moe.ep.exchange(w13.new_empty((0, hidden), dtype=self.dtype), w13.new_empty((0, 1), dtype=torch.float32),
-                            torch.zeros((0, 1), dtype=torch.int64, device=w13.device))
+            # the model's top-k, as the ranks with tokens have it (a fused dispatch pads an idle rank
+            # with one token of k pairs, and its operator may want every rank's k alike)
+            k = getattr(getattr(moe, "config", None), "num_experts_per_tok", 1)
+            moe.ep.exchange(w13.new_empty((0, hidden), dtype=self.dtype), w13.new_empty((0, k), dtype=torch.float32),
+                            torch.zeros((0, k), dtype=torch.int64, device=w13.device))
 
     def finish_pass(self, exchanged: int) -> None:
         """After a step that ran ``exchanged`` MoE exchanges (a whole pass, none, or part of one

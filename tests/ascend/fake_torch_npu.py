@@ -316,3 +316,191 @@ def npu_mhc_post(x, h_res, h_out, h_post):
     mixed = xf if h_res is None else (h_res[..., None] * xf[:, :, None, :]).sum(1)
     return (h_post[..., None] * h_out.float()[:, None, :] + mixed).to(x.dtype)
 
+
+
+# ---- MoE dispatch / combine across the EP group (MC2) -----------------------------------------
+# These two communicate: each process is one rank, and ``GROUPS`` (filled by the test) maps the
+# group_ep name to the torch.distributed group (gloo) that stands in for the HCCL communicator.
+# Modelled: the EP domain only (tp_world_size 0 / 1), no quantisation (quant_mode 0), no shared-
+# expert ranks (shared_expert_rank_num 0), no special experts, no mask, comm_alg "". Limits are the
+# documents' Atlas A3 ones (the 950 is in neither document's table). Read at op-plugin 04f7867.
+GROUPS: dict = {}
+MC2_GROUP_ARGS = ("group_ep", "ep_world_size", "moe_expert_num", "group_tp", "tp_world_size", "expert_shard_type",
+                  "shared_expert_num", "shared_expert_rank_num", "global_bs")
+_MC2_SETTINGS: dict = {}  # group_ep -> this rank's settings at its last dispatch (the combine must repeat them)
+
+
+def _mc2_settings(*values) -> dict:
+    """The arguments every rank must pass alike (MC2_GROUP_ARGS), by name."""
+    return dict(zip(MC2_GROUP_ARGS, values, strict=True))
+
+
+def _mc2_group(settings: dict, ep_rank_id: int, rows: int, where: str):
+    """The stand-in group, after checking that every rank passes the same group arguments (the
+    documents' 约束说明) and ``ep_rank_id`` is this rank's; returns (group, every rank's row count)."""
+    import torch.distributed as dist
+
+    name = settings["group_ep"]
+    _require(isinstance(name, str) and 1 <= len(name) < 128, f"{where}: group_ep a name of 1-127 characters")
+    group = GROUPS.get(name)
+    _require(group is not None, f"{where}: group_ep {name!r} is no HCCL communicator's name")
+    size = dist.get_world_size(group)
+    _require(settings["ep_world_size"] == size and 2 <= size <= 768, f"{where}: ep_world_size {settings['ep_world_size']}, group of {size}")
+    _require(ep_rank_id == dist.get_rank(group), f"{where}: ep_rank_id {ep_rank_id} is not this rank's {dist.get_rank(group)}")
+    _require(settings["tp_world_size"] in (0, 1) and settings["group_tp"] in ("", name), f"{where}: no TP domain modelled")
+    _require(settings["expert_shard_type"] == 0 and settings["shared_expert_rank_num"] == 0
+             and 0 <= settings["shared_expert_num"] <= 4, f"{where}: shared-expert ranks are not modelled")
+    experts = settings["moe_expert_num"]
+    _require(1 <= experts <= 1024 and experts % size == 0, f"{where}: moe_expert_num {experts} (<= 1024, % ep_world_size == 0)")
+    everyone = [None] * size
+    dist.all_gather_object(everyone, (settings, rows), group=group)
+    _require(all(s == settings for s, _ in everyone), f"{where}: the ranks' group arguments differ: {[s for s, _ in everyone]}")
+    return group, [r for _, r in everyone]
+
+
+def _mc2_exchange(group, send: torch.Tensor, dest: torch.Tensor, size: int) -> tuple[torch.Tensor, list[int]]:
+    """Rows of ``send`` to rank ``dest[i]`` each (any dtype gloo takes); returns (received, grouped by source rank, and the counts)."""
+    import torch.distributed as dist
+
+    order = torch.argsort(dest, stable=True)
+    counts = torch.bincount(dest, minlength=size)
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    recv = send.new_empty((int(received.sum()), *send.shape[1:]))
+    dist.all_to_all_single(recv, send[order].contiguous(), received.tolist(), counts.tolist(), group=group)
+    return recv, received.tolist()
+
+
+def npu_moe_distribute_dispatch_v2(x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert_num, *, scales=None,
+                                   x_active_mask=None, expert_scales=None, elastic_info=None, performance_info=None,
+                                   group_tp="", tp_world_size=0, tp_rank_id=0, expert_shard_type=0, shared_expert_num=1,
+                                   shared_expert_rank_num=0, quant_mode=0, global_bs=0, expert_token_nums_type=1,
+                                   comm_alg="", zero_expert_num=0, copy_expert_num=0, const_expert_num=0, y_dtype=None,
+                                   x_dtype=None, scales_dtype=None):
+    """OP/npu_moe_distribute_dispatch_v2 (the A3 limits): each token's K (token, expert) pairs go to the
+    rank owning the expert, expert e on rank e // L with L = moe_expert_num / ep_world_size (no
+    shared-expert ranks), with x's row unchanged (quant_mode 0) and its expert_scales value.
+    x [BS, H] bf16 / fp16, 0 < BS <= 512, H in [1024, 8192]; expert_ids [BS, K] int32, 0 < K <= 16,
+    values in [0, moe_expert_num), distinct in a row; expert_scales None or [BS, K] float32;
+    global_bs 0 (every rank's BS alike) or at least max_bs x ep_world_size (ranks' BS differ; an upper
+    bound, as vllm-ascend passes its MC2 capacity). A = (global_bs or BS x ep_world_size) x min(L, K).
+    Returns (expand_x [A, H] of x's dtype, dynamic_scales (none: quant_mode 0), assist_info_for_combine
+    [A * 128] int32, expert_token_nums [L] int64 (type 1 counts, type 0 prefix sums), ep_recv_counts
+    [ep_world_size * L] int32 (A3's shape, prefix sums), tp_recv_counts [1] int32, expand_scales
+    [A] float32 where expert_scales is given (A2's; A3's "" gives None)). expand_x holds the received
+    rows grouped by local expert in ascending order (expert_token_nums counts them; vllm-ascend's
+    grouped matmul reads them so), within an expert in an order the documents leave open (here:
+    source rank descending, then token and k order), and NaN in the rows past them. The element
+    values of assist_info / ep_recv_counts / tp_recv_counts / expand_scales are the model's own
+    (the documents: pass them to the combine unchanged, rely on nothing in them)."""
+    CALLS["npu_moe_distribute_dispatch_v2"] += 1
+    where = "npu_moe_distribute_dispatch_v2"
+    _require(x.dim() == 2 and x.dtype in HALF, f"{where}: x [BS, H] bfloat16 / float16, got {x.dtype} {tuple(x.shape)}")
+    bs, hidden = x.shape
+    _require(0 < bs <= 512 and 1024 <= hidden <= 8192, f"{where}: BS {bs} in (0, 512], H {hidden} in [1024, 8192]")
+    _require(expert_ids.dtype == torch.int32 and expert_ids.dim() == 2 and expert_ids.shape[0] == bs,
+             f"{where}: expert_ids [BS, K] int32, got {expert_ids.dtype} {tuple(expert_ids.shape)}")
+    k = expert_ids.shape[1]
+    _require(0 < k <= 16 and k <= moe_expert_num, f"{where}: K {k} in (0, 16], <= moe_expert_num")
+    ids = expert_ids.long()
+    _require(bool(((ids >= 0) & (ids < moe_expert_num)).all()), f"{where}: expert_ids outside [0, moe_expert_num)")
+    _require(bool((ids.sort(dim=1).values.diff(dim=1) != 0).all()), f"{where}: an expert twice in a row of expert_ids")
+    _require(expert_scales is None or (expert_scales.dtype == torch.float32 and expert_scales.shape == (bs, k)),
+             f"{where}: expert_scales [BS, K] float32")
+    _require(scales is None and quant_mode == 0 and x_active_mask is None and elastic_info is None and performance_info is None
+             and zero_expert_num == copy_expert_num == const_expert_num == 0 and comm_alg == "" and tp_rank_id == 0
+             and y_dtype is None and x_dtype is None and scales_dtype is None, f"{where}: only the unquantised EP path is modelled")
+    _require(expert_token_nums_type in (0, 1), f"{where}: expert_token_nums_type in [0, 1]")
+    settings = _mc2_settings(group_ep, ep_world_size, moe_expert_num, group_tp, tp_world_size, expert_shard_type,
+                             shared_expert_num, shared_expert_rank_num, global_bs)
+    group, every_bs = _mc2_group(settings, ep_rank_id, bs, where)
+    if global_bs == 0:
+        _require(len(set(every_bs)) == 1, f"{where}: global_bs 0 with different BS on the ranks {every_bs}")
+    else:
+        _require(max(every_bs) * ep_world_size <= global_bs, f"{where}: global_bs {global_bs} below max BS {max(every_bs)} x ranks")
+    _MC2_SETTINGS[group_ep] = settings
+    local_experts = moe_expert_num // ep_world_size
+    rows_cap = (global_bs or bs * ep_world_size) * min(local_experts, k)
+
+    token = torch.arange(bs).repeat_interleave(k)
+    flat = ids.reshape(-1)
+    dest = flat // local_experts
+    rows, _ = _mc2_exchange(group, x.float()[token], dest, ep_world_size)  # float32 holds bf16 / fp16 exactly
+    meta = torch.stack([torch.full_like(flat, ep_rank_id), token, torch.arange(k).repeat(bs), flat], dim=1)
+    meta, _ = _mc2_exchange(group, meta, dest, ep_world_size)  # (source rank, token, k slot, expert)
+    weight = None
+    if expert_scales is not None:
+        weight, _ = _mc2_exchange(group, expert_scales.reshape(-1, 1), dest, ep_world_size)
+    local = meta[:, 3] - ep_rank_id * local_experts
+    order = torch.argsort(meta[:, 1] * k + meta[:, 2], stable=True)  # token, k
+    order = order[torch.argsort(-meta[order, 0], stable=True)]  # source rank, descending
+    order = order[torch.argsort(local[order], stable=True)]  # local expert, ascending
+    n = rows.shape[0]
+    _require(n <= rows_cap, f"{where}: {n} rows received, above A = {rows_cap}")
+    expand_x = torch.full((rows_cap, hidden), float("nan"), dtype=x.dtype)
+    expand_x[:n] = rows[order].to(x.dtype)
+    assist = torch.full((rows_cap, 128), -1, dtype=torch.int32)
+    assist[:n, :4] = meta[order].to(torch.int32)
+    counts = torch.bincount(local, minlength=local_experts)
+    expert_token_nums = counts if expert_token_nums_type == 1 else counts.cumsum(0)
+    per_source = torch.zeros(local_experts, ep_world_size, dtype=torch.int64)
+    per_source.index_put_((local, meta[:, 0]), torch.ones_like(local), accumulate=True)
+    ep_recv_counts = per_source.reshape(-1).cumsum(0).to(torch.int32)
+    expand_scales = None
+    if weight is not None:
+        expand_scales = torch.full((rows_cap,), float("nan"))
+        expand_scales[:n] = weight[order, 0]
+    return (expand_x, torch.empty(0), assist.reshape(-1), expert_token_nums.to(torch.int64), ep_recv_counts,
+            torch.tensor([n], dtype=torch.int32), expand_scales)
+
+
+def npu_moe_distribute_combine_v2(expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales, group_ep,
+                                  ep_world_size, ep_rank_id, moe_expert_num, *, tp_send_counts=None, x_active_mask=None,
+                                  expand_scales=None, shared_expert_x=None, elastic_info=None, ori_x=None,
+                                  const_expert_alpha_1=None, const_expert_alpha_2=None, const_expert_v=None,
+                                  performance_info=None, group_tp="", tp_world_size=0, tp_rank_id=0, expert_shard_type=0,
+                                  shared_expert_num=1, shared_expert_rank_num=0, global_bs=0, comm_quant_mode=0,
+                                  comm_alg="", zero_expert_num=0, copy_expert_num=0, const_expert_num=0):
+    """OP/npu_moe_distribute_combine_v2: the dispatch's path back, x = Sum(expert_scales * ata_out)
+    over each token's K experts (no shared_expert_x: no shared-expert ranks), in float32, rounded
+    once to expand_x's dtype. expand_x [A, H] bf16 / fp16 (the dispatch's A: its rows in the
+    dispatch's order, rows past them ignored); expert_ids [BS, K] int32, the dispatch's;
+    expert_scales [BS, K] float32; assist_info_for_combine, ep_send_counts (the dispatch's
+    ep_recv_counts), tp_send_counts and expand_scales the dispatch's, unchanged; the group
+    arguments the dispatch's, on every rank. Returns [BS, H] of expand_x's dtype."""
+    CALLS["npu_moe_distribute_combine_v2"] += 1
+    where = "npu_moe_distribute_combine_v2"
+    settings = _mc2_settings(group_ep, ep_world_size, moe_expert_num, group_tp, tp_world_size, expert_shard_type,
+                             shared_expert_num, shared_expert_rank_num, global_bs)
+    _require(_MC2_SETTINGS.get(group_ep) == settings, f"{where}: group arguments unlike the dispatch's {_MC2_SETTINGS.get(group_ep)}")
+    _require(expand_x.dim() == 2 and expand_x.dtype in HALF, f"{where}: expand_x [A, H] bfloat16 / float16")
+    _require(expert_ids.dtype == torch.int32 and expert_ids.dim() == 2, f"{where}: expert_ids [BS, K] int32")
+    bs, k = expert_ids.shape
+    _require(expert_scales is not None and expert_scales.dtype == torch.float32 and expert_scales.shape == (bs, k),
+             f"{where}: expert_scales [BS, K] float32")
+    rows_cap, hidden = expand_x.shape
+    local_experts = moe_expert_num // ep_world_size
+    _require(assist_info_for_combine.dtype == torch.int32 and assist_info_for_combine.shape == (rows_cap * 128,),
+             f"{where}: assist_info_for_combine [A * 128] int32 for expand_x's A = {rows_cap}")
+    _require(ep_send_counts.dtype == torch.int32 and ep_send_counts.shape == (ep_world_size * local_experts,),
+             f"{where}: ep_send_counts [ep_world_size * local experts] int32")
+    _require(tp_send_counts is None or tp_send_counts.dtype == torch.int32, f"{where}: tp_send_counts int32")
+    _require(expand_scales is None or (expand_scales.dtype == torch.float32 and expand_scales.shape == (rows_cap,)),
+             f"{where}: expand_scales [A] float32")
+    _require(x_active_mask is None and shared_expert_x is None and elastic_info is None and ori_x is None
+             and const_expert_alpha_1 is None and const_expert_alpha_2 is None and const_expert_v is None
+             and performance_info is None and comm_quant_mode == 0 and comm_alg == "" and tp_rank_id == 0
+             and zero_expert_num == copy_expert_num == const_expert_num == 0, f"{where}: only the unquantised EP path is modelled")
+    group, _ = _mc2_group(settings, ep_rank_id, bs, where)
+    n = int(ep_send_counts[-1])
+    info = assist_info_for_combine.view(rows_cap, 128)[:n, :4].long()
+    rows, _ = _mc2_exchange(group, expand_x[:n].float(), info[:, 0], ep_world_size)
+    meta, _ = _mc2_exchange(group, info, info[:, 0], ep_world_size)
+    _require(bool((meta[:, 0] == ep_rank_id).all()), f"{where}: rows returned to the wrong rank")
+    token, slot, expert = meta[:, 1], meta[:, 2], meta[:, 3]
+    _require(bool((expert_ids.long()[token, slot] == expert).all()), f"{where}: expert_ids are not the dispatch's")
+    seen = torch.zeros(bs, k, dtype=torch.int64).index_put_((token, slot), torch.ones_like(token), accumulate=True)
+    _require(bool((seen == 1).all()), f"{where}: not every (token, expert) pair came back exactly once")
+    pairs = torch.zeros(bs, k, hidden)
+    pairs[token, slot] = rows
+    return (expert_scales[..., None] * pairs).sum(1).to(expand_x.dtype)

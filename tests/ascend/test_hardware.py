@@ -1,7 +1,8 @@
 """The Ascend backend on an Ascend 950 (marked ``npu``: skipped unless the backend's probe finds
 torch_npu, a sourced CANN and an NPU; tests/conftest.py): the platform, each mapped op against the
-reference through the conformance kit, an NPU graph replay, HCCL collectives over two NPUs, and
-the default model end to end. None of these has run yet: there was no Ascend machine where they
+reference through the conformance kit, an NPU graph replay, HCCL collectives and the fused MoE
+dispatch-combine (npu_moe_distribute_dispatch_v2 / combine_v2) over two NPUs, and the default
+model end to end. None of these has run yet: there was no Ascend machine where they
 were written.
 
 Run them, the op-level conformance suite and the end-to-end baseline recording with one command:
@@ -16,7 +17,7 @@ import os
 import pytest
 import torch
 
-from deepinfer_ascend_950 import backend, npu_ops
+from deepinfer_ascend_950 import backend, hccl, npu_ops
 from deepinfer_core.conformance.ops_suite import run_op
 from deepinfer_core.conformance.spec import dtype_name
 
@@ -48,7 +49,7 @@ def test_the_platform_is_an_ascend_950(loaded):
 def test_this_torch_npu_has_every_operator_the_glue_calls(loaded):
     import torch_npu
 
-    missing = [name for name in npu_ops.OPERATORS if not callable(getattr(torch_npu, name, None))]
+    missing = [name for name in (*npu_ops.OPERATORS, *hccl.MC2_OPERATORS) if not callable(getattr(torch_npu, name, None))]
     assert not missing, f"torch_npu {torch_npu.__version__} lacks {missing}"
 
 
@@ -116,6 +117,61 @@ def test_hccl_collectives_over_two_npus():
         expected = torch.cat([(torch.arange(24.0).reshape(6, 4) + 100 * src)[mine] for src in (0, 1)])
         assert torch.equal(got_bf16, expected.bfloat16().float())
         assert torch.equal(got_fp8, torch.cat([results[src][4][mine] for src in (0, 1)]))  # FP8 bytes, exact
+
+
+def _moe_rank(rank: int, port: int, results) -> None:
+    """One rank of an EP group of two: a bf16 MoE layer through HcclCommunicator's fused dispatch-
+    combine, a call with tokens on both ranks and one where rank 1 has none."""
+    import torch_npu  # noqa: F401
+    import torch.distributed as dist
+
+    from deepinfer_ascend_950.hccl import HcclCommunicator
+    from deepinfer_core.ops.moe import moe_experts
+    from deepinfer_core.parallel.eplb import Placement
+    from deepinfer_core.parallel.expert_parallel import ExpertShard, moe_expert_parallel
+
+    torch.npu.set_device(rank)
+    dist.init_process_group("hccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        experts, top_k, hidden, inter = 16, 4, 2048, 64
+        g = torch.Generator().manual_seed(0)
+        w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).bfloat16()
+        w2 = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).bfloat16()
+        dev = f"npu:{rank}"
+        shard = ExpertShard.from_full(w13.to(dev), w2.to(dev), Placement.contiguous(1, experts, 2), rank)
+        comm = HcclCommunicator()
+        fused = []
+        combine = comm.moe_combine
+        comm.moe_combine = lambda y, d: fused.append(y.shape[0]) or combine(y, d)
+        gen = torch.Generator().manual_seed(100 + rank)
+        outs = []
+        for count in ((9, 5)[rank], (7, 0)[rank]):
+            x = torch.randn(count, hidden, generator=gen).bfloat16()
+            ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(count)]) if count \
+                else torch.zeros(0, top_k, dtype=torch.int64)
+            w = torch.rand(count, top_k, generator=gen)
+            got, _ = moe_expert_parallel(x.to(dev), w.to(dev), ids.to(dev), shard, comm, moe_experts)
+            outs.append((got.float().cpu(), moe_experts(x.float(), w13.float(), w2.float(), w, ids)))
+        results[rank] = (outs, len(fused))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_moe_dispatch_and_combine_over_two_npus():
+    """Each rank's expert-parallel MoE output through npu_moe_distribute_dispatch_v2 / combine_v2
+    equals the one-process reference in float32 within the bf16 tolerance of specs/ops.toml."""
+    devices, why_not = backend._visible_devices()
+    if why_not is not None or len(devices) < 2:
+        pytest.skip("needs two NPUs")
+    import torch.multiprocessing as mp
+
+    results = mp.Manager().dict()
+    mp.spawn(_moe_rank, args=(29711 + os.getpid() % 1000, results), nprocs=2)
+    for rank in (0, 1):
+        outs, fused = results[rank]
+        assert fused == 2, f"rank {rank}: {fused} of 2 calls took the fused operators (see the log for why not)"
+        for got, want in outs:
+            torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
 
 
 def test_the_default_model_generates_on_the_npu():

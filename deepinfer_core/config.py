@@ -147,6 +147,27 @@ class EngineConfig(BaseModel):
     # The KV cache's format: "auto" (the compute dtype) or "fp8": DeepSeek-V4's window and compressed
     # KV caches as FP8 records (ops/kv_record.py); checked against the model and the platform at start-up.
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    # Lower tiers of the prefix cache (engine/kv_tiers.py): GiB of host memory that keep full blocks
+    # evicted from the device's pool (0: none), and a directory on disk, of at most kv_disk_gb GiB,
+    # that keeps what reaches the host tier across restarts (fed from the host tier: needs kv_offload_gb).
+    kv_offload_gb: float = Field(0, ge=0)
+    kv_disk_dir: str | None = None
+    kv_disk_gb: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _kv_tiers(self) -> EngineConfig:
+        if self.kv_disk_dir is not None and not self.kv_disk_dir.strip():
+            raise ValueError("kv_disk_dir is empty: name a directory, or leave it unset for no disk tier")
+        if (self.kv_disk_dir is None) != (self.kv_disk_gb is None):
+            given, missing = ("kv_disk_dir", "kv_disk_gb") if self.kv_disk_gb is None else ("kv_disk_gb", "kv_disk_dir")
+            raise ValueError(f"{given} needs {missing}: the disk tier is a directory (kv_disk_dir) and how many GiB of it "
+                             "the tier may fill (kv_disk_gb); give both, or neither")
+        if self.kv_disk_dir is not None and not self.kv_offload_gb:
+            raise ValueError("kv_disk_dir needs kv_offload_gb > 0: blocks reach the disk tier through the host tier")
+        if self.kv_offload_gb and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_gb needs prefix caching: the lower tiers keep cached prefixes; drop "
+                             "enable_prefix_caching=False or kv_offload_gb")
+        return self
 
 
 class ParallelConfig(BaseModel):

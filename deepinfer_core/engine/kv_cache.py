@@ -13,6 +13,10 @@ table in every paged group covers its tokens [i * block_size, (i + 1) * block_si
 
 Ring and state groups cannot be shared: after a prefix hit they are rebuilt by recomputing the
 last ``replay_tokens`` tokens before the first uncached one (bounded replay).
+
+With lower tiers (``tiers``: ``engine/kv_tiers.py``), an evicted cached block is copied to host
+memory (and from there to disk) first, and ``load_from_tiers`` copies a sequence's prefix blocks
+back into free blocks of the pool before ``find_cached`` looks for them.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import torch
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.models.batch import CacheGroup
 
+
+TIERS = ("gpu", "host", "disk")  # where a reused block was found ("gpu": the device's own pools, whatever the device)
 
 # Block-table versions are unique for the life of the process (never reset with the pools): the
 # graphs' incremental host tables key their rows by them.
@@ -53,6 +59,7 @@ class BlockPool:
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
+        self.on_evict = None  # on_evict(block, hash): a cached block is about to be reused (lower tiers keep it)
         self.reset()
 
     def reset(self) -> None:
@@ -77,6 +84,8 @@ class BlockPool:
                 self.hash_of[block] = None
                 if self.by_hash.get(h) == block:
                     del self.by_hash[h]
+                    if self.on_evict is not None:
+                        self.on_evict(block, h)
                 self.num_evicted += 1
             self.refs[block] = 1
             out.append(block)
@@ -183,6 +192,7 @@ class KVCacheManager:
         self.states = [g.name for g in groups if g.kind == "state"]
         self.replay_tokens = max((g.replay_tokens for g in groups if g.kind != "paged"), default=0)
         self.pools = {name: BlockPool(num_blocks) for name in self.paged}
+        self.tiers = None  # kv_tiers.KVTiers: the host and disk tiers below the pools (attach_tiers)
         self.reset()
 
     def reset(self) -> None:
@@ -193,6 +203,7 @@ class KVCacheManager:
         self.state_free = {name: list(range(self.max_num_seqs - 1, -1, -1)) for name in self.states}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        self.num_hit_tokens_by_tier = dict.fromkeys(TIERS, 0)  # the tier each reused token's block came from
 
     @property
     def num_free(self) -> int:
@@ -235,11 +246,121 @@ class KVCacheManager:
         replay). Also the first position those groups hold for it."""
         return max(0, num_hit - self.replay_tokens) if num_hit else 0
 
-    def count_lookup(self, num_tokens: int, num_hit: int) -> None:
-        """A sequence of ``num_tokens`` tokens was admitted with ``num_hit`` of them cached (hit rate)."""
+    def count_lookup(self, num_tokens: int, num_hit: int, by_tier: dict[str, int] | None = None) -> None:
+        """A sequence of ``num_tokens`` tokens was admitted with ``num_hit`` of them cached (hit
+        rate), ``by_tier`` of them from each tier (``tokens_by_tier``)."""
         if self.prefix_caching:
             self.num_queried_tokens += num_tokens
             self.num_hit_tokens += num_hit
+            for tier, n in (by_tier or {"gpu": num_hit}).items():
+                self.num_hit_tokens_by_tier[tier] += n
+
+    # ---- lower tiers ------------------------------------------------------------------------------
+    def attach_tiers(self, tiers) -> None:
+        """From now on evicted cached blocks go to ``tiers`` (a ``kv_tiers.KVTiers`` over this
+        manager's cache) and come back through ``load_from_tiers``."""
+        self.tiers = tiers
+        for name, pool in self.pools.items():
+            pool.on_evict = lambda block, h, name=name: tiers.offload(name, block, h)
+
+    def close_tiers(self) -> None:
+        """Detach the lower tiers; with a disk tier, every block the pools cache is written to it
+        first (the next start with the same directory finds them) and its writes are finished."""
+        tiers, self.tiers = self.tiers, None
+        if tiers is None:
+            return
+        for pool in self.pools.values():
+            pool.on_evict = None
+        if tiers.disk is not None:
+            for h in list(self.pools[self.paged[0]].by_hash):  # block by block: every group's part together
+                for name, pool in self.pools.items():
+                    if h in pool.by_hash:
+                        tiers.offload(name, pool.by_hash[h], h)
+            tiers.end_round()
+        tiers.close()
+
+    def _tier_plan(self, hashes: list[bytes]) -> tuple[int, list[tuple[int, bytes, list[str], str]]]:
+        """(n, plan): the first n blocks every pool holds, then per following block (position,
+        hash, the paged groups whose pool lacks it, the tier that has them: "gpu" when none
+        lacks it), up to the first block no tier has."""
+        n = 0
+        while n < len(hashes) and all(hashes[n] in p.by_hash for p in self.pools.values()):
+            n += 1
+        plan = []
+        for i in range(n, len(hashes)):
+            missing = [name for name in self.paged if hashes[i] not in self.pools[name].by_hash]
+            tier = self.tiers.tier_of(hashes[i], missing) if missing else "gpu"
+            if tier is None:
+                break
+            plan.append((i, hashes[i], missing, tier))
+        return n, plan
+
+    def load_from_tiers(self, seq: Sequence) -> bool:
+        """Copy the blocks of ``seq``'s prefix that follow those the pools hold and that a lower
+        tier has into free blocks of the pools, registered under their hashes and left cached and
+        free as if never evicted (``find_cached`` then finds them; ``seq.loaded_from`` notes the
+        tier of each). Only what fits the free blocks, and only a prefix that outlasts the bounded
+        replay. False while a disk read for them is in flight: the sequence waits (the reads go on)."""
+        tiers = self.tiers
+        if tiers is None or not self.prefix_caching or not self.paged or seq.wants_prompt_logprobs:
+            return True
+        usable = (seq.num_tokens - 1) // self.block_size
+        hashes = self._hashes(seq, seq.num_tokens - 1)[:usable]
+        n, plan = self._tier_plan(hashes)
+        if not plan or (plan[-1][0] + 1) * self.block_size <= self.replay_tokens:
+            return True
+        if any(tier == "disk" for *_, tier in plan):
+            for i, _, _, tier in plan:
+                if tier == "disk":
+                    seq.loaded_from.setdefault(i, "disk")
+            if tiers.fetch([h for _, h, missing, _ in plan if missing]):
+                return False
+            n, plan = self._tier_plan(hashes)
+            plan = plan[:next((k for k, p in enumerate(plan) if p[3] == "disk"), len(plan))]  # what did not fit the host
+        held = {name: [pool.by_hash[h] for h in hashes[: n + len(plan)] if h in pool.by_hash] for name, pool in self.pools.items()}
+        for name, blocks in held.items():  # kept off the free queue while blocks are taken for the rest
+            for b in blocks:
+                self.pools[name].share(b)
+        fits, need = 0, dict.fromkeys(self.paged, 0)
+        for _, _, missing, _ in plan:
+            for name in missing:
+                need[name] += 1
+            if any(need[name] > self.pools[name].num_free for name in missing):
+                break
+            fits += 1
+        plan = plan[:fits] if (n + fits) * self.block_size > self.replay_tokens else []
+        tiers.keep.update(h for _, h, _, _ in plan)  # the blocks taken next may evict others to the host, never these
+        taken = {name: iter(pool.take(sum(name in p[2] for p in plan))) for name, pool in self.pools.items()}
+        chain = {name: [pool.by_hash[h] for h in hashes[:n]] for name, pool in self.pools.items()}  # the prefix's blocks, in order
+        for i, h, missing, tier in plan:
+            for name in self.paged:
+                if name in missing:
+                    block = next(taken[name])
+                    tiers.load(name, h, block)
+                    self.pools[name].register(block, h)
+                chain[name].append(self.pools[name].by_hash[h])
+            if missing:
+                seq.loaded_from.setdefault(i, tier)
+        for name, pool in self.pools.items():  # back to the free queue: the chain's tail is evicted before its head
+            in_chain = set(chain[name])
+            pool.release(chain[name] + [b for b in held[name] if b not in in_chain])
+        return True
+
+    def tokens_by_tier(self, seq: Sequence, hit: int, saved: int) -> dict[str, int]:
+        """The ``saved`` tokens of a ``hit``-token prefix hit of ``seq`` by the tier each block
+        came from, counted at the hit's end (positions [hit - saved, hit)): the bounded replay is
+        charged to the head of the hit, so a lower tier's count is what the hit would lack without it."""
+        out = dict.fromkeys(TIERS, 0)
+        bs = self.block_size
+        for i in range((hit - saved) // bs, -(-hit // bs)):
+            out[seq.loaded_from.get(i, "gpu")] += min((i + 1) * bs, hit) - max(i * bs, hit - saved)
+        return out
+
+    def end_round(self) -> None:
+        """A step's allocations are done: the lower tiers' copies queued in it are marked, and
+        blocks new to the host tier are written to disk."""
+        if self.tiers is not None:
+            self.tiers.end_round()
 
     def cache(self, seq: Sequence, num_tokens: int) -> None:
         """Register the full blocks among the sequence's first ``num_tokens`` (computed and accepted) tokens."""

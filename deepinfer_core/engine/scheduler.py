@@ -7,7 +7,10 @@ slots and KV blocks last, starting each after the longest prefix the cache alrea
 advances the computed-token counts itself and returns a plain ``SchedulerOutput``. When a
 running sequence needs a block and none is free, the most recently admitted running sequence
 is preempted: its blocks are freed and it goes back to the front of the queue, to be prefilled
-again later from its prompt plus the tokens it already produced.
+again later from its prompt plus the tokens it already produced. With lower KV tiers, a waiting
+sequence's prefix blocks that host memory or disk holds are copied back into the pool before its
+prefix is looked up (``KVCacheManager.load_from_tiers``); one whose blocks are still being read
+from disk waits while others run (or, with nothing else to run, the step waits for the reads).
 
 ``update(output, sampled)`` takes the tokens each sampling sequence accepted this step: they are
 appended, draft positions that were rejected are rolled back (computed count lowered, paged
@@ -81,6 +84,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        out, reading = self._schedule()
+        while out.empty and reading:  # nothing else to do: wait for the disk tier, then admit from it
+            self.kv.tiers.wait_reads()
+            out, reading = self._schedule()
+        return out
+
+    def _schedule(self) -> tuple[SchedulerOutput, bool]:
+        """One step's work, and whether a waiting sequence was left waiting for a disk read."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         queue = list(self.running)
@@ -104,13 +115,16 @@ class Scheduler:
                 self._take(out, seq, seq.num_computed_tokens, num_new, max(0, num_new - remaining), decode)
                 budget -= num_new
 
-        admitted = []
+        admitted, reading = [], False
         if not out.preempted:
             for seq in self.waiting:
                 if budget <= 0 or len(self.running) >= self.max_num_seqs:
                     break
                 if seq.num_pending or self._held_back(seq):
                     continue  # its newest token is still on the device / its sibling is caching their prompt
+                if seq.num_computed_tokens == 0 and not self.kv.load_from_tiers(seq):
+                    reading = True
+                    continue  # its prefix is being read from the disk tier
                 hit, cached = self.kv.find_cached(seq) if seq.num_computed_tokens == 0 else (0, {})
                 if hit and not self.kv.replay_start(hit):  # the bounded replay would recompute it all: no gain
                     hit, cached = 0, {}
@@ -122,16 +136,19 @@ class Scheduler:
                 admitted.append(seq)
                 seq.status = Status.RUNNING
                 self.running.append(seq)
-                self.kv.count_lookup(seq.num_tokens, saved)
+                by_tier = self.kv.tokens_by_tier(seq, hit, saved)
+                seq.loaded_from = {}
+                self.kv.count_lookup(seq.num_tokens, saved, by_tier)
                 if seq.num_cached_tokens is None:
-                    seq.num_cached_tokens = saved
+                    seq.num_cached_tokens, seq.num_cached_tokens_by_tier = saved, by_tier
                 out.num_cached_tokens += saved
                 seq.paged_write_from = hit
                 self._take(out, seq, start, num_new, 0, False, cached)
                 budget -= num_new
         for seq in admitted:  # after the walk: the queue is not copied every step
             self.waiting.remove(seq)
-        return out
+        self.kv.end_round()
+        return out, reading
 
     def _take(self, out: SchedulerOutput, seq: Sequence, start: int, num_new: int, num_drafts: int, decode: bool,
               cached: dict[str, list[int]] | None = None) -> None:

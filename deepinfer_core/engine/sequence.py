@@ -24,7 +24,9 @@ class Sequence:
 
     block_tables: {cache group: blocks}; block_hashes: chain hashes of the full blocks of the
     known tokens (prefix caching); num_cached_tokens: prompt tokens the prefix cache spared
-    computing at first admission (the hit less its bounded replay); draft_token_ids: tokens proposed for the next step to verify;
+    computing at first admission (the hit less its bounded replay), num_cached_tokens_by_tier the
+    same by the tier ("gpu", "host", "disk") their blocks came from (``KVCacheManager.tokens_by_tier``); loaded_from: block index ->
+    the lower tier that gave it back to the pool, until admission; draft_token_ids: tokens proposed for the next step to verify;
     num_pending: tokens sampled on the device whose ids the host has not seen yet (overlapped
     scheduling); paged_write_from: positions below it are already in shared paged blocks (a
     bounded replay recomputes them without writing); table_version: changes whenever a block
@@ -43,6 +45,8 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
     num_cached_tokens: int | None = None
+    num_cached_tokens_by_tier: dict[str, int] | None = None
+    loaded_from: dict[int, str] = field(default_factory=dict)
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: list = field(default_factory=list)  # per draft, the distribution it was drawn from (rejection sampling)
     num_pending: int = 0

@@ -1,0 +1,201 @@
+"""The prefix cache's lower tiers (engine/kv_tiers.py, engine/kv_disk.py): a block round-trips bit
+for bit through the host and disk tiers in every paged layout (MLA latents, V4's compressed
+entries, FP8 records whose rows straddle pages), leaving every other block and the ring and state
+groups alone; a restarted disk tier finds its blocks; a corrupt or foreign directory is refused
+with what to do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer_core.config import ConfigError
+from deepinfer_core.engine.kv_cache import KVCache
+from deepinfer_core.engine.kv_disk import HEADER, MANIFEST, DiskTier
+from deepinfer_core.engine.kv_tiers import KVTiers, block_views
+from deepinfer_core.models.batch import CacheGroup
+from deepinfer_core.ops.kv_record import DATA_BYTES, PAGE_BYTES, PAGE_ROWS, RECORD_BYTES, SCALE_BYTES, SCALE_PLANE
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BLOCK = 48  # FP8 record rows of a block straddle the 64-row pages (48 rows at 1 token an entry, 12 at 4)
+GROUPS = [
+    CacheGroup("mla", "paged", ("a.latent", "b.latent"), 8, torch.bfloat16),  # V3's latents
+    CacheGroup("csa_kv", "paged", ("a.compressed",), 8, torch.float32, tokens_per_entry=4),  # V4's compressed entries
+    CacheGroup("csa_index", "paged", ("a.indexer",), 4, torch.bfloat16, tokens_per_entry=8),
+    CacheGroup("window", "ring", ("a.window",), RECORD_BYTES, torch.uint8, window=8, row_multiple=64),  # not tiered
+    CacheGroup("state", "state", ("a.state",), 6, torch.float32, state_rows=2),
+    CacheGroup("rec1", "paged", ("a.rec",), RECORD_BYTES, torch.uint8, row_multiple=64),  # V4's FP8 records
+    CacheGroup("rec4", "paged", ("b.rec",), RECORD_BYTES, torch.uint8, tokens_per_entry=4, row_multiple=64),
+]
+IDENTITY = {"model_type": "test", "weights": "w0", "groups": ["layout"]}
+
+
+def _random_cache(num_blocks: int = 8) -> KVCache:
+    cache = KVCache(GROUPS, num_blocks, BLOCK, max_num_seqs=2, lookahead=0, device=torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    for t in cache.tensors.values():
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, generator=gen, dtype=torch.uint8))
+    return cache
+
+
+def _paged_bytes(cache: KVCache, block: int) -> dict[str, torch.Tensor]:
+    """Every paged layer's bytes of ``block`` (an FP8 record block: its rows' data, then their scales)."""
+    return {layer: torch.cat(block_views(cache.tensors[layer], BLOCK // g.tokens_per_entry, block))
+            for g in GROUPS if g.kind == "paged" for layer in g.layers}
+
+
+def _assert_only_block_changed(before: dict[str, torch.Tensor], cache: KVCache, block: int, want: dict[str, torch.Tensor]):
+    """Block ``block`` of every paged layer holds ``want``; every other byte is as ``before``."""
+    got = _paged_bytes(cache, block)
+    assert all(torch.equal(got[layer], want[layer]) for layer in want)
+    for layer, t in cache.tensors.items():
+        expected = before[layer].clone()
+        g = next(g for g in GROUPS if layer in g.layers)
+        if g.kind == "paged":
+            at = 0
+            for view in block_views(expected, BLOCK // g.tokens_per_entry, block):
+                view.copy_(want[layer][at : at + view.numel()])
+                at += view.numel()
+        assert torch.equal(t.view(torch.uint8), expected.view(torch.uint8)), layer
+
+
+def _record_rows(t: torch.Tensor, rows: range) -> torch.Tensor:
+    """Rows of an FP8 record cache as ops/kv_record.py lays them out: row r's 576 data bytes at
+    slot r % 64 of page r // 64, its 8 scale bytes in that page's scale plane."""
+    flat = t.view(-1)
+    out = []
+    for r in rows:
+        page, slot = divmod(r, PAGE_ROWS)
+        base = page * PAGE_BYTES
+        out.append(torch.cat([flat[base + slot * DATA_BYTES : base + (slot + 1) * DATA_BYTES],
+                              flat[base + SCALE_PLANE + slot * SCALE_BYTES : base + SCALE_PLANE + (slot + 1) * SCALE_BYTES]]))
+    return torch.stack(out)
+
+
+def _record_block(cache: KVCache, block: int) -> dict[str, torch.Tensor]:
+    return {layer: _record_rows(cache.tensors[layer], range(block * rows, (block + 1) * rows))
+            for layer, rows in (("a.rec", BLOCK), ("b.rec", BLOCK // 4))}
+
+
+def test_blocks_round_trip_bit_for_bit_through_host_and_disk_in_every_paged_layout(tmp_path):
+    cache = _random_cache()
+    paged = [g.name for g in GROUPS if g.kind == "paged"]
+    original, records = _paged_bytes(cache, 5), _record_block(cache, 5)
+    disk = DiskTier(tmp_path / "tier", capacity=4, block_bytes=KVTiers(cache, BLOCK, 1, torch.device("cpu")).block_bytes,
+                    identity=IDENTITY)
+    tiers = KVTiers(cache, BLOCK, host_blocks=2, device=torch.device("cpu"), disk=disk)
+    h = bytes(range(16))
+    for name in paged:
+        tiers.offload(name, 5, h)
+    tiers.end_round()
+    assert tiers.tier_of(h, paged) == "host"
+
+    before = {layer: t.clone() for layer, t in cache.tensors.items()}
+    for name in paged:  # host -> block 2
+        tiers.load(name, h, 2)
+    _assert_only_block_changed(before, cache, 2, original)
+    assert all(torch.equal(a, b) for a, b in zip(_record_block(cache, 2).values(), records.values()))
+
+    tiers.flush()
+    assert disk.path(h).stat().st_size == HEADER.size + tiers.block_bytes
+    tiers.entries.clear()  # the host tier forgets it: only the disk has it
+    tiers.free_slots = [0, 1]
+    assert tiers.tier_of(h, paged) == "disk"
+    while tiers.fetch([h]):
+        tiers.wait_reads()
+    assert tiers.tier_of(h, paged) == "host"
+    before = {layer: t.clone() for layer, t in cache.tensors.items()}
+    for name in paged:  # disk -> host -> block 7
+        tiers.load(name, h, 7)
+    _assert_only_block_changed(before, cache, 7, original)
+    assert all(torch.equal(a, b) for a, b in zip(_record_block(cache, 7).values(), records.values()))
+    tiers.close()
+
+
+def test_a_block_evicted_before_every_group_reached_the_host_is_not_written(tmp_path):
+    cache = _random_cache()
+    tiers = KVTiers(cache, BLOCK, host_blocks=1, device=torch.device("cpu"),
+                    disk=DiskTier(tmp_path, 4, KVTiers(cache, BLOCK, 1, torch.device("cpu")).block_bytes, IDENTITY))
+    tiers.offload("mla", 1, b"a" * 16)
+    tiers.offload("mla", 2, b"b" * 16)  # one slot: the partial "a" goes
+    tiers.end_round()
+    tiers.flush()
+    assert list(tiers.entries) == [b"b" * 16] and not tiers.disk.index and tiers.tier_of(b"a" * 16, ["mla"]) is None
+    tiers.close()
+
+
+def test_the_disk_tier_keeps_its_most_recent_blocks_within_its_capacity(tmp_path):
+    cache = _random_cache()
+    size = KVTiers(cache, BLOCK, 1, torch.device("cpu")).block_bytes
+    tiers = KVTiers(cache, BLOCK, host_blocks=4, device=torch.device("cpu"), disk=DiskTier(tmp_path, 2, size, IDENTITY))
+    paged = [g.name for g in GROUPS if g.kind == "paged"]
+    hashes = [bytes([i]) * 16 for i in range(3)]
+    for block, h in enumerate(hashes):
+        for name in paged:
+            tiers.offload(name, block, h)
+        tiers.end_round()
+    tiers.close()
+    assert sorted(p.name for p in tmp_path.glob("blocks/*/*")) == sorted(f"{h.hex()}.kv" for h in hashes[1:])
+    assert list(DiskTier(tmp_path, 1, size, IDENTITY).index) == [hashes[2]]  # a smaller tier drops the oldest
+
+
+# ---- the disk tier's directory ---------------------------------------------------------------------
+def _tier_with_one_block(path: Path) -> tuple[DiskTier, bytes]:
+    disk = DiskTier(path, 4, 64, IDENTITY)
+    h = b"\x01" * 16
+    disk.write(h, torch.arange(64, dtype=torch.uint8))
+    disk.close()
+    return disk, h
+
+
+def test_a_restarted_disk_tier_finds_its_blocks_and_reads_them_back(tmp_path):
+    _, h = _tier_with_one_block(tmp_path)
+    disk = DiskTier(tmp_path, 4, 64, IDENTITY)
+    out = torch.zeros(64, dtype=torch.uint8)
+    assert list(disk.index) == [h] and disk.read(h, out) and torch.equal(out, torch.arange(64, dtype=torch.uint8))
+    with pytest.raises(ConfigError, match="is in use by another engine"):
+        DiskTier(tmp_path, 4, 64, IDENTITY)
+    disk.close()
+
+
+def test_a_foreign_directory_is_refused_naming_what_differs(tmp_path):
+    _tier_with_one_block(tmp_path)
+    with pytest.raises(ConfigError, match=rf"kv_disk_dir {tmp_path} holds the KV blocks of another model or cache layout "
+                                          r"\(weights differ.*\); point kv_disk_dir .* or empty this one"):
+        DiskTier(tmp_path, 4, 64, {**IDENTITY, "weights": "w1"})
+    with pytest.raises(ConfigError, match=r"\(block_bytes differ"):
+        DiskTier(tmp_path, 4, 128, IDENTITY)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=f"kv_disk_dir {other} is not empty and is not a DeepInfer KV tier"):
+        DiskTier(other, 4, 64, IDENTITY)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "header", "manifest"])
+def test_a_corrupt_directory_is_refused_naming_the_file(tmp_path, damage):
+    disk, h = _tier_with_one_block(tmp_path)
+    path = disk.path(h)
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[:-1])
+    elif damage == "header":
+        path.write_bytes(b"X" + path.read_bytes()[1:])
+    else:
+        (tmp_path / MANIFEST).write_text("{not json")
+    where = MANIFEST if damage == "manifest" else str(path)
+    with pytest.raises(ConfigError, match=rf"kv_disk_dir {tmp_path}: .*{where}.* (corrupt|is not a block of this tier)"):
+        DiskTier(tmp_path, 4, 64, IDENTITY)
+
+
+def test_a_block_whose_checksum_fails_is_dropped_not_used(tmp_path, caplog):
+    disk, h = _tier_with_one_block(tmp_path)
+    data = bytearray(disk.path(h).read_bytes())
+    data[-1] ^= 1
+    disk.path(h).write_bytes(bytes(data))
+    disk = DiskTier(tmp_path, 4, 64, IDENTITY)  # the header is sound: found at start-up
+    assert not disk.read(h, torch.zeros(64, dtype=torch.uint8))
+    assert not disk.path(h).exists() and "is missing or corrupt" in caplog.text
+    disk.close()

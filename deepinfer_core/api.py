@@ -61,6 +61,8 @@ _VLLM_HINTS = {
     "pipeline_parallel_size": _PARALLEL_INSTEAD,
     "distributed_executor_backend": _PARALLEL_INSTEAD,
     "enable_expert_parallel": "vLLM's enable_expert_parallel is expert_parallel=True here (with data_parallel_size=N)",
+    "kv_offloading_size": "vLLM's kv_offloading_size (GiB of host memory for evicted KV blocks) is kv_offload_gb here",
+    "hicache_size": "SGLang's hicache_size (GB of host memory for evicted KV blocks) is kv_offload_gb here",
 }
 
 
@@ -147,6 +149,13 @@ class LLM:
     rank calls ``generate``: rank 0's prompts run, and every rank gets all the outputs.
     context_parallel_size: C (dividing data_parallel_size) ranks prefill a long prompt together
     (DEEPINFER_CP_MIN_TOKENS tokens or more), and its own rank decodes it.
+    kv_offload_gb: GiB of host memory (pinned on an accelerator) that keep the full KV blocks
+    evicted from the device's cache, so that a prefix found there is copied back instead of
+    recomputed (vLLM's kv_offloading_size, SGLang's hicache_size; 0: off). kv_disk_dir and
+    kv_disk_gb: a directory and the GiB of it that keep the blocks reaching the host tier across
+    restarts (same model and cache layout; another's directory is refused); ``close()`` (also
+    run at exit) writes the blocks the device still caches there too and finishes the writes.
+    ``RequestOutput.num_cached_tokens_by_tier`` says which tier served a prompt's cached tokens.
     """
 
     def __init__(
@@ -173,6 +182,9 @@ class LLM:
         expert_parallel: bool = False,
         context_parallel_size: int = 1,
         kv_cache_dtype: str = "auto",
+        kv_offload_gb: float = 0,
+        kv_disk_dir: str | os.PathLike | None = None,
+        kv_disk_gb: float | None = None,
         **unsupported,
     ):
         env = settings()
@@ -197,6 +209,9 @@ class LLM:
                 speculative_config=speculative_config,
                 batch_invariant=env.batch_invariant if batch_invariant is None else batch_invariant,
                 kv_cache_dtype=kv_cache_dtype,
+                kv_offload_gb=kv_offload_gb,
+                kv_disk_dir=None if kv_disk_dir is None else os.fspath(kv_disk_dir),
+                kv_disk_gb=kv_disk_gb,
             )
         except ValidationError as e:
             raise ConfigError(f"bad LLM() arguments: {validation_problems(e)}") from None
@@ -211,6 +226,8 @@ class LLM:
             self._start_parallel(parallel, (self.model_dir, config, accelerator or env.accelerator, dtype), progress, env.log_level)
         else:
             self.engine = Engine(self.model_dir, config, accelerator or env.accelerator, dtype, progress=progress)
+        if config.kv_disk_dir is not None:
+            atexit.register(self.close)  # what the device's cache holds at exit is written to the disk tier too
         self._lock = threading.Lock()  # one generate at a time: the engine is not thread-safe
         self._generating_in: int | None = None  # the thread running generate, to refuse re-entry
 
@@ -235,9 +252,12 @@ class LLM:
 
     def close(self) -> None:
         """Data-parallel LLM: stop the ranks this process started (also done at exit) and leave
-        the process group; nothing to do for a single-process one. Once closed, nothing holds
-        the LLM but its caller: dropping it frees this rank's engine (weights, KV cache) for the
-        next LLM of the process."""
+        the process group. With a disk tier (``kv_disk_dir``): finish its writes and release its
+        directory for another engine. Once closed, nothing holds the LLM but its caller: dropping
+        it frees this rank's engine (weights, KV cache) for the next LLM of the process."""
+        if self.engine.kv.tiers is not None:
+            self.engine.kv.close_tiers()
+            atexit.unregister(self.close)
         if self.parallel is not None:
             self.parallel.close()
             atexit.unregister(self.close)  # the exit hook's reference would keep the engine alive
@@ -497,6 +517,9 @@ def _parallel_engine_config(config: EngineConfig, parallel: ParallelConfig, mode
     DeepSeek's switches (DEEPINFER_USE_NEXTN_DECODE, ...) turn it on."""
     from deepinfer_core.engine.spec_decode.proposers import resolve
 
+    if config.kv_disk_dir is not None:
+        raise ConfigError("kv_disk_dir with data_parallel_size > 1 is not supported yet (each rank would need a directory "
+                          "of its own); keep the host tier (kv_offload_gb) and leave kv_disk_dir unset")
     generation = generation_for(read_config(model_dir))
     spec = resolve(config.speculative_config, generation.model)
     speculative = spec is not None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from typing import Sequence
 
@@ -117,7 +118,8 @@ def _plan(manager, name: str) -> int:
 # LLM() arguments by the flags that set them (the engine flags generate and serve share)
 ENGINE_FLAGS = {"max_num_seqs": "--max-num-seqs", "max_model_len": "--max-model-len", "seed": "--seed",
                 "gpu_memory_utilization": "--gpu-memory-utilization", "data_parallel_size": "--data-parallel-size",
-                "context_parallel_size": "--context-parallel-size"}
+                "context_parallel_size": "--context-parallel-size", "kv_offload_gb": "--kv-offload-gb",
+                "kv_disk_dir": "--kv-disk-dir", "kv_disk_gb": "--kv-disk-gb"}
 
 
 class ArgumentError(ValueError):
@@ -159,15 +161,20 @@ def _llm_arguments(args: argparse.Namespace) -> dict:
               "kv_cache_dtype": args.kv_cache_dtype, "enable_prefix_caching": not args.no_prefix_caching,
               "speculative_config": spec, "batch_invariant": args.batch_invariant or None,
               "data_parallel_size": args.data_parallel_size, "expert_parallel": args.expert_parallel,
-              "context_parallel_size": args.context_parallel_size}
+              "context_parallel_size": args.context_parallel_size, "kv_offload_gb": args.kv_offload_gb,
+              "kv_disk_dir": args.kv_disk_dir, "kv_disk_gb": args.kv_disk_gb}
     try:
         EngineConfig(**{k: kwargs[k] for k in ("max_model_len", "max_num_seqs", "gpu_memory_utilization", "seed",
-                                                "speculative_config")})
+                                                "speculative_config", "enable_prefix_caching", "kv_offload_gb",
+                                                "kv_disk_dir", "kv_disk_gb")})
         ParallelConfig(data_parallel_size=1 if args.data_parallel_size is None else args.data_parallel_size,
                        expert_parallel=args.expert_parallel,
                        context_parallel_size=args.context_parallel_size)
     except ValidationError as e:
-        raise ArgumentError(validation_problems(e, ENGINE_FLAGS)) from None
+        flags = {**ENGINE_FLAGS, "enable_prefix_caching=False": "--no-prefix-caching"}  # the settings the tiers' checks name
+        problems = re.sub(r"\b(kv_offload_gb|kv_disk_dir|kv_disk_gb|enable_prefix_caching=False)\b",
+                          lambda m: flags[m.group(1)], validation_problems(e, ENGINE_FLAGS))
+        raise ArgumentError(problems) from None
     return kwargs
 
 
@@ -358,6 +365,13 @@ def _engine_arguments(p: argparse.ArgumentParser, ranks_help: str) -> None:
                    help="'auto' (the KV cache in the compute dtype) or 'fp8' / 'fp8_e4m3' (DeepSeek-V4's FP8 KV records, "
                         "V4 checkpoints on a backend that takes them); vLLM's flag")
     p.add_argument("--no-prefix-caching", action="store_true", help="recompute every prompt (no reuse of cached prefixes)")
+    p.add_argument("--kv-offload-gb", "--kv-offloading-size", "--hicache-size", type=float, default=0, metavar="GIB",
+                   help="GiB of host memory that keep KV blocks evicted from the device, copied back on a prefix hit "
+                        "(vLLM's --kv-offloading-size, SGLang's --hicache-size; default 0: off)")
+    p.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                   help="a directory that keeps the blocks reaching the host tier, across restarts of the same model "
+                        "(needs --kv-offload-gb and --kv-disk-gb)")
+    p.add_argument("--kv-disk-gb", type=float, default=None, metavar="GIB", help="the most GiB the --kv-disk-dir tier may fill")
     p.add_argument("--ngram", type=int, default=0, metavar="K", help="speculative decoding: K prompt-lookup draft tokens per step")
     p.add_argument("--mtp", type=int, default=0, metavar="K", help="speculative decoding: K draft tokens per step from the model's MTP module")
     p.add_argument("--batch-invariant", action="store_true",

@@ -1,22 +1,29 @@
 """The prefix cache's lower tiers (engine/kv_tiers.py, engine/kv_disk.py): a block round-trips bit
 for bit through the host and disk tiers in every paged layout (MLA latents, V4's compressed
 entries, FP8 records whose rows straddle pages), leaving every other block and the ring and state
-groups alone; a restarted disk tier finds its blocks; a corrupt or foreign directory is refused
-with what to do."""
+groups alone; an engine with a tiny device pool serves an evicted prefix from host memory and from
+disk with the float32 greedy tokens and logprobs of the same prefix served from the device (and
+of recomputing it, within the prefix cache's summation order); a restart finds the disk tier's
+prefixes again; a corrupt or foreign directory and bad options are refused with what to do."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.config import ConfigError
 from deepinfer_core.engine.kv_cache import KVCache
 from deepinfer_core.engine.kv_disk import HEADER, MANIFEST, DiskTier
 from deepinfer_core.engine.kv_tiers import KVTiers, block_views
 from deepinfer_core.models.batch import CacheGroup
 from deepinfer_core.ops.kv_record import DATA_BYTES, PAGE_BYTES, PAGE_ROWS, RECORD_BYTES, SCALE_BYTES, SCALE_PLANE
+from tests.hf_checkpoints import write_checkpoint
+from tests.hf_checkpoints_v4 import random_prompt, write_checkpoint_v4
+from tests.v41_checkpoints import write_checkpoint_v41
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -199,3 +206,178 @@ def test_a_block_whose_checksum_fails_is_dropped_not_used(tmp_path, caplog):
     assert not disk.read(h, torch.zeros(64, dtype=torch.uint8))
     assert not disk.path(h).exists() and "is missing or corrupt" in caplog.text
     disk.close()
+
+
+# ---- engines ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def v3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiers-v3")
+    write_checkpoint("v3_grouped", path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiers-v4")
+    write_checkpoint_v4("v4_flash_like", path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def v4_fp8(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiers-v4-fp8")
+    write_checkpoint_v4("v4_flash_like", path, head_dim=512, qk_rope_head_dim=64, index_head_dim=64)
+    return path
+
+
+@pytest.fixture(scope="module")
+def v41(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiers-v41")
+    write_checkpoint_v41("v41-tiny", path, quant=None)
+    return path
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+# model -> (LLM arguments: a device pool two prompts cannot share, prompt length, the prefix's
+# tokens the device pool still holds when it comes back (the chain's head is evicted last))
+CASES = {
+    "v3": ({"block_size": 4, "num_kv_blocks": 14, "max_model_len": 48}, 40),
+    "v4": ({"num_kv_blocks": 8, "max_model_len": 100}, 90),
+    "v4_fp8": ({"num_kv_blocks": 8, "max_model_len": 100, "kv_cache_dtype": "fp8"}, 90),
+    "v41": ({"num_kv_blocks": 8, "max_model_len": 100}, 90),
+}
+
+
+def _llm(path, **kw) -> LLM:
+    return LLM(model=str(path), accelerator="cpu", dtype="float32", progress=False, max_num_seqs=1, **kw)
+
+
+def _run(llm: LLM, prompt):
+    out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    return out, out.outputs[0].token_ids, out.outputs[0].logprobs
+
+
+@pytest.mark.parametrize("model", list(CASES))
+def test_an_evicted_prefix_comes_back_from_host_and_disk_as_from_the_device(request, monkeypatch, tmp_path, model):
+    monkeypatch.setenv("DEEPINFER_SWA_BOUNDED_REPLAY", "0")  # V4.1: a prefix hit computes what recomputing it does
+    path = request.getfixturevalue(model)
+    kw, length = CASES[model]
+    a, b = random_prompt(length, seed=1), random_prompt(length, seed=2)
+    recomputed = _run(_llm(path, enable_prefix_caching=False, **kw), a)
+    roomy = _llm(path, **{**kw, "num_kv_blocks": 64})
+    _run(roomy, a)
+    from_device = _run(roomy, a)  # the prefix from the device's own pool
+    assert from_device[0].num_cached_tokens > 0 and from_device[0].num_cached_tokens_by_tier["host"] == 0
+
+    llm = _llm(path, kv_offload_gb=1e-3, kv_disk_dir=tmp_path, kv_disk_gb=1e-2, **kw)
+    _run(llm, a)
+    _run(llm, b)  # evicts most of a's blocks to the host tier
+    from_host = _run(llm, a)
+    tiers = from_host[0].num_cached_tokens_by_tier
+    assert tiers["host"] > 0 and tiers["disk"] == 0 and sum(tiers.values()) == from_host[0].num_cached_tokens
+    assert from_host[0].num_cached_tokens == from_device[0].num_cached_tokens
+    assert from_host[1:] == from_device[1:]  # bit for bit: the same entries
+    assert from_host[1] == recomputed[1]
+    for lp, want in zip(from_host[2], recomputed[2]):  # the cached prefix is summed in another order
+        assert lp.keys() == want.keys() and all(abs(lp[t] - want[t]) < 1e-4 for t in lp)
+    assert llm.engine.gauges()["prefix_hit_tokens_host"] == tiers["host"]
+    assert "from host memory" in llm.engine.summary()
+    llm.close()
+
+    restarted = _llm(path, kv_offload_gb=1e-3, kv_disk_dir=tmp_path, kv_disk_gb=1e-2, **kw)
+    from_disk = _run(restarted, a)
+    assert from_disk[0].num_cached_tokens_by_tier == {"gpu": 0, "host": 0, "disk": from_device[0].num_cached_tokens}
+    assert from_disk[1:] == from_device[1:]
+    assert restarted.engine.gauges()["prefix_hit_tokens_disk"] == from_device[0].num_cached_tokens
+    restarted.close()
+
+
+def test_a_corrupt_block_found_when_read_is_recomputed(v3, tmp_path, caplog):
+    kw, length = CASES["v3"]
+    a = random_prompt(length, seed=1)
+    llm = _llm(v3, kv_offload_gb=1e-3, kv_disk_dir=tmp_path, kv_disk_gb=1e-2, **kw)
+    want = _run(llm, a)
+    llm.close()  # the device's cached blocks are written too
+    files = sorted(tmp_path.glob("blocks/*/*"), key=lambda p: p.stat().st_mtime_ns)
+    data = bytearray(files[0].read_bytes())
+    data[-1] ^= 0x40  # the payload, not the header: found at start-up, refused when read
+    files[0].write_bytes(bytes(data))
+    restarted = _llm(v3, kv_offload_gb=1e-3, kv_disk_dir=tmp_path, kv_disk_gb=1e-2, **kw)
+    again = _run(restarted, a)
+    assert again[1] == want[1] and again[0].num_cached_tokens < (length - 1) // 4 * 4
+    assert "is missing or corrupt" in caplog.text and not files[0].exists()
+    restarted.close()
+
+
+def test_a_small_host_tier_passes_blocks_on_to_disk_and_reads_what_it_can_hold(v3, tmp_path):
+    """Three host slots: after two other prompts a's blocks are on disk only; coming back, as
+    many as the host holds are read (12 tokens), the rest recomputed."""
+    kw, length = CASES["v3"]
+    a, b, c = (random_prompt(length, seed=s) for s in (1, 2, 3))
+    want = _run(_llm(v3, **kw), a)
+    block_bytes = 4 * 480  # 4 tokens of the MLA layers' 480 bytes a token
+    llm = _llm(v3, kv_offload_gb=3 * block_bytes / 2**30, kv_disk_dir=tmp_path, kv_disk_gb=1e-2, **kw)
+    assert llm.engine.kv.tiers.host_blocks == 3
+    for prompt in (a, b, c):
+        _run(llm, prompt)
+    again = _run(llm, a)
+    assert again[0].num_cached_tokens_by_tier == {"gpu": 0, "host": 0, "disk": 12} and again[1] == want[1]
+    llm.close()
+
+
+def test_another_models_directory_is_refused_at_start_up(v3, v4, tmp_path):
+    _llm(v3, kv_offload_gb=1e-3, kv_disk_dir=tmp_path, kv_disk_gb=1e-2, block_size=4).close()
+    json.loads((tmp_path / MANIFEST).read_text())  # readable: it says whose blocks they are
+    with pytest.raises(ConfigError, match=f"kv_disk_dir {tmp_path} holds the KV blocks of another model or cache layout"):
+        _llm(v4, kv_offload_gb=1e-3, kv_disk_dir=tmp_path, kv_disk_gb=1e-2)
+    with pytest.raises(ConfigError, match=r"\(block_bytes, block_size differ"):
+        _llm(v3, kv_offload_gb=1e-3, kv_disk_dir=tmp_path, kv_disk_gb=1e-2, block_size=8)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"kv_offload_gb": -1}, "kv_offload_gb: Input should be greater than or equal to 0"),
+    ({"kv_offload_gb": 1, "kv_disk_dir": "d"}, "kv_disk_dir needs kv_disk_gb"),
+    ({"kv_offload_gb": 1, "kv_disk_gb": 1}, "kv_disk_gb needs kv_disk_dir"),
+    ({"kv_disk_dir": "d", "kv_disk_gb": 1}, "kv_disk_dir needs kv_offload_gb > 0"),
+    ({"kv_offload_gb": 1, "kv_disk_dir": "d", "kv_disk_gb": 0}, "kv_disk_gb: Input should be greater than 0"),
+    ({"kv_offload_gb": 1, "enable_prefix_caching": False}, "kv_offload_gb needs prefix caching"),
+    ({"kv_offload_gb": 1, "kv_disk_dir": "d", "kv_disk_gb": 1, "data_parallel_size": 2}, "kv_disk_dir with data_parallel_size > 1"),
+    ({"kv_offloading_size": 4}, "vLLM's kv_offloading_size .* is kv_offload_gb here"),
+])
+def test_bad_tier_options_are_refused_before_loading(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        LLM(accelerator="cpu", progress=False, **kwargs)
+
+
+def test_a_host_tier_too_small_for_one_block_is_refused(v3):
+    with pytest.raises(ConfigError, match=r"kv_offload_gb=1e-09 holds no KV block: .* raise kv_offload_gb to at least"):
+        _llm(v3, kv_offload_gb=1e-9, block_size=4)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kv-disk-dir", "d"], "error: --kv-disk-dir needs --kv-disk-gb"),
+    (["--hicache-size", "-1"], "error: --kv-offload-gb: Input should be greater than or equal to 0"),
+    (["--kv-offloading-size", "1", "--no-prefix-caching"], "error: --kv-offload-gb needs prefix caching"),
+])
+def test_bad_tier_flags_are_one_error_line(capsys, argv, message):
+    from deepinfer_core.cli import main
+
+    assert main(["generate", "--prompt", "x", *argv]) == 1
+    assert capsys.readouterr().err.strip().startswith(message)
+
+
+@pytest.mark.parametrize("size_flag", ["--kv-offload-gb", "--kv-offloading-size", "--hicache-size"])
+def test_tier_flags_reach_llm(monkeypatch, size_flag):
+    """vLLM's and SGLang's spellings of the host tier's size are the same flag."""
+    import deepinfer_core
+    from deepinfer_core.cli import main
+
+    seen = {}
+
+    def llm(**kwargs):
+        seen.update(kwargs)
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(deepinfer_core, "LLM", llm)
+    assert main(["serve", "--port", "0", size_flag, "2.5", "--kv-disk-dir", "/kv", "--kv-disk-gb", "100"]) == 1
+    assert (seen["kv_offload_gb"], seen["kv_disk_dir"], seen["kv_disk_gb"]) == (2.5, "/kv", 100)

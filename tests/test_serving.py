@@ -508,7 +508,8 @@ def test_generate_and_serve_take_the_same_engine_flags(monkeypatch, command):
     assert seen == {"model": None, "accelerator": "cpu", "dtype": "half", "max_model_len": 256, "max_num_seqs": 3, "seed": 5,
                     "gpu_memory_utilization": 0.5, "kv_cache_dtype": "auto", "enable_prefix_caching": False,
                     "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}, "batch_invariant": True,
-                    "data_parallel_size": 2, "expert_parallel": True, "context_parallel_size": 2}
+                    "data_parallel_size": 2, "expert_parallel": True, "context_parallel_size": 2,
+                    "kv_offload_gb": 0, "kv_disk_dir": None, "kv_disk_gb": None}
 
 
 def test_deepinfer_version(capsys):

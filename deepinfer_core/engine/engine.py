@@ -158,11 +158,17 @@ class Engine:
     def gauges(self) -> dict[str, float]:
         """What a server's metrics report, as counts that add up over data-parallel ranks:
         sequences waiting and running, KV blocks used and in all (tightest cache group), prompt
-        tokens found in / looked up in the prefix cache, draft tokens verified / accepted."""
+        tokens found in / looked up in the prefix cache (and of those found, how many came back
+        from the host and disk tiers), the lower tiers' blocks held and capacity, draft tokens
+        verified / accepted."""
+        kv, tiers = self.kv, self.kv.tiers
+        usage = tiers.usage() if tiers is not None else {"kv_host_used_blocks": 0, "kv_host_blocks": 0,
+                                                          "kv_disk_used_blocks": 0, "kv_disk_blocks": 0}
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
-                "kv_used_blocks": self.kv.num_blocks - self.kv.num_free, "kv_blocks": self.kv.num_blocks,
-                "prefix_hit_tokens": self.kv.num_hit_tokens, "prefix_queried_tokens": self.kv.num_queried_tokens,
-                "draft_tokens": self.spec_stats.num_draft_tokens, "accepted_tokens": self.spec_stats.num_accepted_tokens}
+                "kv_used_blocks": kv.num_blocks - kv.num_free, "kv_blocks": kv.num_blocks,
+                "prefix_hit_tokens": kv.num_hit_tokens, "prefix_queried_tokens": kv.num_queried_tokens,
+                "prefix_hit_tokens_host": kv.num_hit_tokens_by_tier["host"], "prefix_hit_tokens_disk": kv.num_hit_tokens_by_tier["disk"],
+                **usage, "draft_tokens": self.spec_stats.num_draft_tokens, "accepted_tokens": self.spec_stats.num_accepted_tokens}
 
     def abort(self, request_id: str) -> Request:
         """Stop a request (unfinished samples get finish_reason "abort" and the text of the tokens
@@ -358,6 +364,8 @@ class Engine:
         hit, queried = int(g["prefix_hit_tokens"]), int(g["prefix_queried_tokens"])
         parts = [f"prefix cache: {hit} of {queried} prompt tokens reused" + (f" ({hit / queried:.0%})" if queried else "")
                  if self.kv.prefix_caching else "prefix cache: off"]
+        if self.kv.tiers is not None:
+            parts[0] += f", {int(g['prefix_hit_tokens_host'])} from host memory, {int(g['prefix_hit_tokens_disk'])} from disk"
         if self.proposer is not None:
             drafts, accepted = int(g["draft_tokens"]), int(g["accepted_tokens"])
             rate = f" ({accepted / drafts:.0%})" if drafts else ""

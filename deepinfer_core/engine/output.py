@@ -181,6 +181,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int | None = None  # prompt tokens not computed thanks to the prefix cache (first sample's, at admission)
     metrics: RequestMetrics | None = None
+    # num_cached_tokens by where their blocks were found: {"gpu": the device's pool, "host": the
+    # host-memory tier, "disk": the disk tier} ("gpu" whatever the device is)
+    num_cached_tokens_by_tier: dict[str, int] | None = None
 
 
 class GenerationError(RuntimeError):
@@ -222,4 +225,5 @@ def to_output(req: Request, speculative: bool) -> RequestOutput:
         finished=req.finished,
         num_cached_tokens=first.num_cached_tokens,
         metrics=RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time, spec),
+        num_cached_tokens_by_tier=None if first.num_cached_tokens_by_tier is None else dict(first.num_cached_tokens_by_tier),
     )

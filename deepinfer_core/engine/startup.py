@@ -1,7 +1,8 @@
 """An Engine's start-up, in the order it runs (``start``): the config and the backend, the model,
 its weights and tokenizer, the step budget, the KV cache sized from the memory left
-(``auto_num_blocks``, ``activation_bytes``), scheduler, output processing and runner, decode
-graphs, the drafter, and a warm-up over the graph batch sizes (``warm_up``). ``self`` in these
+(``auto_num_blocks``, ``activation_bytes``), the prefix cache's lower tiers (``kv_tiers``),
+scheduler, output processing and runner, decode graphs, the drafter, and a warm-up over the graph
+batch sizes (``warm_up``), after which the tiers take evicted blocks. ``self`` in these
 functions is the engine being built (engine/engine.py holds what it does once running)."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from deepinfer_core.config import ConfigError, EngineConfig, settings
 from deepinfer_core.dtypes import DTYPES, dtype_from_name
 from deepinfer_core.engine.graphs import DecodeGraphs, context_buckets, max_blocks_per_group
 from deepinfer_core.engine.kv_cache import KVCache, KVCacheManager
+from deepinfer_core.engine.kv_tiers import build_tiers
 from deepinfer_core.engine.output import OutputProcessor
 from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerOutput
@@ -123,6 +125,8 @@ def start(self, model_dir: Path, engine_config: EngineConfig, backend_name: str 
     mtp_paged = drafter and any(g.kind == "paged" and any(n.startswith("mtp.") for n in g.layers) for g in groups)
     self.kv = KVCacheManager(groups, num_blocks, block_size, self.max_num_seqs, lookahead, engine_config.enable_prefix_caching,
                              hash_next_token=mtp_paged)
+    # the lower tiers are made (and a disk tier's directory checked) now, attached after the warm-up
+    tiers = build_tiers(self, model_dir) if engine_config.kv_offload_gb else None
     self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.max_num_batched_tokens, max_len)
     self.output = OutputProcessor(self.tokenizer, eos_ids, max_len)
     for g in groups:
@@ -169,13 +173,17 @@ def start(self, model_dir: Path, engine_config: EngineConfig, backend_name: str 
     self._reset_counters()
     if graphs is not None:
         warm_up(self, graphs.sizes, progress)
+    if tiers is not None:  # the warm-up's blocks are not offered to them
+        self.kv.attach_tiers(tiers)
     self.observer = self.plugins.step_observer()
     log.info(
         "engine ready: backend %s (%s), dtype %s, %d KV blocks x %d tokens, max_model_len %d, decode graphs %s, "
-        "prefix caching %s, %s scheduling%s",
+        "prefix caching %s%s, %s scheduling%s",
         self.backend.name, self.platform.name, self.dtype, num_blocks, block_size, max_len,
         f"for batch sizes up to {graphs.max_batch} (captured in {graphs.capture_seconds:.1f} s)" if graphs else "off",
-        "on" if engine_config.enable_prefix_caching else "off", "overlapped" if self.async_scheduling else "synchronous",
+        "on" if engine_config.enable_prefix_caching else "off",
+        ((" (with host and disk tiers)" if tiers.disk else " (with a host tier)") if tiers else ""),
+        "overlapped" if self.async_scheduling else "synchronous",
         f", {sc.method} speculation of {lookahead} tokens" if lookahead else "",
     )
 

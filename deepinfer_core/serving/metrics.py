@@ -1,7 +1,7 @@
 """The server's Prometheus metrics (``GET /metrics``), through prometheus_client.
 
-Gauges are read from the engine when scraped (queue, running sequences, KV usage, prefix-cache
-hit rate, speculative acceptance since start-up; summed over the ranks of a data-parallel LLM);
+Gauges are read from the engine when scraped (queue, running sequences, KV usage and the lower
+KV tiers' usage, prefix-cache hit rate, speculative acceptance since start-up; summed over the ranks of a data-parallel LLM);
 per-request figures (time to first token, time per output token, end-to-end latency, tokens)
 are observed as each request finishes.
 """
@@ -32,6 +32,10 @@ class ServerMetrics:
               lambda g: g["kv_used_blocks"] / max(1, g["kv_blocks"]))
         gauge("prefix_cache_hit_ratio", "prompt tokens found in the prefix cache / prompt tokens looked up",
               lambda g: g["prefix_hit_tokens"] / max(1, g["prefix_queried_tokens"]))
+        gauge("kv_host_tier_usage_ratio", "share of the host-memory KV tier's blocks in use (0 without one)",
+              lambda g: g["kv_host_used_blocks"] / max(1, g["kv_host_blocks"]))
+        gauge("kv_disk_tier_usage_ratio", "share of the disk KV tier's blocks in use (0 without one)",
+              lambda g: g["kv_disk_used_blocks"] / max(1, g["kv_disk_blocks"]))
         gauge("spec_decode_draft_tokens", "draft tokens verified since start-up", lambda g: g["draft_tokens"])
         gauge("spec_decode_accepted_tokens", "draft tokens accepted since start-up", lambda g: g["accepted_tokens"])
         self.ttft = Histogram(p + "time_to_first_token_seconds", "request arrival to its first output token", buckets=LATENCY_BUCKETS,
@@ -41,6 +45,9 @@ class ServerMetrics:
         self.e2e = Histogram(p + "request_latency_seconds", "request arrival to its end", buckets=LATENCY_BUCKETS, registry=registry)
         self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens of finished requests", registry=registry)
         self.cached_tokens = Counter(p + "cached_prompt_tokens", "prompt tokens served from the prefix cache", registry=registry)
+        self.cached_tokens_by_tier = Counter(p + "cached_prompt_tokens_by_tier", "prompt tokens served from the prefix cache, by "
+                                             "the tier their blocks were found in (gpu: the device's pool; host; disk)", ["tier"],
+                                             registry=registry)
         self.generation_tokens = Counter(p + "generation_tokens", "output tokens of finished requests", registry=registry)
         self.finished = Counter(p + "requests_finished", "requests ended, by finish reason", ["finish_reason"], registry=registry)
 
@@ -57,6 +64,8 @@ class ServerMetrics:
             self.e2e.observe(m.finished_time - m.arrival_time)
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.cached_tokens.inc(out.num_cached_tokens or 0)
+        for tier, n in (out.num_cached_tokens_by_tier or {}).items():
+            self.cached_tokens_by_tier.labels(tier).inc(n)
         self.generation_tokens.inc(tokens)
         for c in out.outputs:
             self.finished.labels(c.finish_reason or "unknown").inc()

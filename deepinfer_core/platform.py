@@ -21,6 +21,38 @@ class GraphBackend(Protocol):
     def replay(self, graph: Any) -> None: ...
 
 
+class StreamGraphs:
+    """A GraphBackend over a torch device module with CUDA's graph API (``torch.cuda``,
+    ``torch.npu``): captures on a side stream after one warm-up run there (kernels compile,
+    autotune or pick their tiling outside the capture); every graph shares the memory pool of
+    the first. Subclasses name the module (``module()``, looked up at capture) and its graph class."""
+
+    graph_class = "CUDAGraph"
+
+    def __init__(self):
+        self.pool = None
+
+    def module(self) -> Any:
+        raise NotImplementedError
+
+    def capture(self, fn: Callable[[], Any]) -> tuple[Any, Any]:
+        m = self.module()
+        stream = m.Stream()
+        stream.wait_stream(m.current_stream())
+        with m.stream(stream):
+            fn()
+        m.current_stream().wait_stream(stream)
+        graph = getattr(m, self.graph_class)()
+        with m.graph(graph, pool=self.pool):
+            out = fn()
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph, out
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` (a host tensor) on ``device``, copied through pinned memory without waiting for the
     work already queued there (a copy from pageable memory may wait for it)."""

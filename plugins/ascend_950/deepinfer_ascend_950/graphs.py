@@ -14,32 +14,21 @@ import os
 
 import torch
 
+from deepinfer_core.platform import StreamGraphs
+
 LAUNCH_BLOCKING = "ASCEND_LAUNCH_BLOCKING"
 
 
-class NpuGraphs:
-    """Captures on a side stream after one warm-up run (operators pick their tiling outside the
-    capture); every graph shares the memory pool of the first."""
+class NpuGraphs(StreamGraphs):
+    """torch.npu's graphs (torch_npu), captured as ``StreamGraphs`` does."""
+
+    graph_class = "NPUGraph"
 
     def __init__(self):
         if os.environ.get(LAUNCH_BLOCKING) == "1":  # synchronous launches cannot be captured (vllm-ascend refuses it too)
             raise RuntimeError(f"NPU graphs cannot be captured with {LAUNCH_BLOCKING}=1 (it makes every launch "
                                f"synchronous): unset it, or run eagerly (LLM(enforce_eager=True))")
-        self.pool = None
+        super().__init__()
 
-    def capture(self, fn):
-        npu = torch.npu
-        stream = npu.Stream()
-        stream.wait_stream(npu.current_stream())
-        with npu.stream(stream):
-            fn()
-        npu.current_stream().wait_stream(stream)
-        graph = npu.NPUGraph()
-        with npu.graph(graph, pool=self.pool):
-            out = fn()
-        if self.pool is None:
-            self.pool = graph.pool()
-        return graph, out
-
-    def replay(self, graph) -> None:
-        graph.replay()
+    def module(self):
+        return torch.npu

@@ -734,3 +734,17 @@ def test_cache_prefix_frees_its_blocks_when_the_write_fails():
     with pytest.raises(RuntimeError, match="write failed"):
         kv.cache_prefix(list(range(8)), fail)
     assert kv.num_free == 4 and not kv.pools["kv"].by_hash
+
+
+@pytest.mark.parametrize("hash_next_token", [False, True])
+def test_prompt_hashes_are_the_keys_a_new_sequence_looks_up(hash_next_token):
+    """Data parallelism routes a request by ``prompt_hashes``: they must be the keys the owner's
+    cache registers for the prompt and looks up for it (one helper computes both)."""
+    kv = KVCacheManager([paged()], 8, 4, 4, 0, True, hash_next_token=hash_next_token)
+    ids = list(range(1, 12))  # 11 tokens: two full blocks before the last token
+    s = cached_prefix(kv, ids)
+    assert kv.prompt_hashes(ids) == s.block_hashes[:2] and len(kv.prompt_hashes(ids)) == 2
+    assert kv.prompt_hashes(ids[:9]) == s.block_hashes[:2]  # 9 tokens: the second block's next token is known
+    assert kv.prompt_hashes(ids[:8]) == s.block_hashes[:1]
+    assert kv.prompt_hashes([1, 2, 3, 9] + ids[4:]) != s.block_hashes[:2]
+    assert manager(prefix_caching=False).prompt_hashes(ids) == []

@@ -49,6 +49,18 @@ def block_hash(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -
     return h.digest()
 
 
+def chain_hashes(hashes: list[bytes], count: int, block_size: int, token_slice, next_token=None) -> list[bytes]:
+    """Extend ``hashes`` (the chain hashes of a token sequence's first full blocks, in order) to
+    its first ``count`` blocks, in place: ``token_slice(start, end)`` gives the sequence's tokens,
+    ``next_token(position)`` the token after a block when a block's key includes it (MTP's paged
+    cache, ``KVCache.hash_next_token``). The one place the prefix cache's keys are computed."""
+    bs = block_size
+    for i in range(len(hashes), count):
+        extra = array("q", [next_token((i + 1) * bs)]).tobytes() if next_token else b""
+        hashes.append(block_hash(hashes[-1] if hashes else None, token_slice(i * bs, (i + 1) * bs), extra))
+    return hashes
+
+
 class BlockPool:
     """The blocks of one paged group: ref counts, hashes of cached blocks, LRU free queue.
 
@@ -213,15 +225,21 @@ class KVCacheManager:
     # ---- prefix caching ---------------------------------------------------------------------------
     def _hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
         """Chain hashes of the full blocks among the first ``num_tokens`` tokens (kept on the sequence)."""
-        hashes = seq.block_hashes
         bs = self.block_size
         full = num_tokens // bs
         if self.hash_next_token:  # only blocks whose next token is known
             full = min(full, (seq.num_tokens - 1) // bs)
-        for i in range(len(hashes), full):
-            extra = array("q", [seq.token_at((i + 1) * bs)]).tobytes() if self.hash_next_token else b""
-            hashes.append(block_hash(hashes[-1] if hashes else None, seq.token_slice(i * bs, (i + 1) * bs), extra))
-        return hashes
+        return chain_hashes(seq.block_hashes, full, bs, seq.token_slice, seq.token_at if self.hash_next_token else None)
+
+    def prompt_hashes(self, token_ids: list[int]) -> list[bytes]:
+        """The keys ``find_cached`` looks up for a new sequence with this prompt (its full blocks
+        before its last token), computed as for the sequence itself; none with prefix caching off.
+        Data parallelism's prefix affinity routes a request by them."""
+        if not self.prefix_caching or not self.paged:
+            return []
+        count = (len(token_ids) - 1) // self.block_size
+        return chain_hashes([], count, self.block_size, lambda a, b: token_ids[a:b],
+                            token_ids.__getitem__ if self.hash_next_token else None)
 
     def find_cached(self, seq: Sequence) -> tuple[int, dict[str, list[int]]]:
         """(tokens, blocks per paged group) of the longest cached prefix ``seq`` may reuse: whole
@@ -392,9 +410,7 @@ class KVCacheManager:
         blocks = {name: pool.take(count) for name, pool in self.pools.items()}
         try:
             write(blocks)
-            hashes: list[bytes] = []
-            for i in range(count):
-                hashes.append(block_hash(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs]))
+            hashes = chain_hashes([], count, bs, lambda a, b: token_ids[a:b])
             for name, pool in self.pools.items():
                 for block, h in zip(blocks[name], hashes):
                     pool.register(block, h)

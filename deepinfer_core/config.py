@@ -58,6 +58,24 @@ class Settings(BaseSettings):
         4096, gt=0,
         description="Context parallelism: a prompt whose cacheable prefix has at least this many tokens is prefilled across its CP group.",
     )
+    dp_policy: Literal["affinity", "least_load", "round_robin"] = Field(
+        "affinity",
+        description="Data parallelism: how rank 0 spreads new requests over the ranks. affinity: the least queued "
+                    "work, but a request goes to the rank that was given its longest cached prefix while that rank's "
+                    "load is within the slack; least_load: the least queued work alone; round_robin: in turn "
+                    "(a baseline for benchmarks).",
+    )
+    dp_affinity_slack: float = Field(
+        1.0, ge=0,
+        description="Data parallelism, dp_policy=affinity: a request goes to the rank holding its prefix while that "
+                    "rank's queued work exceeds the least-loaded rank's by at most this many times the request's own "
+                    "cost (prompt + max_tokens, times n); 0: only on a tie.",
+    )
+    dp_affinity_entries: int = Field(
+        262144, gt=0,
+        description="Data parallelism, dp_policy=affinity: how many block hashes rank 0 remembers the rank of "
+                    "(least recently used forgotten first; about 150 bytes each).",
+    )
     dist_timeout: float = Field(600.0, gt=0, description="Seconds a data-parallel collective or a rank's start-up may take.")
     external_kernels: bool = Field(
         True, description="0: a backend uses only its own kernels even where peer libraries it can use are installed "

@@ -2,7 +2,8 @@
 (gloo, 2 and 4 processes on this 2-core machine, tiny V3 and V4 checkpoints, float32): greedy
 tokens and logprobs equal the single-process run, with prompt chunks mixed with decode rows,
 with preemption, with EPLB re-placing the experts mid-run, and with long prompts prefilled by
-context parallelism (V3, V4 and V4.1); an engine error on one rank
+context parallelism (V3, V4 and V4.1); requests go to the least-loaded rank, or to the rank
+given their prefix (prefix affinity, within its slack); an engine error on one rank
 loses no finished output and leaves the group usable; a killed rank is a clear error, not a
 hang; the launch under torchrun gives every rank the same outputs."""
 
@@ -24,7 +25,7 @@ import pytest
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.config import ConfigError
-from deepinfer_core.parallel.data_parallel import assign
+from deepinfer_core.parallel.data_parallel import Router, Work, assign
 from deepinfer_core.parallel.launch import RankFailure
 from deepinfer_core.engine.engine import RequestError
 from tests.hf_checkpoints import write_checkpoint
@@ -83,6 +84,96 @@ def test_assign_spreads_work_by_load():
     assert assign([5, 5], [50, 0, 7]) == [1, 1]  # the busy rank gets nothing; 1 stays lightest (ties: lowest rank)
     assert assign([], [0, 0]) == []
     assert assign([5], [0, 0], free_blocks=[3, 9]) == [1]  # equal load: the rank with more free KV blocks
+
+
+A, B, C, D = (bytes([i]) * 16 for i in range(1, 5))  # block hashes
+
+
+def test_affinity_wins_within_the_slack_and_load_beyond_it():
+    holders = {A: 0, B: 0}
+    assert assign([10], [0, 0], hashes=[[A, B]], holders=holders) == [0]
+    assert assign([10], [10, 0], hashes=[[A, B]], holders=holders) == [0]  # 10 more queued: within one cost
+    assert assign([10], [11, 0], hashes=[[A, B]], holders=holders) == [1]  # beyond it: the least load
+    assert assign([10], [25, 0], hashes=[[A, B]], holders=holders, slack=3) == [0]
+    assert assign([10], [1, 0], hashes=[[A, B]], holders=holders, slack=0) == [1]  # slack 0: a tie only
+    assert assign([10], [0, 0, 0], free_blocks=[1, 1, 9], hashes=[[C]], holders=holders) == [2]  # unknown: least load
+    assert holders == {A: 0, B: 0}  # pure
+
+
+def test_affinity_follows_the_longest_remembered_prefix():
+    holders = {A: 0, B: 1}  # rank 1 was given the longer prefix A+B
+    assert assign([10], [0, 0], hashes=[[A, B, C]], holders=holders) == [1]
+    assert assign([10], [0, 0], hashes=[[A, D]], holders=holders) == [0]  # only A is shared: rank 0 had it
+
+
+def test_requests_of_one_call_follow_each_other():
+    """The heaviest is placed first; later ones sharing its prefix follow it (within the slack)."""
+    assert assign([10, 10, 10], [0, 0], hashes=[[A], [A], [C]], holders={}) == [0, 0, 1]
+    assert assign([10, 10, 10], [0, 0]) == [0, 1, 0]  # without affinity
+
+
+def test_affinity_off_is_least_load():
+    holders = {A: 1}
+    for costs, loads in [([10, 10, 10, 10], [0, 0]), ([100, 30, 30, 30], [0, 0]), ([5, 5], [50, 0, 7])]:
+        want = assign(costs, loads)
+        work = [_work(i, c) for i, c in enumerate(costs)]
+        router = Router(len(loads), lambda ids: [A], policy="least_load")
+        router.holders.update(holders)
+        router.route(work, loads, [0] * len(loads))
+        assert [w.rank for w in work] == want
+        assert router.holders == holders  # nothing remembered
+
+
+def _work(i: int, cost: int, ids=None, **params) -> Work:
+    ids = ids if ids is not None else [i] * (cost - 1)
+    return Work(str(i), None, ids, SamplingParams(max_tokens=cost - len(ids), **params), i)
+
+
+def test_the_router_remembers_a_bounded_lru_of_hashes():
+    router = Router(2, lambda ids: [bytes([t]) * 16 for t in ids], policy="affinity", slack=1.0, entries=4)
+    first = [_work(0, 20, [1, 2, 3]), _work(1, 10, [7, 8])]
+    router.route(first, [0, 0], [0, 0])
+    assert [w.rank for w in first] == [0, 1] and len(router.holders) == 4
+    again = _work(2, 10, [7, 8, 9])
+    router.route([again], [5, 0], [0, 0])  # shares [7, 8] with rank 1's request
+    assert again.rank == 1 and len(router.holders) == 4
+    assert list(router.holders) == [bytes([t]) * 16 for t in (3, 7, 8, 9)]  # 1 and 2 least recently given: forgotten
+    back = _work(3, 10, [1, 2])
+    router.route([back], [0, 0], [0, 0])
+    assert back.rank == 0  # ties to the lowest rank: the forgotten prefix no longer pulls it anywhere
+    logprobs = _work(4, 10, [7, 8], prompt_logprobs=1)  # never reuses a cached prefix: no affinity
+    router.route([logprobs], [0, 0], [0, 0])
+    assert logprobs.rank == 0
+
+
+def test_round_robin_goes_in_turn_across_calls():
+    router = Router(3, lambda ids: [A], policy="round_robin")
+    work = [_work(i, 10) for i in range(4)]
+    router.route(work[:2], [0, 0, 0], [0, 0, 0])
+    router.route(work[2:], [0, 99, 0], [0, 0, 0])
+    assert [w.rank for w in work] == [0, 1, 2, 0] and not router.holders
+
+
+def test_a_request_sharing_a_prefix_lands_where_it_is_cached(checkpoints):
+    """Two ranks, full experts each: the second turn of a conversation goes to the rank that
+    served the first (its prompt's four 16-token blocks come from the cache); round robin (and
+    least load, both ranks idle: the lowest rank) send it to the other rank, which computes it all."""
+    llm = _llm(checkpoints["v3"], data_parallel_size=2, block_size=16, **SMALL_STEPS)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        history = [(7 * j) % 150 + 1 for j in range(64)]
+        filler = [(11 * j) % 150 + 1 for j in range(80)]
+        first = llm.generate([filler, history + [3]], params, use_tqdm=False)  # the heavier filler: rank 0
+        assert [o.num_cached_tokens for o in first] == [0, 0]
+        router = llm.parallel.router
+        assert router.policy == "affinity" and router.holders[llm.engine.kv.prompt_hashes(history + [3])[-1]] == 1
+        second = llm.generate([history + [5, 9, 4]], params, use_tqdm=False)[0]
+        assert second.num_cached_tokens == 64  # on rank 1, where the history is
+        router.policy, router.next_rank = "round_robin", 0  # where round robin's turn would be
+        third = llm.generate([history + [6, 2]], params, use_tqdm=False)[0]
+        assert third.num_cached_tokens == 0  # rank 0: prefilled again
+    finally:
+        llm.close()
 
 
 @pytest.mark.parametrize("model, world, eplb", [("v3", 2, 0), ("v4", 2, 0), ("v3", 4, 2)])

@@ -5,8 +5,16 @@ engine (scheduler, KV cache, its share of the requests), stepping together.
 
 1. **Requests.** Rank 0 checks every request (a bad one raises on every rank, nothing queued),
    gives them their ids and sequence ids (so seeds are what one engine would give), and spreads
-   them over the ranks by load: heaviest first (prompt + max_tokens, times n), each to the rank
-   with the least queued work, ties to the lowest rank (``assign``).
+   them over the ranks (``Router``, ``DEEPINFER_DP_POLICY``): by default heaviest first
+   (prompt + max_tokens, times n), each to the rank with the least queued work, ties to the rank
+   with the most free KV blocks, then the lowest rank, with **prefix affinity**: rank 0
+   remembers which rank it last gave each full-block chain hash of the prompts it assigned (the
+   prefix cache's own keys, ``KVCacheManager.prompt_hashes``; an LRU map of
+   ``DEEPINFER_DP_AFFINITY_ENTRIES`` hashes), and a request whose prompt starts with a remembered
+   prefix goes to the rank given the longest such prefix, whose cache most likely still holds
+   it, unless that rank's queued work exceeds the least-loaded rank's by more than
+   ``DEEPINFER_DP_AFFINITY_SLACK`` times the request's own cost (``assign``). ``least_load``
+   turns affinity off; ``round_robin`` (a benchmark baseline) hands requests out in turn.
 2. **Lock-step.** Every step starts with one small all-reduce: who still has work, who failed,
    how many requests finished. While anyone has work, every rank steps: a rank with work runs
    its engine's step; a rank whose step ran no forward pass (nothing to do, or nothing that
@@ -45,6 +53,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -89,18 +99,82 @@ class Work:
         return (len(self.prompt_token_ids) + (self.params.max_tokens or 0)) * self.params.n
 
 
-def assign(costs: list[int], loads: list[int], free_blocks: list[int] | None = None) -> list[int]:
+def assign(costs: list[int], loads: list[int], free_blocks: list[int] | None = None,
+           hashes: list[list[bytes]] | None = None, holders: Mapping[bytes, int] | None = None,
+           slack: float = 1.0) -> list[int]:
     """The rank for each of ``costs``: heaviest first, each to the rank whose load (``loads``, the
     work it already has) is then the least; ties go to the rank with the most free KV blocks,
-    then to the lowest rank."""
+    then to the lowest rank.
+
+    Prefix affinity, with ``hashes`` (each request's prompt block chain hashes, in order) and
+    ``holders`` (block hash -> the rank last given it): a request's preferred rank is the one
+    given its longest prefix, the last of its hashes found among the requests placed before it in
+    this call or else in ``holders``; it goes there unless that rank's load exceeds the least
+    load by more than ``slack`` times its cost. Pure: nothing passed in is changed."""
     loads = list(loads)
     free = free_blocks or [0] * len(loads)
     ranks = [0] * len(costs)
+    placed: dict[bytes, int] = {}  # the hashes of this call's requests placed so far
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         rank = min(range(len(loads)), key=lambda r: (loads[r], -free[r], r))
+        if hashes is not None:
+            for h in reversed(hashes[i]):  # a chain hash stands for its whole prefix: the longest known wins
+                held = placed.get(h)
+                if held is None and holders is not None:
+                    held = holders.get(h)
+                if held is not None:
+                    if loads[held] <= loads[rank] + slack * costs[i]:
+                        rank = held
+                    break
+            for h in hashes[i]:
+                placed[h] = rank
         ranks[i] = rank
         loads[rank] += costs[i]
     return ranks
+
+
+class Router:
+    """Rank 0's choice of rank for each new request, by ``policy`` (``DEEPINFER_DP_POLICY``):
+    "affinity" (least load with prefix affinity, ``assign``), "least_load" (``assign`` without
+    affinity) or "round_robin" (in turn, across calls; a baseline). Under "affinity" it keeps
+    ``holders``: block hash -> the rank last given a prompt with that block, an LRU map of at most
+    ``entries`` hashes (``DEEPINFER_DP_AFFINITY_ENTRIES``); ``prompt_hashes`` is the cache's own
+    key function (``KVCacheManager.prompt_hashes``: empty with prefix caching off, so affinity
+    then changes nothing)."""
+
+    def __init__(self, size: int, prompt_hashes: Callable[[list[int]], list[bytes]], policy: str | None = None,
+                 slack: float | None = None, entries: int | None = None):
+        config = settings()
+        self.size, self.prompt_hashes = size, prompt_hashes
+        self.policy = policy or config.dp_policy
+        self.slack = config.dp_affinity_slack if slack is None else slack
+        self.entries = entries or config.dp_affinity_entries
+        self.holders: OrderedDict[bytes, int] = OrderedDict()
+        self.next_rank = 0  # round robin's next rank
+
+    def route(self, work: list[Work], loads: list[int], free_blocks: list[int]) -> None:
+        """Set ``rank`` on each of ``work`` (the ranks' queued tokens and free KV blocks now)."""
+        if self.policy == "round_robin":
+            for w in work:
+                w.rank, self.next_rank = self.next_rank, (self.next_rank + 1) % self.size
+            return
+        hashes = None
+        if self.policy == "affinity":  # prompt_logprobs requests never reuse a cached prefix
+            hashes = [self.prompt_hashes(w.prompt_token_ids) if w.params.prompt_logprobs is None else [] for w in work]
+        ranks = assign([w.cost for w in work], loads, free_blocks, hashes, self.holders, self.slack)
+        for i, (w, rank) in enumerate(zip(work, ranks)):
+            w.rank = rank
+            if hashes is not None:
+                self.remember(hashes[i], rank)
+
+    def remember(self, hashes: list[bytes], rank: int) -> None:
+        """``rank`` was given a prompt with these block hashes: it will hold them (most recent first)."""
+        holders = self.holders
+        for h in hashes:
+            holders[h] = rank
+            holders.move_to_end(h)
+        while len(holders) > self.entries:
+            holders.popitem(last=False)
 
 
 class DataParallel:
@@ -132,6 +206,7 @@ class DataParallel:
         self.rank_preemptions: list[int] = []  # every rank's engine.num_preemptions after the last generate
         self.rank_gauges: list[dict[str, float]] = []  # every rank's engine.gauges() after the last generate
         self.served_counts: dict[str, list[int]] = {}  # serving: output tokens per sample already reported, by request
+        self.router = Router(group.size, engine.kv.prompt_hashes)  # rank 0's: where new requests go
 
     @property
     def rank(self) -> int:
@@ -161,8 +236,7 @@ class DataParallel:
         if self.rank == 0:
             try:
                 work, next_ids = prepare()
-                for w, rank in zip(work, assign([w.cost for w in work], [q for q, _ in loads], [f for _, f in loads])):
-                    w.rank = rank
+                self.router.route(work, [q for q, _ in loads], [f for _, f in loads])
                 box = [(work, next_ids)]
             except Exception as e:  # noqa: BLE001 - sent to every rank, raised there
                 box = [e]

@@ -70,8 +70,8 @@ class LocalDriver:
 
 class ParallelDriver:
     """Rank 0 of a spawned data-parallel group (``parallel.data_parallel.DataParallel``): it checks
-    each request, gives it its ids, and at the next step hands it to the rank with the least
-    queued work (``assign``); every step is one ``serve_step`` of the whole group, which returns
+    each request, gives it its ids, and at the next step hands it to a rank (``Router``: the
+    least queued work, with prefix affinity by default); every step is one ``serve_step`` of the whole group, which returns
     every rank's news. The gauges are summed over the ranks, as of the last step."""
 
     def __init__(self, dp):
@@ -123,12 +123,11 @@ class ParallelDriver:
         return self._step(run=True)
 
     def _step(self, run: bool) -> Progress:
-        from deepinfer_core.parallel.data_parallel import STEP, assign
+        from deepinfer_core.parallel.data_parallel import STEP
 
         dp, work, aborts = self.dp, self._work, self._aborts
         self._work, self._aborts = [], []
-        for w, rank in zip(work, assign([w.cost for w in work], [q for q, _ in self._loads], [f for _, f in self._loads])):
-            w.rank = rank
+        dp.router.route(work, [q for q, _ in self._loads], [f for _, f in self._loads])
         try:
             dp.command((STEP, work, aborts, run))
             progress, loads, gauges = dp.serve_step(work, aborts, run)

@@ -68,8 +68,8 @@ class Settings(BaseSettings):
     dp_affinity_slack: float = Field(
         1.0, ge=0,
         description="Data parallelism, dp_policy=affinity: a request goes to the rank holding its prefix while that "
-                    "rank's queued work exceeds the least-loaded rank's by at most this many times the request's own "
-                    "cost (prompt + max_tokens, times n); 0: only on a tie.",
+                    "rank's queued work, less the prompt tokens the prefix saves, exceeds the least-loaded rank's by at "
+                    "most this many times the request's own cost (prompt + max_tokens, times n); 0: no more than it.",
     )
     dp_affinity_entries: int = Field(
         262144, gt=0,

@@ -95,7 +95,7 @@ def test_affinity_wins_within_the_slack_and_load_beyond_it():
     assert assign([10], [10, 0], hashes=[[A, B]], holders=holders) == [0]  # 10 more queued: within one cost
     assert assign([10], [11, 0], hashes=[[A, B]], holders=holders) == [1]  # beyond it: the least load
     assert assign([10], [25, 0], hashes=[[A, B]], holders=holders, slack=3) == [0]
-    assert assign([10], [1, 0], hashes=[[A, B]], holders=holders, slack=0) == [1]  # slack 0: a tie only
+    assert assign([10], [1, 0], hashes=[[A, B]], holders=holders, slack=0) == [1]  # slack 0: no busier at all
     assert assign([10], [0, 0, 0], free_blocks=[1, 1, 9], hashes=[[C]], holders=holders) == [2]  # unknown: least load
     assert holders == {A: 0, B: 0}  # pure
 
@@ -104,6 +104,17 @@ def test_affinity_follows_the_longest_remembered_prefix():
     holders = {A: 0, B: 1}  # rank 1 was given the longer prefix A+B
     assert assign([10], [0, 0], hashes=[[A, B, C]], holders=holders) == [1]
     assert assign([10], [0, 0], hashes=[[A, D]], holders=holders) == [0]  # only A is shared: rank 0 had it
+
+
+def test_a_held_prefix_counts_as_work_saved():
+    """A k-block prefix on its rank saves k * block_size tokens there: the slack is measured
+    after the saving, and the rank's load grows by the cost less it."""
+    holders = {C: 0}
+    assert assign([100], [140, 0], hashes=[[A, B, C]], holders=holders) == [1]  # 140 > 0 + 100
+    assert assign([100], [140, 0], hashes=[[A, B, C]], holders=holders, block_size=16) == [0]  # 140 - 48 <= 100
+    assert assign([100], [150, 0], hashes=[[A, B, C]], holders=holders, block_size=16) == [1]
+    assert assign([100, 60, 50], [0, 0], hashes=[[A, B, C], [], []], holders=holders, block_size=16) == [0, 1, 0]  # rank 0: 52
+    assert assign([100, 60, 50], [0, 0], hashes=[[A, B, C], [], []], holders=holders) == [0, 1, 1]  # rank 0: 100
 
 
 def test_requests_of_one_call_follow_each_other():
@@ -117,7 +128,7 @@ def test_affinity_off_is_least_load():
     for costs, loads in [([10, 10, 10, 10], [0, 0]), ([100, 30, 30, 30], [0, 0]), ([5, 5], [50, 0, 7])]:
         want = assign(costs, loads)
         work = [_work(i, c) for i, c in enumerate(costs)]
-        router = Router(len(loads), lambda ids: [A], policy="least_load")
+        router = Router(len(loads), lambda ids: [A], 16, policy="least_load")
         router.holders.update(holders)
         router.route(work, loads, [0] * len(loads))
         assert [w.rank for w in work] == want
@@ -130,7 +141,7 @@ def _work(i: int, cost: int, ids=None, **params) -> Work:
 
 
 def test_the_router_remembers_a_bounded_lru_of_hashes():
-    router = Router(2, lambda ids: [bytes([t]) * 16 for t in ids], policy="affinity", slack=1.0, entries=4)
+    router = Router(2, lambda ids: [bytes([t]) * 16 for t in ids], 1, policy="affinity", slack=1.0, entries=4)
     first = [_work(0, 20, [1, 2, 3]), _work(1, 10, [7, 8])]
     router.route(first, [0, 0], [0, 0])
     assert [w.rank for w in first] == [0, 1] and len(router.holders) == 4
@@ -147,7 +158,7 @@ def test_the_router_remembers_a_bounded_lru_of_hashes():
 
 
 def test_round_robin_goes_in_turn_across_calls():
-    router = Router(3, lambda ids: [A], policy="round_robin")
+    router = Router(3, lambda ids: [A], 16, policy="round_robin")
     work = [_work(i, 10) for i in range(4)]
     router.route(work[:2], [0, 0, 0], [0, 0, 0])
     router.route(work[2:], [0, 99, 0], [0, 0, 0])

@@ -12,8 +12,9 @@ engine (scheduler, KV cache, its share of the requests), stepping together.
    prefix cache's own keys, ``KVCacheManager.prompt_hashes``; an LRU map of
    ``DEEPINFER_DP_AFFINITY_ENTRIES`` hashes), and a request whose prompt starts with a remembered
    prefix goes to the rank given the longest such prefix, whose cache most likely still holds
-   it, unless that rank's queued work exceeds the least-loaded rank's by more than
-   ``DEEPINFER_DP_AFFINITY_SLACK`` times the request's own cost (``assign``). ``least_load``
+   it, unless that rank's queued work, less the prompt tokens the prefix saves there, exceeds the
+   least-loaded rank's by more than ``DEEPINFER_DP_AFFINITY_SLACK`` times the request's own cost
+   (``assign``; the request weighs only what it still has to compute on that rank). ``least_load``
    turns affinity off; ``round_robin`` (a benchmark baseline) hands requests out in turn.
 2. **Lock-step.** Every step starts with one small all-reduce: who still has work, who failed,
    how many requests finished. While anyone has work, every rank steps: a rank with work runs
@@ -101,7 +102,7 @@ class Work:
 
 def assign(costs: list[int], loads: list[int], free_blocks: list[int] | None = None,
            hashes: list[list[bytes]] | None = None, holders: Mapping[bytes, int] | None = None,
-           slack: float = 1.0) -> list[int]:
+           slack: float = 1.0, block_size: int = 0) -> list[int]:
     """The rank for each of ``costs``: heaviest first, each to the rank whose load (``loads``, the
     work it already has) is then the least; ties go to the rank with the most free KV blocks,
     then to the lowest rank.
@@ -109,27 +110,32 @@ def assign(costs: list[int], loads: list[int], free_blocks: list[int] | None = N
     Prefix affinity, with ``hashes`` (each request's prompt block chain hashes, in order) and
     ``holders`` (block hash -> the rank last given it): a request's preferred rank is the one
     given its longest prefix, the last of its hashes found among the requests placed before it in
-    this call or else in ``holders``; it goes there unless that rank's load exceeds the least
-    load by more than ``slack`` times its cost. Pure: nothing passed in is changed."""
+    this call or else in ``holders``. A prefix of k blocks there saves k * ``block_size`` of the
+    request's work (at most all of its prompt): it goes there, its cost less what the prefix saves
+    counted in that rank's load, unless that rank's load less the saving exceeds the least load by
+    more than ``slack`` times the request's cost. Pure: nothing passed in is changed."""
     loads = list(loads)
     free = free_blocks or [0] * len(loads)
     ranks = [0] * len(costs)
     placed: dict[bytes, int] = {}  # the hashes of this call's requests placed so far
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         rank = min(range(len(loads)), key=lambda r: (loads[r], -free[r], r))
+        cost = costs[i]
         if hashes is not None:
-            for h in reversed(hashes[i]):  # a chain hash stands for its whole prefix: the longest known wins
+            for k in range(len(hashes[i]), 0, -1):  # a chain hash stands for its whole prefix: the longest known wins
+                h = hashes[i][k - 1]
                 held = placed.get(h)
                 if held is None and holders is not None:
                     held = holders.get(h)
                 if held is not None:
-                    if loads[held] <= loads[rank] + slack * costs[i]:
-                        rank = held
+                    saved = min(k * block_size, costs[i])
+                    if loads[held] - saved <= loads[rank] + slack * costs[i]:
+                        rank, cost = held, costs[i] - saved
                     break
             for h in hashes[i]:
                 placed[h] = rank
         ranks[i] = rank
-        loads[rank] += costs[i]
+        loads[rank] += cost
     return ranks
 
 
@@ -142,10 +148,10 @@ class Router:
     key function (``KVCacheManager.prompt_hashes``: empty with prefix caching off, so affinity
     then changes nothing)."""
 
-    def __init__(self, size: int, prompt_hashes: Callable[[list[int]], list[bytes]], policy: str | None = None,
-                 slack: float | None = None, entries: int | None = None):
+    def __init__(self, size: int, prompt_hashes: Callable[[list[int]], list[bytes]], block_size: int,
+                 policy: str | None = None, slack: float | None = None, entries: int | None = None):
         config = settings()
-        self.size, self.prompt_hashes = size, prompt_hashes
+        self.size, self.prompt_hashes, self.block_size = size, prompt_hashes, block_size
         self.policy = policy or config.dp_policy
         self.slack = config.dp_affinity_slack if slack is None else slack
         self.entries = entries or config.dp_affinity_entries
@@ -161,7 +167,7 @@ class Router:
         hashes = None
         if self.policy == "affinity":  # prompt_logprobs requests never reuse a cached prefix
             hashes = [self.prompt_hashes(w.prompt_token_ids) if w.params.prompt_logprobs is None else [] for w in work]
-        ranks = assign([w.cost for w in work], loads, free_blocks, hashes, self.holders, self.slack)
+        ranks = assign([w.cost for w in work], loads, free_blocks, hashes, self.holders, self.slack, self.block_size)
         for i, (w, rank) in enumerate(zip(work, ranks)):
             w.rank = rank
             if hashes is not None:
@@ -206,7 +212,7 @@ class DataParallel:
         self.rank_preemptions: list[int] = []  # every rank's engine.num_preemptions after the last generate
         self.rank_gauges: list[dict[str, float]] = []  # every rank's engine.gauges() after the last generate
         self.served_counts: dict[str, list[int]] = {}  # serving: output tokens per sample already reported, by request
-        self.router = Router(group.size, engine.kv.prompt_hashes)  # rank 0's: where new requests go
+        self.router = Router(group.size, engine.kv.prompt_hashes, engine.kv.block_size)  # rank 0's: where new requests go
 
     @property
     def rank(self) -> int:

@@ -13,7 +13,9 @@ Token ids are random (no tokenizer); the model is the tiny default one unless ``
 
 Reported per policy: prefix-cache hit tokens (``RequestOutput.num_cached_tokens`` summed), prompt
 tokens computed (prompt tokens minus hits), every rank's share of the requests and of their cost
-(prompt + max_tokens, as rank 0 weighs them), and the wall time of the rounds (LLM start-up not
+(prompt + max_tokens, as rank 0 weighs them), the reusable tokens (the full blocks of each
+request's own conversation history already computed somewhere: the most a placement could hit,
+not counting the system prompt shared across conversations), and the wall time of the rounds (LLM start-up not
 counted). Writes dp_affinity.json under ``--out``.
 """
 
@@ -60,7 +62,9 @@ def run_policy(policy: str, args, system: list[int], turns: list[list[list[int]]
         params = SamplingParams(temperature=0, max_tokens=args.reply_tokens, ignore_eos=True)
         rng = random.Random(args.seed + 1)  # the same arrival orders for every policy
         history = [list(system) for _ in turns]
-        prompt_tokens = cached = 0
+        computed = [0] * len(turns)  # tokens of each conversation's history some rank computed (its last token never is)
+        bs = llm.engine.kv.block_size
+        prompt_tokens = cached = reusable = 0
         per_round = []
         start = time.perf_counter()
         for t in range(args.turns):
@@ -70,14 +74,17 @@ def run_policy(policy: str, args, system: list[int], turns: list[list[list[int]]
             outs = llm.generate(prompts, params, use_tqdm=False)
             hit = sum(o.num_cached_tokens or 0 for o in outs)
             total = sum(len(p) for p in prompts)
-            per_round.append({"round": t, "prompt_tokens": total, "cached_tokens": hit})
-            prompt_tokens, cached = prompt_tokens + total, cached + hit
+            # the most any placement could reuse: the full blocks of the conversation's own history
+            best = sum(min(computed[c] // bs, (len(p) - 1) // bs) * bs for c, p in zip(order, prompts))
+            per_round.append({"round": t, "prompt_tokens": total, "cached_tokens": hit, "reusable_tokens": best})
+            prompt_tokens, cached, reusable = prompt_tokens + total, cached + hit, reusable + best
             for c, prompt, out in zip(order, prompts, outs):
                 history[c] = prompt + list(out.outputs[0].token_ids)
+                computed[c] = len(history[c]) - 1
         wall = time.perf_counter() - start
         ranks = range(args.dp)
         return {"policy": policy, "wall_s": round(wall, 3), "prompt_tokens": prompt_tokens, "cached_tokens": cached,
-                "prefill_tokens_computed": prompt_tokens - cached,
+                "prefill_tokens_computed": prompt_tokens - cached, "reusable_tokens": reusable,
                 "hit_rate": round(cached / prompt_tokens, 4) if prompt_tokens else 0.0,
                 "requests_per_rank": [sum(1 for r, _ in placed if r == k) for k in ranks],
                 "cost_per_rank": [sum(c for r, c in placed if r == k) for k in ranks],
@@ -112,7 +119,8 @@ def main(argv=None) -> None:
     for policy in args.policies.split(","):
         r = run_policy(policy, args, system, turns)
         results.append(r)
-        print(f"{policy:>12}: cached {r['cached_tokens']:>6} of {r['prompt_tokens']} prompt tokens ({r['hit_rate']:.1%}), "
+        print(f"{policy:>12}: cached {r['cached_tokens']:>6} of {r['prompt_tokens']} prompt tokens ({r['hit_rate']:.1%}; "
+              f"{r['reusable_tokens']} reusable), "
               f"prefill computed {r['prefill_tokens_computed']:>6}, requests per rank {r['requests_per_rank']}, "
               f"cost per rank {r['cost_per_rank']}, wall {r['wall_s']:.2f} s", flush=True)
     report = {"meta": metadata(args), "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

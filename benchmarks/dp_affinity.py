@@ -36,7 +36,7 @@ POLICIES = ("round_robin", "least_load", "affinity")
 def workload(args) -> tuple[list[int], list[list[list[int]]]]:
     """The shared system prompt and every conversation's user turns (token ids)."""
     rng = random.Random(args.seed)
-    draw = lambda n: [rng.randrange(3, args.vocab) for _ in range(n)]  # noqa: E731 - ids past the special ones
+    draw = lambda n: [rng.randrange(3, args.vocab) for _ in range(n)]  # ids past the special ones
     turns = [[draw(rng.randint(args.turn_tokens // 2, args.turn_tokens)) for _ in range(args.turns)]
              for _ in range(args.conversations)]
     return draw(args.system_tokens), turns

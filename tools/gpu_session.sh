@@ -6,6 +6,7 @@
 #   baselines recorded and re-checked; invariant: benchmarks/batch_invariant.py; structured:
 #   benchmarks/structured.py; serve: benchmarks/serve.py (SERVE_ARGS); multi: the multi-GPU run (NCCL tests, then
 #   benchmarks/all_to_all.py and benchmarks/scale_out.py over every GPU of the host, SCALE_ARGS; NVLink multicast off);
+#   v4: benchmarks/v4_slice.py over V4_RUNS (default "fp4:fp8 fp4:auto bf16:auto:peer": experts:kv[:transformers]);
 #   none: only install, for a command of your own after it).
 #   TEST_PATHS narrows the tests part (default: tests/nvidia tests/test_gpu.py).
 #   DEEPGEMM_SRC=DIR builds DeepGEMM from that source tree first (DEEPGEMM_CUTLASS: its cute/ and
@@ -79,6 +80,16 @@ for part in "${parts[@]}"; do
         timeout "${A2A_TIMEOUT:-200}" python3 -m benchmarks.all_to_all --ranks "$gpus" --out "$out" 2>&1
       fi
       timeout "${SCALE_TIMEOUT:-540}" python3 -m benchmarks.scale_out --out "$out" ${SCALE_ARGS:-} 2>&1 ;;
+    v4)  # issue 47's matrix on the V4-Flash slice: experts x KV dtype in V4_RUNS (EXPERTS:KV[:peer]),
+      # transformers beside the bf16-expert runs (it cannot share packed MXFP4 experts)
+      for run in ${V4_RUNS:-fp4:fp8 fp4:auto bf16:auto:peer}; do
+        IFS=: read -r experts kv peer <<<"$run"
+        timeout "${V4_TIMEOUT:-200}" python3 -m benchmarks.v4_slice --batch 1 --batch 8 --prompt-len "${V4_PROMPT:-2048}" \
+          --new-tokens 17 --cadence --profile "1x${V4_PROMPT:-2048}" --expert-dtype "$experts" --kv-cache-dtype "$kv" \
+          ${peer:+--hf-peer 1x${V4_PROMPT:-2048} --hf-peer 8x${V4_PROMPT:-2048}} --out "$out/v4_${experts}_${kv}" \
+          >"$out/v4_${experts}_${kv}.log" 2>&1
+        grep -v -i warn "$out/v4_${experts}_${kv}.log" | grep -E "^generate|^cadence|^decode|^transformers|^summary|^    |Error" | cut -c1-200
+      done ;;
     e2e|all)
       timeout "${E2E_TIMEOUT:-540}" python3 -m benchmarks.e2e --model v2-lite --model v3-slice --hf-peer --out "$out" ${QUICK:+--quick} 2>&1
       python3 -m benchmarks.plots "$out" ;;

@@ -79,37 +79,45 @@ def _communicator(cap):
         dist.get_backend = real
 
 
+def _cases(rank: int, world: int) -> None:
+    fake.GROUPS[NAME] = dist.group.WORLD
+    asked = []
+    hccl.hccl_comm_name = lambda group, r: asked.append((group, r)) or NAME
+    for what, kind, counts, dtype, cap, buffsize, fused in CASES:
+        if buffsize is None:
+            os.environ.pop("HCCL_BUFFSIZE", None)
+        else:
+            os.environ["HCCL_BUFFSIZE"] = buffsize
+        fake.CALLS.clear()
+        comm = _communicator(cap)
+        w13, w2 = _layer(dtype)
+        shard = ExpertShard.from_full(w13, w2, _placement(kind, world), rank)
+        x, weights, ids = _tokens(rank, counts[rank], dtype)
+        got, during = moe_expert_parallel(x, weights, ids, shard, comm, moe_experts, lambda x=x: x * 2)
+        want = moe_experts(x, w13, w2, weights, ids)  # one process, every expert
+        assert got.dtype == dtype and got.shape == x.shape, what
+        tol = TOL if dtype == torch.bfloat16 else 5e-3 if dtype == torch.float16 else 1e-5
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m, what=what: f"{what}: {m}")
+        assert torch.equal(during, x * 2), what
+        calls = 1 if fused else 0
+        assert fake.CALLS["npu_moe_distribute_dispatch_v2"] == fake.CALLS["npu_moe_distribute_combine_v2"] == calls, \
+            (what, dict(fake.CALLS))
+    assert asked and all(a == (None, rank) for a in asked)  # the default group's name, asked with this rank
+
+
 def _rank(rank: int, world: int, store: str) -> None:
     # a file store: no TCP port picked beforehand that another process could take meanwhile
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
         sys.modules["torch_npu"] = fake  # this process is one rank of the test, nothing else runs in it
-        fake.GROUPS[NAME] = dist.group.WORLD
-        asked = []
-        hccl.hccl_comm_name = lambda group, r: asked.append((group, r)) or NAME
-        for what, kind, counts, dtype, cap, buffsize, fused in CASES:
-            if buffsize is None:
-                os.environ.pop("HCCL_BUFFSIZE", None)
-            else:
-                os.environ["HCCL_BUFFSIZE"] = buffsize
-            fake.CALLS.clear()
-            comm = _communicator(cap)
-            w13, w2 = _layer(dtype)
-            shard = ExpertShard.from_full(w13, w2, _placement(kind, world), rank)
-            x, weights, ids = _tokens(rank, counts[rank], dtype)
-            got, during = moe_expert_parallel(x, weights, ids, shard, comm, moe_experts, lambda x=x: x * 2)
-            want = moe_experts(x, w13, w2, weights, ids)  # one process, every expert
-            assert got.dtype == dtype and got.shape == x.shape, what
-            tol = TOL if dtype == torch.bfloat16 else 5e-3 if dtype == torch.float16 else 1e-5
-            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m, what=what: f"{what}: {m}")
-            assert torch.equal(during, x * 2), what
-            calls = 1 if fused else 0
-            assert fake.CALLS["npu_moe_distribute_dispatch_v2"] == fake.CALLS["npu_moe_distribute_combine_v2"] == calls, \
-                (what, dict(fake.CALLS))
-        assert asked and all(a == (None, rank) for a in asked)  # the default group's name, asked with this rank
+        _cases(rank, world)  # its communicators and tensors are gone when it returns
         dist.barrier()
     finally:
+        # no reference to the gloo group may outlive destroy_process_group: a group freed later, at the
+        # interpreter's exit, can abort the process ("terminate called without an active exception",
+        # seen once in CI under load)
+        fake.GROUPS.clear()
         dist.destroy_process_group()
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # DeepInfer build script.
-#   ./build.sh          create .venv and install the core, the backend plugins, the dev tools and lm-eval (eval/)
+#   ./build.sh          create .venv and install the core, the backend plugins, the dev tools, lm-eval (eval/) and
+#                       the prefill/decode extra (NIXL, vllm-router)
 #   ./build.sh run      ... then run examples/offline_inference.py on the embedded default model
 #   ./build.sh test     ... then run the test suite
 # DEEPINFER_ACCELERATOR=cpu|nvidia|ascend (auto when unset) chooses which torch build is installed
@@ -57,7 +58,7 @@ fi
 # last install or the venv lacks what it installed.
 stamp=.venv/.deepinfer-install
 if ! .venv/bin/python -P tools/venv_is_current.py "$PWD" "$stamp" 2>/dev/null; then
-  "${pip[@]}" install -e ".[dev,eval]" -e plugins/nvidia_sm100 -e "plugins/ascend_950[tilelang]"
+  "${pip[@]}" install -e ".[dev,eval,pd]" -e plugins/nvidia_sm100 -e "plugins/ascend_950[tilelang]"
   .venv/bin/python -P tools/venv_is_current.py "$PWD" "$stamp" --write
 fi
 

@@ -156,6 +156,10 @@ class LLM:
     restarts (same model and cache layout; another's directory is refused); ``close()`` (also
     run at exit) writes the blocks the device still caches there too and finishes the writes.
     ``RequestOutput.num_cached_tokens_by_tier`` says which tier served a prompt's cached tokens.
+    kv_role: "prefill" or "decode" for prefill/decode disaggregation over NIXL (vLLM's
+    ``kv_transfer_params`` protocol, ``engine/kv_transfer.py``; one process, not with data
+    parallelism or speculative decoding); kv_transfer_timeout: seconds a prefill instance keeps
+    blocks no decode instance read, and a decode instance waits for a READ.
     """
 
     def __init__(
@@ -185,6 +189,8 @@ class LLM:
         kv_offload_gb: float = 0,
         kv_disk_dir: str | os.PathLike | None = None,
         kv_disk_gb: float | None = None,
+        kv_role: str | None = None,
+        kv_transfer_timeout: float = 120.0,
         **unsupported,
     ):
         env = settings()
@@ -212,10 +218,15 @@ class LLM:
                 kv_offload_gb=kv_offload_gb,
                 kv_disk_dir=None if kv_disk_dir is None else os.fspath(kv_disk_dir),
                 kv_disk_gb=kv_disk_gb,
+                kv_role=kv_role,
+                kv_transfer_timeout=kv_transfer_timeout,
             )
         except ValidationError as e:
             raise ConfigError(f"bad LLM() arguments: {validation_problems(e)}") from None
         parallel = _parallel_config(data_parallel_size, expert_parallel, context_parallel_size)
+        if kv_role is not None and parallel.data_parallel_size > 1:
+            raise ConfigError(f"kv_role={kv_role!r} runs one engine per instance: start one prefill or decode instance per "
+                              "GPU (vLLM's router balances them) instead of data_parallel_size > 1")
         self.model_dir = resolve_model_dir(model)
         _check_quantization(self.model_dir, quantization)
         if dtype == "auto" and env.dtype:

@@ -317,6 +317,13 @@ def _serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("DEEPINFER_API_KEY") or None
     try:  # the flags and the port first: either is reported before minutes of loading a model
         llm_args = _llm_arguments(args)
+        if args.role is not None:
+            if args.kv_transfer_timeout <= 0:
+                raise ArgumentError(f"--kv-transfer-timeout {args.kv_transfer_timeout}: give a positive number of seconds")
+            if llm_args["speculative_config"] is not None or (args.data_parallel_size or 1) > 1:
+                raise ArgumentError("--role runs one engine per instance without speculative decoding: drop --ngram / --mtp "
+                                    "and --data-parallel-size")
+            llm_args.update(kv_role=args.role, kv_transfer_timeout=args.kv_transfer_timeout)
         for flag, value in (("--max-tokens", args.max_tokens), ("--max-n", args.max_n), ("--max-body-bytes", args.max_body_bytes)):
             if value < 1:
                 raise ArgumentError(f"{flag} {value}: a request's limit must be at least 1")
@@ -414,6 +421,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-tokens", type=int, default=4096, help="the most tokens one request may ask for")
     v.add_argument("--max-n", type=int, default=16, help="the most samples one request may ask for")
     v.add_argument("--max-body-bytes", type=int, default=4 << 20, help="the largest request body accepted")
+    v.add_argument("--role", choices=["prefill", "decode"], default=None,
+                   help="prefill/decode disaggregation over NIXL: this instance prefills for decode instances, or decodes "
+                        "from prefill instances' KV cache; vllm-router --vllm-pd-disaggregation --kv-connector nixl routes "
+                        "between them (docs/serving.md)")
+    v.add_argument("--kv-transfer-timeout", type=float, default=120.0, metavar="S",
+                   help="with --role: seconds a prefill instance keeps blocks no decode instance read, and a decode "
+                        "instance waits for a READ (default 120)")
     _engine_arguments(v, "N ranks (processes started here), each with its own engine; each request runs on the least loaded")
     v.set_defaults(func=_serve)
     from deepinfer_core.conformance.ops_suite import DEFAULT_EXAMPLES, DEFAULT_EXPLORE_MAX_ELEMENTS

@@ -171,6 +171,18 @@ class EngineConfig(BaseModel):
     kv_offload_gb: float = Field(0, ge=0)
     kv_disk_dir: str | None = None
     kv_disk_gb: float | None = Field(None, gt=0)
+    # Prefill/decode disaggregation (engine/kv_transfer.py): this engine prefills for decode instances
+    # ("prefill") or decodes from prefill instances' KV ("decode"), over NIXL; and how long a prefill
+    # instance keeps blocks nobody read, and a decode instance waits for a READ (seconds).
+    kv_role: Literal["prefill", "decode"] | None = None
+    kv_transfer_timeout: float = Field(120.0, gt=0)
+
+    @model_validator(mode="after")
+    def _kv_role(self) -> EngineConfig:
+        if self.kv_role is not None and self.speculative_config is not None:
+            raise ValueError(f"kv_role={self.kv_role!r} does not work with speculative decoding yet (its lookahead changes the "
+                             "cache layout, and MTP drafts from state the transfer does not carry); drop speculative_config")
+        return self
 
     @model_validator(mode="after")
     def _kv_tiers(self) -> EngineConfig:

@@ -52,6 +52,8 @@ def test_current_only_with_the_right_stamp(tmp_path, monkeypatch):
     assert not venv_is_current.current(REPO, stamp)  # a dev requirement went missing
     monkeypatch.setattr(venv_is_current.md, "requires", lambda name: [*real(name), 'no-such-distribution>=1; extra == "eval"'])
     assert not venv_is_current.current(REPO, stamp)  # so did lm-eval's extra, which build.sh installs too
+    monkeypatch.setattr(venv_is_current.md, "requires", lambda name: [*real(name), 'no-such-distribution>=1; extra == "pd"'])
+    assert not venv_is_current.current(REPO, stamp)  # and the prefill/decode extra (NIXL, vllm-router)
     monkeypatch.setattr(venv_is_current.md, "requires", lambda name: [*real(name), 'no-such-distribution>=1; extra == "tilelang"'])
     assert not venv_is_current.current(REPO, stamp)  # the Ascend plugin's tilelang extra, which build.sh installs, went missing
     monkeypatch.setattr(venv_is_current.md, "requires", lambda name: [*real(name), 'no-such-distribution>=1; extra == "bench"'])

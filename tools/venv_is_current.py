@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 PACKAGES = ("deepinfer_core", "deepinfer_nvidia_sm100", "deepinfer_ascend_950")
-EXTRAS = ("dev", "eval")  # what ./build.sh installs: pip install -e ".[dev,eval]"
+EXTRAS = ("dev", "eval", "pd")  # what ./build.sh installs: pip install -e ".[dev,eval,pd]"
 PLUGIN_EXTRAS = {"deepinfer-ascend-950": ("tilelang",)}  # ... and -e "plugins/ascend_950[tilelang]"
 
 

@@ -34,6 +34,8 @@ from deepinfer_core.engine.spec_decode.stats import AcceptanceStats
 
 log = logging.getLogger("deepinfer")
 
+TRANSFER_WAIT_S = 0.001  # a step with nothing to run but KV transfers waits this long before it looks again
+
 
 def sample_seed(seed: int, index: int) -> int:
     """The random stream of sample ``index`` of a request with ``seed``: (seed, index) hashed, so
@@ -115,14 +117,23 @@ class Engine:
         rid = request_id if request_id is not None else str(self.next_request_id)
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
+        exports, remote = False, None
+        if params.kv_transfer_params is not None:
+            exports, remote, params = self._disaggregated(params, ids, label)
+            if exports:  # a prefill instance: the prompt but its last token, once (engine/kv_transfer.py)
+                bad_words = []
         req = Request(rid, text, ids, params)
         first = self.next_seq_id
         compiled = self.compile_grammar(params, label) if params.so_args is not None else None  # cached by check()
         for i in range(params.n):
-            seq = Sequence(first + i, rid, i, list(ids), params, self._seed(params, i, first + i), bad_words_token_ids=bad_words)
+            seq = Sequence(first + i, rid, i, list(ids[:-1] if exports else ids), params, self._seed(params, i, first + i),
+                           bad_words_token_ids=bad_words)
             if compiled is not None:
                 seq.grammar = self.grammars.matcher(compiled)
             req.seqs.append(seq)
+        req.seqs[0].exports = exports
+        if remote is not None and remote.remote_num_tokens:
+            req.seqs[0].remote, req.seqs[0].remote_since = remote, time.monotonic()
         for seq in req.seqs[1:]:
             seq.prefix_leader = req.seqs[0]
         self.requests[rid] = req  # known before queued: a withdraw always finds what was queued
@@ -132,6 +143,61 @@ class Engine:
         if request_id is None:
             self.next_request_id += 1
         return rid
+
+    def _disaggregated(self, params: SamplingParams, ids: list[int], label: str):
+        """(whether this prefill instance parks the request's blocks for a decode instance, the
+        prefill's blocks this decode instance reads, the params to run) of a request with
+        ``kv_transfer_params``; RequestError when this instance cannot take them."""
+        from deepinfer_core.engine.kv_transfer import parse_remote
+
+        kv, transfer = params.kv_transfer_params, self.scheduler.transfer
+        role = transfer.role if transfer is not None else None
+        if kv.get("do_remote_decode"):
+            if role != "prefill":
+                raise RequestError(f"{label}: kv_transfer_params ask this instance to prefill for a decode instance, but it runs "
+                                   f"{'as ' + role if role else 'without a role'}; send it to an instance started with --role prefill")
+            if len(ids) < 2:
+                raise RequestError(f"{label}: a one-token prompt has nothing to prefill (the decode instance computes the last "
+                                   "prompt token); send it to the decode instance alone")
+            return True, None, params.model_copy(update={
+                "n": 1, "max_tokens": 1, "min_tokens": 0, "temperature": 0.0, "logprobs": None, "prompt_logprobs": None,
+                "so_args": None, "stop": [], "stop_token_ids": [], "logit_bias": None, "allowed_token_ids": None, "bad_words": None,
+                "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "kv_transfer_params": None})
+        if kv.get("do_remote_prefill"):
+            if role != "decode":
+                raise RequestError(f"{label}: kv_transfer_params come from a prefill instance, but this instance runs "
+                                   f"{'as ' + role if role else 'without a role'}; send them to an instance started with --role decode")
+            try:
+                remote = parse_remote(kv, label)
+                transfer.check(remote, ids[:-1], label)
+            except ValueError as e:
+                raise RequestError(str(e)) from None
+            return False, remote, params.model_copy(update={"kv_transfer_params": None})
+        raise RequestError(f"{label}: kv_transfer_params set neither do_remote_decode (to a prefill instance) nor "
+                           "do_remote_prefill (a prefill instance's answer, to a decode instance)")
+
+    def poll_transfers(self) -> list[Request]:
+        """Prefill/decode disaggregation's news: blocks that arrived join their sequences to the
+        running ones, parked or abandoned blocks are freed, and a request whose blocks did not
+        arrive ends (``Request.error``) and is returned."""
+        transfer = self.scheduler.transfer
+        if transfer is None:
+            return []
+        polled = transfer.poll()
+        for seq in polled.freed:
+            self.kv.free(seq)
+        for seq in polled.received:
+            self.scheduler.received(seq)
+        ended = []
+        for seq, why in polled.failed:
+            self.scheduler.receiving.remove(seq)
+            if seq.request_id not in self.requests:  # cannot happen: an aborted request's READ is abandoned, not failed
+                continue
+            req = self.abort(seq.request_id)
+            req.error = f"the KV cache of the prompt did not arrive from the prefill instance: {why}"
+            log.error("request %s: %s", seq.request_id, req.error)
+            ended.append(req)
+        return ended
 
     def resolve_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         """vLLM's open values made concrete for this engine and a prompt of ``num_prompt_tokens``
@@ -216,6 +282,10 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one step; return the requests that finished in it (removed from the engine). In
         overlapped mode the step launched here is resolved by the next call."""
+        ended = self.poll_transfers()
+        return ended + self._run_step()
+
+    def _run_step(self) -> list[Request]:
         prev, self.in_flight = self.in_flight, None
         if prev is None:
             self.scheduler.forget_pending()
@@ -224,6 +294,10 @@ class Engine:
             if prev is not None:
                 return self._resolve(prev)
             if self.scheduler.has_unfinished():
+                transfer = self.scheduler.transfer
+                if transfer is not None and transfer.busy:  # blocks on their way, or parked for a decode instance
+                    time.sleep(TRANSFER_WAIT_S)
+                    return []
                 raise RuntimeError("scheduler could not schedule any work; KV cache too small for the waiting requests")
             return []
         finished = []

@@ -184,6 +184,9 @@ class RequestOutput:
     # num_cached_tokens by where their blocks were found: {"gpu": the device's pool, "host": the
     # host-memory tier, "disk": the disk tier} ("gpu" whatever the device is)
     num_cached_tokens_by_tier: dict[str, int] | None = None
+    # a prefill instance's answer for its decode instance (engine/kv_transfer.py): where the prompt's KV is
+    kv_transfer_params: dict | None = None
+    error: str | None = None  # why the engine ended the request (its samples' finish_reason is "abort")
 
 
 class GenerationError(RuntimeError):
@@ -194,6 +197,11 @@ class GenerationError(RuntimeError):
     def __init__(self, message: str, outputs: list[RequestOutput]):
         super().__init__(message)
         self.outputs = outputs
+
+
+class KVTransferFailed(GenerationError):
+    """A decode instance could not bring a request's KV cache from its prefill instance
+    (``RequestOutput.error`` says why); the instance goes on (engine/kv_transfer.py)."""
 
 
 def to_output(req: Request, speculative: bool) -> RequestOutput:
@@ -226,4 +234,6 @@ def to_output(req: Request, speculative: bool) -> RequestOutput:
         num_cached_tokens=first.num_cached_tokens,
         metrics=RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time, spec),
         num_cached_tokens_by_tier=None if first.num_cached_tokens_by_tier is None else dict(first.num_cached_tokens_by_tier),
+        kv_transfer_params=first.kv_transfer_params,
+        error=req.error,
     )

@@ -32,6 +32,7 @@ class Request:
     arrival_time: float = field(default_factory=time.time)
     first_token_time: float | None = None
     finished_time: float | None = None
+    error: str | None = None  # why the engine ended it (a failed KV transfer), beside finish_reason "abort"
 
     @property
     def finished(self) -> bool:

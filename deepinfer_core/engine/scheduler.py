@@ -76,12 +76,14 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.transfer = None  # kv_transfer.KVTransfer of a prefill or decode instance
+        self.receiving: list[Sequence] = []  # holding blocks that a READ from a prefill instance fills
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.receiving)
 
     def schedule(self) -> SchedulerOutput:
         out, reading = self._schedule()
@@ -98,8 +100,8 @@ class Scheduler:
         while queue and budget > 0:
             seq = queue.pop(0)
             remaining = seq.num_tokens + seq.num_pending - seq.num_computed_tokens
-            if remaining <= 0:
-                continue
+            if remaining <= 0 or (seq.exports and seq.num_computed_tokens >= seq.num_prompt_tokens):
+                continue  # (a prefill instance's sequence computes its prompt only: its blocks go to a decode instance)
             decode = remaining == 1 and seq.num_computed_tokens > 0
             drafts = min(len(seq.draft_token_ids), self.max_model_len - seq.num_tokens - 1) if decode else 0
             num_new = min(remaining + max(drafts, 0), budget)
@@ -118,10 +120,19 @@ class Scheduler:
         admitted, reading = [], False
         if not out.preempted:
             for seq in self.waiting:
-                if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                if budget <= 0 or len(self.running) + len(self.receiving) >= self.max_num_seqs:
                     break
                 if seq.num_pending or self._held_back(seq):
                     continue  # its newest token is still on the device / its sibling is caching their prompt
+                if seq.remote is not None:  # its first tokens' blocks come from a prefill instance
+                    if not self.kv.can_allocate(seq, seq.remote.remote_num_tokens):
+                        break
+                    self.kv.allocate(seq, seq.remote.remote_num_tokens)
+                    seq.status = Status.RUNNING
+                    admitted.append(seq)
+                    self.receiving.append(seq)
+                    self.transfer.receive(seq)
+                    continue
                 if seq.num_computed_tokens == 0 and not self.kv.load_from_tiers(seq):
                     reading = True
                     continue  # its prefix is being read from the disk tier
@@ -149,6 +160,16 @@ class Scheduler:
             self.waiting.remove(seq)
         self.kv.end_round()
         return out, reading
+
+    def received(self, seq: Sequence) -> None:
+        """``seq``'s blocks arrived from the prefill instance: it runs from the tokens they hold (its
+        next step computes the prompt's last token and samples)."""
+        self.receiving.remove(seq)
+        seq.num_computed_tokens = seq.remote.remote_num_tokens
+        seq.remote = None
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens, seq.num_cached_tokens_by_tier = 0, dict.fromkeys(self.kv.num_hit_tokens_by_tier, 0)
+        self.running.append(seq)
 
     def _take(self, out: SchedulerOutput, seq: Sequence, start: int, num_new: int, num_drafts: int, decode: bool,
               cached: dict[str, list[int]] | None = None) -> None:
@@ -226,17 +247,28 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
-        """Release a finished (or aborted) sequence's blocks (cached ones stay findable)."""
+        """Release a finished (or aborted) sequence's blocks (cached ones stay findable). On a
+        prefill instance, a sequence that finished for a decode instance keeps them, parked
+        (``KVTransfer.park``); one whose blocks a READ still fills keeps them until it is over."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.kv.free(seq)
+        elif seq in self.receiving:
+            self.receiving.remove(seq)
+            self.transfer.abandon(seq)
         seq.status = Status.FINISHED
+        if seq.exports and seq.finish_reason != "abort" and seq.block_tables:
+            seq.kv_transfer_params = self.transfer.park(seq, seq.prompt_token_ids)
+        if self.transfer is None or not self.transfer.holds(seq):
+            self.kv.free(seq)
 
     def reset(self) -> None:
         """Forget every sequence and free every block (nothing may be queued or running): what an
         interrupt that landed inside the bookkeeping may have left half-done is undone."""
         self.waiting.clear()
         self.running.clear()
+        self.receiving.clear()
+        if self.transfer is not None:
+            self.transfer.reset()
         self.kv.reset()

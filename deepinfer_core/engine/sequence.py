@@ -70,6 +70,14 @@ class Sequence:
     spec_stats: AcceptanceStats = field(default_factory=AcceptanceStats)  # drafts verified / accepted (speculative decoding)
     grammar: object | None = None  # xgrammar matcher of a constrained sequence (sampling.structured), fed its outputs
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words tokenized (Engine.add_request)
+    # prefill/decode disaggregation (engine/kv_transfer.py): on a decode instance, where the blocks of
+    # its first tokens are (kv_transfer.RemoteKV) until they arrive, and since when it waits for them;
+    # on a prefill instance, whether its blocks are parked for a decode instance when it finishes,
+    # and the kv_transfer_params that say where
+    remote: object | None = None
+    remote_since: float = 0.0
+    exports: bool = False
+    kv_transfer_params: dict | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -175,6 +175,10 @@ def start(self, model_dir: Path, engine_config: EngineConfig, backend_name: str 
         warm_up(self, graphs.sizes, progress)
     if tiers is not None:  # the warm-up's blocks are not offered to them
         self.kv.attach_tiers(tiers)
+    if engine_config.kv_role is not None:  # prefill/decode disaggregation: the cache registered with NIXL
+        from deepinfer_core.engine.kv_transfer import KVTransfer
+
+        self.scheduler.transfer = KVTransfer(self, model_dir, engine_config.kv_role, engine_config.kv_transfer_timeout)
     self.observer = self.plugins.step_observer()
     log.info(
         "engine ready: backend %s (%s), dtype %s, %d KV blocks x %d tokens, max_model_len %d, decode graphs %s, "

@@ -103,6 +103,9 @@ class SamplingParams(BaseModel):
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # prefill/decode disaggregation, as vLLM's router sends it (engine/kv_transfer.py):
+    # {"do_remote_decode": true} to a prefill instance, the prefill's answer to a decode instance
+    kv_transfer_params: dict | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

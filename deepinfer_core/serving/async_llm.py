@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from deepinfer_core.api import LLM, GenerationError, RequestOutput
+from deepinfer_core.engine.output import KVTransferFailed
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.serving.drivers import LocalDriver, ParallelDriver, Unavailable
 
@@ -119,7 +120,8 @@ class AsyncLLM:
             progress = driver.step()
             for out in progress.ended:
                 self._ended(out)
-                item = GenerationError(f"generation failed: {progress.failure}", [out]) if progress.failure else out
+                item = GenerationError(f"generation failed: {progress.failure}", [out]) if progress.failure else (
+                    KVTransferFailed(out.error, [out]) if out.error else out)
                 self._deliver(out.request_id, item)
             if progress.failure:  # requests the failure took without an output (a data-parallel rank died)
                 gone = driver.unavailable()

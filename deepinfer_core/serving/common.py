@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
-from deepinfer_core.engine.output import GenerationError, RequestOutput
+from deepinfer_core.engine.output import GenerationError, KVTransferFailed, RequestOutput
 from deepinfer_core.engine.requests import encode_prompt
 from deepinfer_core.serving.async_llm import AsyncLLM
 from deepinfer_core.serving.protocol import FieldError, Limits
@@ -180,10 +180,18 @@ async def unless_disconnected(work, request: Request | None):
                 raise BadRequest("the client disconnected", status=499)
         return await task
     except GenerationError as e:
-        raise BadRequest(f"generation failed: {e}", status=500, kind="server_error") from None
+        raise _failed(e) from None
     finally:
         task.cancel()
         task.add_done_callback(_retrieved)
+
+
+def _failed(e: GenerationError) -> BadRequest:
+    """The answer to a request the engine could not finish: 502 when its KV cache did not come
+    from its prefill instance (that instance failed, not this one), else 500."""
+    if isinstance(e, KVTransferFailed):
+        return BadRequest(str(e), status=502, kind="server_error")
+    return BadRequest(f"generation failed: {e}", status=500, kind="server_error")
 
 
 def _retrieved(future: asyncio.Future) -> None:
@@ -206,7 +214,7 @@ async def sse(events, anthropic: bool = False) -> StreamingResponse:
     try:
         first = await anext(events)
     except GenerationError as e:
-        raise BadRequest(f"generation failed: {e}", status=500, kind="server_error") from None
+        raise _failed(e) from None
 
     async def body():
         try:

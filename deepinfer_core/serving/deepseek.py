@@ -56,13 +56,20 @@ def register(app: FastAPI, engine: AsyncLLM, recipe: Recipe, model_name: str, li
             raise BadRequest(str(e), status=e.status) from None
 
     async def answer(request: Request, anthropic: bool, prefix: str):
-        cr, prompt = converted(await request.body(), anthropic)
+        raw = await request.body()
+        cr, prompt = converted(raw, anthropic)
         try:
             params = recipe.sampling_params(cr, len(prompt), engine.engine.max_model_len, limits.max_tokens)
         except ProtocolError as e:
             raise BadRequest(str(e), status=e.status) from None
+        kv = json.loads(raw).get("kv_transfer_params")  # prefill/decode disaggregation (vLLM's router): not DeepSeek's field
+        if kv is not None and not isinstance(kv, dict):
+            raise BadRequest("kv_transfer_params must be an object (as a prefill instance answers it)", "kv_transfer_params")
+        params = params.model_copy(update={"kv_transfer_params": kv})
         rid = f"{prefix}{uuid.uuid4().hex}"
-        chunks = _chunks(engine, recipe.answer(cr, rid, model_name, engine.engine.output.eos_ids, anthropic), rid, prompt, params)
+        ended = []  # the last output: a prefill instance's answer carries kv_transfer_params
+        chunks = _chunks(engine, recipe.answer(cr, rid, model_name, engine.engine.output.eos_ids, anthropic), rid, prompt, params,
+                         ended)
         if cr.stream:
             return await sse(_events(chunks), anthropic)
         response = recipe.response(rid, model_name, int(time.time()), anthropic)
@@ -72,6 +79,8 @@ def register(app: FastAPI, engine: AsyncLLM, recipe: Recipe, model_name: str, li
                 response.accumulate(chunk)
 
         await unless_disconnected(collect(), request)
+        if ended and ended[-1].kv_transfer_params is not None:
+            return {**json.loads(response.to_json()), "kv_transfer_params": ended[-1].kv_transfer_params}
         return Response(response.to_json(), media_type="application/json")
 
     @app.post("/v1/chat/completions")
@@ -87,11 +96,13 @@ def register(app: FastAPI, engine: AsyncLLM, recipe: Recipe, model_name: str, li
         return {"input_tokens": len(converted(await request.body(), anthropic=True)[1])}
 
 
-async def _chunks(engine: AsyncLLM, answer, rid: str, prompt: list[int], params):
-    """The answer's protocol chunks as generation goes. A stop sequence ends the answer early:
-    leaving the loop ends the request (its blocks are freed)."""
+async def _chunks(engine: AsyncLLM, answer, rid: str, prompt: list[int], params, seen: list | None = None):
+    """The answer's protocol chunks as generation goes (``seen`` gets each output). A stop
+    sequence ends the answer early: leaving the loop ends the request (its blocks are freed)."""
     try:
         async for _, out in merged(engine, rid, [prompt], params):
+            if seen is not None:
+                seen[:] = [out]
             for chunk in answer.update(out):
                 yield chunk
             if answer.finished:

@@ -65,7 +65,9 @@ class LocalDriver:
         return None
 
     def watch(self) -> None:
-        """Called by the engine thread while idle: nothing to watch for one engine."""
+        """Called by the engine thread while idle: a prefill instance frees the blocks its decode
+        instances have read (or that nobody read in time)."""
+        self.engine.poll_transfers()
 
 
 class ParallelDriver:

@@ -156,6 +156,8 @@ class _Common(BaseModel):
     structured_outputs: VllmStructuredOutputs | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
+    # prefill/decode disaggregation, as vLLM's router sends it (engine/kv_transfer.py)
+    kv_transfer_params: dict | None = None
 
     @field_validator("stop")
     @classmethod
@@ -239,6 +241,7 @@ class _Common(BaseModel):
             repetition_penalty=self.repetition_penalty, logprobs=logprobs, so_args=so_args, logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words, stop_token_ids=self.stop_token_ids or [],
             include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
+            kv_transfer_params=self.kv_transfer_params,
         )
 
 

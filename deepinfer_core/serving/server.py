@@ -190,6 +190,9 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
         so_field = body.structured()[1]
         given = body.prompts()
         prompts = [encode(engine, p) for p in given]
+        if body.kv_transfer_params is not None and len(prompts) > 1:
+            raise BadRequest(f"kv_transfer_params go with one prompt, and this request has {len(prompts)}; send one prompt "
+                             "per request to a prefill/decode pair", "kv_transfer_params")
         fit_context(params, [len(p) for p in prompts], engine.engine.max_model_len, body.max_tokens is not None, "prompt")
         echo = Echo(engine.tokenizer, given, prompts, body.echo, body.scores_only, params.skip_special_tokens)
         prompts = [{"prompt_token_ids": p} for p in prompts]  # tokenized once
@@ -201,7 +204,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, lim
         choices = [_completion_choice(p * params.n + c.index, echo.choice(p, out, c), params.logprobs is not None, echo)[0]
                    for p, out in enumerate(outs) for c in out.outputs]
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
-                "choices": choices, "usage": _usage(outs)}
+                "choices": choices, "usage": _usage(outs), **_kv_transfer(outs)}
 
     recipe = recipe_for(engine.llm.model_dir, engine.engine.generation, model_name)
     if recipe is not None:  # V4 / V4.1: DeepSeek's chat protocol, through deepseek-recipe
@@ -243,7 +246,7 @@ def _register_chat(app: FastAPI, engine: AsyncLLM, model_name: str, limits: Limi
                     "stop_reason": c.stop_reason, "logprobs": _chat_logprobs(c, params.logprobs) if params.logprobs is not None else None}
                    for c in out.outputs]
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-                "choices": choices, "usage": _usage([out])}
+                "choices": choices, "usage": _usage([out]), **_kv_transfer([out])}
 
 
 # ---- requests -----------------------------------------------------------------------------------
@@ -261,6 +264,12 @@ def _usage(outs: list[RequestOutput]) -> dict:
     cached = sum(o.num_cached_tokens or 0 for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _kv_transfer(outs: list[RequestOutput]) -> dict:
+    """A prefill instance's answer for its decode instance, as vLLM's (``kv_transfer_params`` beside the choices)."""
+    params = [o.kv_transfer_params for o in outs if o.kv_transfer_params is not None]
+    return {"kv_transfer_params": params[0]} if params else {}
 
 
 def _piece(token: int, logprob) -> str:

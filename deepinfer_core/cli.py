@@ -119,7 +119,7 @@ def _plan(manager, name: str) -> int:
 ENGINE_FLAGS = {"max_num_seqs": "--max-num-seqs", "max_model_len": "--max-model-len", "seed": "--seed",
                 "gpu_memory_utilization": "--gpu-memory-utilization", "data_parallel_size": "--data-parallel-size",
                 "context_parallel_size": "--context-parallel-size", "kv_offload_gb": "--kv-offload-gb",
-                "kv_disk_dir": "--kv-disk-dir", "kv_disk_gb": "--kv-disk-gb"}
+                "kv_disk_dir": "--kv-disk-dir", "kv_disk_gb": "--kv-disk-gb", "num_kv_blocks": "--num-gpu-blocks-override"}
 
 
 class ArgumentError(ValueError):
@@ -162,11 +162,12 @@ def _llm_arguments(args: argparse.Namespace) -> dict:
               "speculative_config": spec, "batch_invariant": args.batch_invariant or None,
               "data_parallel_size": args.data_parallel_size, "expert_parallel": args.expert_parallel,
               "context_parallel_size": args.context_parallel_size, "kv_offload_gb": args.kv_offload_gb,
-              "kv_disk_dir": args.kv_disk_dir, "kv_disk_gb": args.kv_disk_gb}
+              "kv_disk_dir": args.kv_disk_dir, "kv_disk_gb": args.kv_disk_gb, "num_kv_blocks": args.num_kv_blocks,
+              "load_format": args.load_format}
     try:
         EngineConfig(**{k: kwargs[k] for k in ("max_model_len", "max_num_seqs", "gpu_memory_utilization", "seed",
                                                 "speculative_config", "enable_prefix_caching", "kv_offload_gb",
-                                                "kv_disk_dir", "kv_disk_gb")})
+                                                "kv_disk_dir", "kv_disk_gb", "num_kv_blocks")})
         ParallelConfig(data_parallel_size=1 if args.data_parallel_size is None else args.data_parallel_size,
                        expert_parallel=args.expert_parallel,
                        context_parallel_size=args.context_parallel_size)
@@ -372,6 +373,11 @@ def _engine_arguments(p: argparse.ArgumentParser, ranks_help: str) -> None:
                    help="'auto' (the KV cache in the compute dtype) or 'fp8' / 'fp8_e4m3' (DeepSeek-V4's FP8 KV records, "
                         "V4 checkpoints on a backend that takes them); vLLM's flag")
     p.add_argument("--no-prefix-caching", action="store_true", help="recompute every prompt (no reuse of cached prefixes)")
+    p.add_argument("--num-gpu-blocks-override", "--num-kv-blocks", dest="num_kv_blocks", type=int, default=None, metavar="N",
+                   help="the KV cache's size in blocks, instead of what the memory fraction leaves (vLLM's flag; on the CPU "
+                        "too); benchmarks shrink it to make the cache evict")
+    p.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
+                   help="'dummy': random weights of the checkpoint's shapes (benchmarks of a config-only checkpoint)")
     p.add_argument("--kv-offload-gb", "--kv-offloading-size", "--hicache-size", type=float, default=0, metavar="GIB",
                    help="GiB of host memory that keep KV blocks evicted from the device, copied back on a prefix hit "
                         "(vLLM's --kv-offloading-size, SGLang's --hicache-size; default 0: off)")

@@ -37,3 +37,36 @@ def test_a_random_weight_model_speaks_the_tokenizers_vocabulary():
     assert config["vocab_size"] == len(tokenizer) and config["hidden_size"] == 2048 and config["num_hidden_layers"] == 1
     assert config["eos_token_id"] == tokenizer.eos_token_id
     assert json.loads(open(f"{model_with_tokenizer('v2-lite', 1)}/config.json").read())["vocab_size"] == 102400
+
+
+def test_the_chat_workload_gets_its_prefixes_back_from_the_host_tier(tmp_path):
+    """--workload chat on a cache too small for the conversations: without a host tier little is
+    reused; with one, the evicted turns come back from host memory and fewer prompt tokens are
+    computed (the counters the README's comparison quotes)."""
+    from benchmarks import serve
+
+    points = {}
+    for offload in ("0", "0.25"):
+        out = tmp_path / offload
+        serve.main(["--workload", "chat", "--turns", "3", "--rates", "8", "--requests", "8", "--max-tokens", "4",
+                    "--system-tokens", "120", "--num-kv-blocks", "24", "--kv-offload-gb", offload, "--accelerator", "cpu",
+                    "--warmup", "0", "--out", str(out)])
+        (points[offload],) = json.loads((out / "serve.json").read_text())["points"]
+    without, with_host = points["0"], points["0.25"]
+    assert without["num_errors"] == with_host["num_errors"] == 0 and without["requests"] == 8 * 3
+    assert without["prompt_tokens"] == with_host["prompt_tokens"]  # greedy: the same conversations
+    assert without["cached_prompt_tokens_by_tier"]["host"] == 0 < with_host["cached_prompt_tokens_by_tier"]["host"]
+    assert with_host["prompt_tokens_computed"] < without["prompt_tokens_computed"]
+
+
+def test_a_prefill_decode_pair_behind_vllm_router_serves_the_benchmark(tmp_path):
+    """--launch pd: two deepinfer serve processes and vllm-router; every prompt token is counted
+    once (the prefill's prompt lacks the last token, the decode's received the rest)."""
+    from benchmarks import serve
+
+    pytest.importorskip("nixl", reason="the pd extra is not installed")
+    serve.main(["--launch", "pd", "--rates", "8", "--requests", "4", "--max-tokens", "4", "--system-tokens", "40",
+                "--accelerator", "cpu", "--warmup", "0", "--out", str(tmp_path)])
+    (point,) = json.loads((tmp_path / "serve.json").read_text())["points"]
+    assert point["num_errors"] == 0 and point["output_tokens"] == 4 * 4
+    assert 0 < point["prompt_tokens_computed"] <= point["prompt_tokens"]

@@ -502,14 +502,36 @@ def test_generate_and_serve_take_the_same_engine_flags(monkeypatch, command):
     monkeypatch.setattr(deepinfer_core, "LLM", llm)
     flags = ["--dtype", "half", "--max-model-len", "256", "--max-num-seqs", "3", "--seed", "5", "--kv-cache-dtype", "auto",
              "--gpu-memory-utilization", "0.5", "--mtp", "2", "--no-prefix-caching", "--batch-invariant", "--accelerator", "cpu",
-             "--data-parallel-size", "2", "--expert-parallel", "--context-parallel-size", "2"]
+             "--data-parallel-size", "2", "--expert-parallel", "--context-parallel-size", "2", "--num-gpu-blocks-override", "40",
+             "--load-format", "dummy"]
     argv = ["generate", "--prompt", "x", *flags] if command == "generate" else ["serve", "--port", "0", *flags]
     assert main(argv) == 1
     assert seen == {"model": None, "accelerator": "cpu", "dtype": "half", "max_model_len": 256, "max_num_seqs": 3, "seed": 5,
                     "gpu_memory_utilization": 0.5, "kv_cache_dtype": "auto", "enable_prefix_caching": False,
                     "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}, "batch_invariant": True,
                     "data_parallel_size": 2, "expert_parallel": True, "context_parallel_size": 2,
-                    "kv_offload_gb": 0, "kv_disk_dir": None, "kv_disk_gb": None}
+                    "kv_offload_gb": 0, "kv_disk_dir": None, "kv_disk_gb": None, "num_kv_blocks": 40, "load_format": "dummy"}
+
+
+def test_serve_role_flags_reach_llm_and_bad_ones_are_refused(monkeypatch, capsys):
+    import deepinfer_core
+    from deepinfer_core.cli import main
+    from deepinfer_core.config import ConfigError
+
+    seen = {}
+
+    def llm(**kwargs):
+        seen.update(kwargs)
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(deepinfer_core, "LLM", llm)
+    assert main(["serve", "--port", "0", "--role", "decode", "--kv-transfer-timeout", "30"]) == 1
+    assert seen["kv_role"] == "decode" and seen["kv_transfer_timeout"] == 30
+    capsys.readouterr()
+    assert main(["serve", "--port", "0", "--role", "prefill", "--ngram", "2"]) == 1
+    assert "--role runs one engine per instance without speculative decoding" in capsys.readouterr().err
+    assert main(["serve", "--port", "0", "--role", "prefill", "--kv-transfer-timeout", "0"]) == 1
+    assert "--kv-transfer-timeout 0.0: give a positive number of seconds" in capsys.readouterr().err
 
 
 def test_deepinfer_version(capsys):

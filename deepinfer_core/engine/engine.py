@@ -122,7 +122,7 @@ class Engine:
             exports, remote, params = self._disaggregated(params, ids, label)
             if exports:  # a prefill instance: the prompt but its last token, once (engine/kv_transfer.py)
                 bad_words = []
-        req = Request(rid, text, ids, params)
+        req = Request(rid, text, ids[:-1] if exports else ids, params)  # a prefill instance's prompt: what it computes
         first = self.next_seq_id
         compiled = self.compile_grammar(params, label) if params.so_args is not None else None  # cached by check()
         for i in range(params.n):

@@ -186,6 +186,7 @@ class RequestOutput:
     num_cached_tokens_by_tier: dict[str, int] | None = None
     # a prefill instance's answer for its decode instance (engine/kv_transfer.py): where the prompt's KV is
     kv_transfer_params: dict | None = None
+    num_transferred_tokens: int = 0  # a decode instance's: prompt tokens whose KV came from the prefill instance
     error: str | None = None  # why the engine ended the request (its samples' finish_reason is "abort")
 
 
@@ -235,5 +236,6 @@ def to_output(req: Request, speculative: bool) -> RequestOutput:
         metrics=RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time, spec),
         num_cached_tokens_by_tier=None if first.num_cached_tokens_by_tier is None else dict(first.num_cached_tokens_by_tier),
         kv_transfer_params=first.kv_transfer_params,
+        num_transferred_tokens=first.num_transferred_tokens,
         error=req.error,
     )

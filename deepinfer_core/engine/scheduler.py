@@ -165,7 +165,7 @@ class Scheduler:
         """``seq``'s blocks arrived from the prefill instance: it runs from the tokens they hold (its
         next step computes the prompt's last token and samples)."""
         self.receiving.remove(seq)
-        seq.num_computed_tokens = seq.remote.remote_num_tokens
+        seq.num_computed_tokens = seq.num_transferred_tokens = seq.remote.remote_num_tokens
         seq.remote = None
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens, seq.num_cached_tokens_by_tier = 0, dict.fromkeys(self.kv.num_hit_tokens_by_tier, 0)

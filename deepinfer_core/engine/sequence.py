@@ -77,6 +77,7 @@ class Sequence:
     remote: object | None = None
     remote_since: float = 0.0
     exports: bool = False
+    num_transferred_tokens: int = 0  # prompt tokens whose cache came from a prefill instance (a decode instance's)
     kv_transfer_params: dict | None = None
 
     @property

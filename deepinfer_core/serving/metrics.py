@@ -48,6 +48,8 @@ class ServerMetrics:
         self.cached_tokens_by_tier = Counter(p + "cached_prompt_tokens_by_tier", "prompt tokens served from the prefix cache, by "
                                              "the tier their blocks were found in (gpu: the device's pool; host; disk)", ["tier"],
                                              registry=registry)
+        self.transferred_tokens = Counter(p + "transferred_prompt_tokens", "prompt tokens whose KV cache came from a prefill "
+                                          "instance (a decode instance of a prefill/decode pair)", registry=registry)
         self.generation_tokens = Counter(p + "generation_tokens", "output tokens of finished requests", registry=registry)
         self.finished = Counter(p + "requests_finished", "requests ended, by finish reason", ["finish_reason"], registry=registry)
 
@@ -64,6 +66,7 @@ class ServerMetrics:
             self.e2e.observe(m.finished_time - m.arrival_time)
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.cached_tokens.inc(out.num_cached_tokens or 0)
+        self.transferred_tokens.inc(out.num_transferred_tokens)
         for tier, n in (out.num_cached_tokens_by_tier or {}).items():
             self.cached_tokens_by_tier.labels(tier).inc(n)
         self.generation_tokens.inc(tokens)

@@ -177,6 +177,8 @@ class Receiving:
     transfer_id: str
     deadline: float
     failure: str | None = None
+    device_done: object | None = None  # on a GPU: an event after the steps queued when the blocks were taken
+    posted: bool = False
 
 
 @dataclass
@@ -267,10 +269,22 @@ class KVTransfer:
             local = self.agent.get_xfer_descs([(a, n, self.device_id) for a, _, n in pairs], self.memory)
             theirs = self.agent.get_xfer_descs([(b, n, rdev) for _, b, n in pairs], remote.remote_memory)
             r.handle = self.agent.initialize_xfer("READ", local, theirs, r.agent, RELEASE + remote.transfer_id.encode())
-            if self.agent.transfer(r.handle) == "ERR":
-                raise KVTransferError("NIXL could not start the READ")
+            if self.memory == "VRAM":
+                # a step still queued on the device may write the blocks just taken (a finished sequence's
+                # last row, in overlapped scheduling): the READ is posted once the device is past it
+                r.device_done = torch.cuda.Event()
+                r.device_done.record()
+            self._post(r)
         except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
             r.failure = f"{type(e).__name__}: {e}" if not isinstance(e, KVTransferError) else str(e)
+
+    def _post(self, r: Receiving) -> None:
+        """Post ``r``'s READ once nothing queued on the device before it can still write its blocks."""
+        if r.posted or (r.device_done is not None and not r.device_done.query()):
+            return
+        r.posted = True
+        if self.agent.transfer(r.handle) == "ERR":
+            raise KVTransferError("NIXL could not start the READ")
 
     def _agent(self, remote: RemoteKV) -> str:
         name = self.remote_agents.get(remote.remote_engine_id)
@@ -294,10 +308,16 @@ class KVTransfer:
         return bool(self.parked or self.receiving or self.abandoned)
 
     # ---- both ----------------------------------------------------------------------------------
-    def _state(self, r: Receiving) -> str:
+    def _state(self, r: Receiving, post: bool = True) -> str:
+        """"DONE", "PROC" or "ERR" of ``r``'s READ (``post``: posted first if it may be now; an
+        abandoned READ never posted is over)."""
         if r.failure is not None or r.handle is None:
             return "ERR"
         try:
+            if post:
+                self._post(r)
+            if not r.posted:
+                return "PROC" if post else "ERR"
             return self.agent.check_xfer_state(r.handle)
         except Exception as e:  # noqa: BLE001 - NIXL raises for a peer that went away
             r.failure = f"{type(e).__name__}: {e}"
@@ -339,7 +359,7 @@ class KVTransfer:
             if not self._release(r):
                 self.abandoned.append(r)  # failed for the request; the blocks stay held until NIXL lets go
         for r in list(self.abandoned):
-            if self._state(r) != "PROC" and self._release(r):
+            if self._state(r, post=False) != "PROC" and self._release(r):
                 self._tell_prefill(r)
                 self.abandoned.remove(r)
                 out.freed.append(r.seq)

@@ -247,13 +247,15 @@ class LLM:
 
         size = parallel.data_parallel_size
         if launch.under_torchrun():
-            shard = (launch.torchrun_rank(size), size) if parallel.expert_parallel else None
-            self.engine = Engine(*engine_args, progress=progress, expert_parallel=shard)
+            rank = launch.torchrun_rank(size)
+            shard = (rank, size) if parallel.expert_parallel else None
+            self.engine = Engine(*data_parallel.rank_engine_args(engine_args, rank, size), progress=progress, expert_parallel=shard)
             group = launch.join_torchrun(self.engine.device, size)
         else:
             shard = (0, size) if parallel.expert_parallel else None
+            mine = data_parallel.rank_engine_args(engine_args, 0, size)  # the spawned ranks derive theirs
             group, self.engine = launch.spawn(size, data_parallel.worker_main, (engine_args, parallel, log_level),
-                                              lambda: Engine(*engine_args, progress=progress, expert_parallel=shard))
+                                              lambda: Engine(*mine, progress=progress, expert_parallel=shard))
         try:
             self.parallel = data_parallel.DataParallel(self.engine, group, parallel)
         except BaseException:
@@ -528,9 +530,6 @@ def _parallel_engine_config(config: EngineConfig, parallel: ParallelConfig, mode
     DeepSeek's switches (DEEPINFER_USE_NEXTN_DECODE, ...) turn it on."""
     from deepinfer_core.engine.spec_decode.proposers import resolve
 
-    if config.kv_disk_dir is not None:
-        raise ConfigError("kv_disk_dir with data_parallel_size > 1 is not supported yet (each rank would need a directory "
-                          "of its own); keep the host tier (kv_offload_gb) and leave kv_disk_dir unset")
     generation = generation_for(read_config(model_dir))
     spec = resolve(config.speculative_config, generation.model)
     speculative = spec is not None

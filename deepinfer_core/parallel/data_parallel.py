@@ -54,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -73,6 +74,8 @@ from deepinfer_core.parallel.launch import Group
 from deepinfer_core.sampling.params import SamplingParams
 
 log = logging.getLogger("deepinfer")
+
+DISK_FLUSH_S = 300.0  # how long closing waits for the other ranks to write their disk tiers and exit
 GENERATE, STOP, STEP = "generate", "stop", "step"  # what rank 0 tells spawned ranks (STEP: one serving step)
 
 
@@ -454,20 +457,34 @@ class DataParallel:
                     dist.barrier(group=group.control)
             except Exception:  # noqa: BLE001 - a rank may already be gone
                 pass
-        group.stop()
+        group.stop(wait=DISK_FLUSH_S if self.engine.config.kv_disk_dir is not None else 10.0)  # ranks write their disk tiers
         group.broken = group.broken or "closed"
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
+def rank_engine_args(engine_args: tuple, rank: int, size: int) -> tuple:
+    """``Engine``'s arguments for one rank: a disk KV tier (``kv_disk_dir``) gets a directory of
+    its own inside the one given, ``rank<R>-of-<N>``, and an even share of ``kv_disk_gb`` (each rank
+    caches its own requests' prefixes; a restart with the same size finds them again)."""
+    model_dir, config, *rest = engine_args
+    if config.kv_disk_dir is None:
+        return engine_args
+    config = config.model_copy(update={"kv_disk_dir": os.path.join(config.kv_disk_dir, f"rank{rank}-of-{size}"),
+                                       "kv_disk_gb": config.kv_disk_gb / size})
+    return (model_dir, config, *rest)
+
+
 def worker_main(rank: int, size: int, port: int, engine_args: tuple, parallel: ParallelConfig, log_level: str) -> None:
     """A spawned rank (``launch.spawn``'s worker): build the engine, join the group, serve rank 0's
-    commands. An error after start-up is written to the rendezvous store for rank 0 to report."""
+    commands, then finish its disk tier's writes. An error after start-up is written to the
+    rendezvous store for rank 0 to report."""
     from deepinfer_core.config import configure_logging
     from deepinfer_core.engine.engine import Engine
 
     configure_logging(log_level)
     shard = (rank, size) if parallel.expert_parallel else None
+    engine_args = rank_engine_args(engine_args, rank, size)
     group, engine = launch.worker_join(rank, size, port, lambda: Engine(*engine_args, progress=False, expert_parallel=shard))
     try:
         DataParallel(engine, group, parallel).serve()
@@ -475,3 +492,4 @@ def worker_main(rank: int, size: int, port: int, engine_args: tuple, parallel: P
         launch.report(group.store, rank, e)
         raise SystemExit(1) from None
     dist.destroy_process_group()
+    engine.kv.close_tiers()  # the blocks its pool still caches go to its disk tier too

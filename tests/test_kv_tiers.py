@@ -400,3 +400,14 @@ def test_tier_flags_reach_llm(monkeypatch, size_flag):
     monkeypatch.setattr(deepinfer_core, "LLM", llm)
     assert main(["serve", "--port", "0", size_flag, "2.5", "--kv-disk-dir", "/kv", "--kv-disk-gb", "100"]) == 1
     assert (seen["kv_offload_gb"], seen["kv_disk_dir"], seen["kv_disk_gb"]) == (2.5, "/kv", 100)
+
+
+def test_the_tier_hit_benchmark_runs(tmp_path):
+    """benchmarks/kv_tier_hit.py: a prompt whose prefix was evicted comes back from the host tier
+    (its tokens counted there), timed beside recomputing it and a device hit."""
+    from benchmarks import kv_tier_hit
+
+    kv_tier_hit.main(["--accelerator", "cpu", "--lengths", "64", "--repeats", "1", "--out", str(tmp_path)])
+    (point,) = json.loads((tmp_path / "kv_tier_hit.json").read_text())["points"]
+    assert point["host_tokens"] > 0 and point["host_bytes"] > 0
+    assert point["recompute_s"] > 0 and point["device_hit_s"] > 0 and point["host_hit_s"] > 0

@@ -328,3 +328,34 @@ def test_a_tokenizer_without_deepseeks_tokens_fails_at_start_up():
     plain = Path(__file__).parent.parent / "deepinfer_core" / "conformance" / "tokenizer"
     with pytest.raises(ConfigError, match="cannot encode DeepSeek's chat format.*not in the added vocabulary"):
         Recipe(plain, "deepseek_v4")
+
+
+def test_a_prefill_decode_pair_answers_deepseeks_chat_as_one_server(server, checkpoint):
+    """V4's chat route through two instances, the router's two hops by hand: the prefill's answer
+    carries kv_transfer_params, the decode's continues from the prompt's KV (NIXL, CPU) to one
+    server's greedy answer."""
+    pytest.importorskip("nixl", reason="the pd extra is not installed")
+    url, _, _ = server
+    body = {"model": NAME, "messages": [{"role": "user", "content": "hello there"}], "thinking": {"type": "disabled"},
+            "max_tokens": 12, "temperature": 0}
+    want = httpx.post(f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+    assert want.status_code == 200, want.text
+    engines = [AsyncLLM(LLM(model=str(checkpoint), accelerator="cpu", dtype="float32", progress=False, max_num_seqs=4, kv_role=role))
+               for role in ("prefill", "decode")]
+    try:
+        with serve_in_thread(build_app(engines[0], NAME, KEY, Limits(max_tokens=32))) as prefill, \
+                serve_in_thread(build_app(engines[1], NAME, KEY, Limits(max_tokens=32))) as decode:
+            first = httpx.post(f"{prefill}/v1/chat/completions", headers=AUTH, timeout=60,
+                               json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+            assert first.status_code == 200, first.text
+            params = first.json()["kv_transfer_params"]
+            assert params["do_remote_prefill"] and params["remote_num_tokens"] > 0
+            got = httpx.post(f"{decode}/v1/chat/completions", json={**body, "kv_transfer_params": params}, headers=AUTH, timeout=60)
+            assert got.status_code == 200, got.text
+            assert got.json()["choices"][0]["message"] == want.json()["choices"][0]["message"]
+            assert "kv_transfer_params" not in got.json()
+            bad = httpx.post(f"{decode}/v1/chat/completions", json={**body, "kv_transfer_params": "x"}, headers=AUTH, timeout=60)
+            assert bad.status_code == 400 and "kv_transfer_params must be an object" in bad.json()["error"]["message"]
+    finally:
+        for e in engines:
+            e.shutdown()

@@ -302,3 +302,40 @@ def test_a_killed_prefill_instance_costs_its_request_not_the_decode_instance(pai
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.outputs[0].text
     r = _completion(decode_url, other, kv_transfer_params={"do_remote_decode": True})
     assert r.status_code == 400 and "--role prefill" in r.json()["error"]["message"]
+
+
+def test_a_decode_engine_reads_only_the_blocks_its_own_cache_lacks(trio):
+    """A follow-up turn: the decode engine's pool caches the conversation's first blocks, so the
+    READ brings only the rest (and the rings and states whole); the tokens are one engine's."""
+    one, prefill, decode = trio
+    first = random_prompt(70, seed=21)
+    follow = first + random_prompt(40, seed=22)
+    engine = decode.engine
+    for rid, prompt in (("turn1", first), ("turn2", follow)):
+        params = _prefill(prefill, [prompt])["0"]
+        got = _run(engine, [(rid, prompt, GREEDY.model_copy(update={"kv_transfer_params": params}))])[rid]
+        want = one.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids, rid
+        assert got.num_cached_tokens + got.num_transferred_tokens == len(prompt) - 1
+    bs = engine.kv.block_size
+    assert got.num_cached_tokens == (len(first) - 1) // bs * bs > 0  # turn 1's full blocks, from the decode's own pool
+
+
+def test_a_prompt_the_decode_engine_caches_whole_needs_no_read_of_its_blocks(trio):
+    """The same prompt twice, its tokens but the last filling whole blocks: the second time the
+    decode engine's pool has every paged block (V3: nothing to READ; V4: the rings and states
+    only), the prefill engine is told to free its parked blocks all the same."""
+    one, prefill, decode = trio
+    bs = decode.engine.kv.block_size
+    prompt = random_prompt(4 * bs + 1, seed=31)
+    want = one.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    for rid in ("again1", "again2"):
+        params = _prefill(prefill, [prompt])["0"]
+        got = _run(decode.engine, [(rid, prompt, GREEDY.model_copy(update={"kv_transfer_params": params}))])[rid]
+        assert got.outputs[0].token_ids == want
+    assert got.num_cached_tokens == 4 * bs and got.num_transferred_tokens == 0
+    deadline = time.time() + 10
+    while prefill.engine.scheduler.transfer.parked and time.time() < deadline:
+        prefill.engine.poll_transfers()
+        time.sleep(0.01)
+    assert not prefill.engine.scheduler.transfer.parked

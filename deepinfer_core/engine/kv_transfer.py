@@ -179,6 +179,7 @@ class Receiving:
     failure: str | None = None
     device_done: object | None = None  # on a GPU: an event after the steps queued when the blocks were taken
     posted: bool = False
+    nothing: bool = False  # every block it needs is cached here: no READ
 
 
 @dataclass
@@ -241,9 +242,10 @@ class KVTransfer:
             raise ValueError(f"{label}: the prefill instance computed other tokens than this prompt's ({remote.remote_num_tokens} "
                              f"against {len(token_ids)}); send both instances the same request")
 
-    def receive(self, seq: Sequence) -> None:
-        """Start the READ of ``seq.remote``'s blocks into ``seq``'s (just allocated); its outcome
-        comes from ``poll``."""
+    def receive(self, seq: Sequence, cached: int = 0) -> None:
+        """Start the READ of ``seq.remote``'s blocks into ``seq``'s (just allocated; its first
+        ``cached`` paged blocks are this pool's own cached ones, not read); its outcome comes from
+        ``poll``."""
         remote, waited = seq.remote, time.monotonic() - seq.remote_since
         r = Receiving(seq, None, "", remote.transfer_id, time.monotonic() + remote.timeout_s * 0.9)
         self.receiving[seq] = r
@@ -258,13 +260,17 @@ class KVTransfer:
                 if theirs is None or (g.kind != "paged" and len(theirs) != len(mine)) or len(theirs) < len(mine):
                     raise KVTransferError(f"the prefill instance's cache group {g.name!r} has {theirs and len(theirs)} "
                                           f"entries for this sequence, this instance {len(mine)}")
+                skip = cached if g.kind == "paged" else 0
                 for layer in g.layers:
                     t, (base, _) = self.tensors[layer], remote.remote_bases[layer]
                     rows = rows_per_block(g, self.block_size, t)
-                    for lb, rb in zip(mine, theirs):
+                    for lb, rb in zip(mine[skip:], theirs[skip:]):
                         for (lo, n), (ro, _) in zip(spans(t, rows, lb), spans(t, rows, rb)):
                             pairs.append((t.data_ptr() + lo, base + ro, n))
             pairs = merge(pairs)
+            if not pairs:
+                r.nothing = True
+                return
             rdev = next(iter(remote.remote_bases.values()))[1]
             local = self.agent.get_xfer_descs([(a, n, self.device_id) for a, _, n in pairs], self.memory)
             theirs = self.agent.get_xfer_descs([(b, n, rdev) for _, b, n in pairs], remote.remote_memory)
@@ -311,6 +317,8 @@ class KVTransfer:
     def _state(self, r: Receiving, post: bool = True) -> str:
         """"DONE", "PROC" or "ERR" of ``r``'s READ (``post``: posted first if it may be now; an
         abandoned READ never posted is over)."""
+        if r.nothing and r.failure is None:
+            return "DONE"
         if r.failure is not None or r.handle is None:
             return "ERR"
         try:
@@ -352,6 +360,8 @@ class KVTransfer:
             del self.receiving[seq]
             if state == "DONE":
                 self._release(r)
+                if r.nothing:  # no READ tells the prefill instance
+                    self._tell_prefill(r)
                 out.received.append(seq)
                 continue
             self._tell_prefill(r)

@@ -125,13 +125,19 @@ class Scheduler:
                 if seq.num_pending or self._held_back(seq):
                     continue  # its newest token is still on the device / its sibling is caching their prompt
                 if seq.remote is not None:  # its first tokens' blocks come from a prefill instance
-                    if not self.kv.can_allocate(seq, seq.remote.remote_num_tokens):
+                    # (the paged blocks this pool already caches are kept; the READ brings the rest
+                    # and the ring and state groups whole: nothing is replayed)
+                    hit, cached = self.kv.find_cached(seq)
+                    if not self.kv.can_allocate(seq, seq.remote.remote_num_tokens, cached):
                         break
-                    self.kv.allocate(seq, seq.remote.remote_num_tokens)
-                    seq.status = Status.RUNNING
+                    self.kv.allocate(seq, seq.remote.remote_num_tokens, cached)
+                    self.kv.count_lookup(seq.num_tokens, hit)
+                    seq.num_cached_tokens, seq.num_cached_tokens_by_tier = hit, {**dict.fromkeys(self.kv.num_hit_tokens_by_tier, 0),
+                                                                                  "gpu": hit}
+                    seq.status, seq.paged_write_from = Status.RUNNING, hit
                     admitted.append(seq)
                     self.receiving.append(seq)
-                    self.transfer.receive(seq)
+                    self.transfer.receive(seq, hit // self.kv.block_size)
                     continue
                 if seq.num_computed_tokens == 0 and not self.kv.load_from_tiers(seq):
                     reading = True
@@ -165,10 +171,9 @@ class Scheduler:
         """``seq``'s blocks arrived from the prefill instance: it runs from the tokens they hold (its
         next step computes the prompt's last token and samples)."""
         self.receiving.remove(seq)
-        seq.num_computed_tokens = seq.num_transferred_tokens = seq.remote.remote_num_tokens
+        seq.num_computed_tokens = seq.remote.remote_num_tokens
+        seq.num_transferred_tokens = seq.num_computed_tokens - seq.num_cached_tokens
         seq.remote = None
-        if seq.num_cached_tokens is None:
-            seq.num_cached_tokens, seq.num_cached_tokens_by_tier = 0, dict.fromkeys(self.kv.num_hit_tokens_by_tier, 0)
         self.running.append(seq)
 
     def _take(self, out: SchedulerOutput, seq: Sequence, start: int, num_new: int, num_drafts: int, decode: bool,

@@ -165,6 +165,8 @@ def _launched(args):
     serve += ["--accelerator", args.accelerator] if args.accelerator else []
     serve += ["--num-kv-blocks", str(args.num_kv_blocks)] if args.num_kv_blocks else []
     roles = ["prefill", "decode"] if args.launch == "pd" else [None]
+    # a pair on one GPU shares its memory; on the CPU the fraction is not read
+    serve += ["--gpu-memory-utilization", str(args.gpu_memory_utilization or round(0.9 / len(roles), 3))]
     procs, urls = [], []
     try:
         for role in roles:
@@ -350,6 +352,8 @@ def main(argv=None) -> None:
                    help="deepinfer serve processes behind vllm-router: one server, or a prefill and a decode server")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="the servers' KV cache in blocks (a small one evicts)")
     p.add_argument("--kv-offload-gb", type=float, default=0, help="the servers' host tier (GiB; 0: none)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="with --launch: each server's share of the GPU's memory (default 0.9, split between a pair)")
     args = p.parse_args(argv)
     if args.url and args.launch:
         raise SystemExit("--url and --launch: give one")

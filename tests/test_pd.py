@@ -339,3 +339,22 @@ def test_a_prompt_the_decode_engine_caches_whole_needs_no_read_of_its_blocks(tri
         prefill.engine.poll_transfers()
         time.sleep(0.01)
     assert not prefill.engine.scheduler.transfer.parked
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["v3", "v4"])
+def test_on_the_gpu_a_pair_gives_one_engines_tokens(kind, tmp_path_factory):
+    """The same pair on the NVIDIA backend: the caches registered as NIXL's VRAM, the READ
+    posted once the device is past the steps queued before it (not run on a GPU yet: needs
+    nixl-cu13 there)."""
+    path = _checkpoint(kind, tmp_path_factory)
+    kw = dict(model=str(path), accelerator="nvidia", dtype="float32", progress=False, max_num_seqs=8, gpu_memory_utilization=0.2)
+    one, prefill, decode = LLM(**kw), LLM(**kw, kv_role="prefill"), LLM(**kw, kv_role="decode")
+    assert decode.engine.scheduler.transfer.memory == "VRAM"
+    prompts = [random_prompt(n, seed=n) for n in LENGTHS]
+    want = one.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    params = _prefill(prefill, prompts)
+    got = _run(decode.engine, [(str(i), p, GREEDY.model_copy(update={"kv_transfer_params": params[str(i)]}))
+                               for i, p in enumerate(prompts)])
+    for i, w in enumerate(want):
+        assert got[str(i)].error is None and got[str(i)].outputs[0].token_ids == w.outputs[0].token_ids, i

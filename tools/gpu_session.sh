@@ -7,6 +7,8 @@
 #   benchmarks/structured.py; serve: benchmarks/serve.py (SERVE_ARGS); multi: the multi-GPU run (NCCL tests, then
 #   benchmarks/all_to_all.py and benchmarks/scale_out.py over every GPU of the host, SCALE_ARGS; NVLink multicast off);
 #   v4: benchmarks/v4_slice.py over V4_RUNS (default "fp4:fp8 fp4:auto bf16:auto:peer": experts:kv[:transformers]);
+#   pd: prefill/decode over NIXL on this GPU (tests/test_pd.py's gpu tests, then benchmarks/serve.py --launch one and pd
+#   at PD_RATES; carry nixl-cu13's cp312 wheel in .whl: 59 MB, with little else beside it);
 #   none: only install, for a command of your own after it).
 #   TEST_PATHS narrows the tests part (default: tests/nvidia tests/test_gpu.py).
 #   DEEPGEMM_SRC=DIR builds DeepGEMM from that source tree first (DEEPGEMM_CUTLASS: its cute/ and
@@ -80,6 +82,12 @@ for part in "${parts[@]}"; do
         timeout "${A2A_TIMEOUT:-200}" python3 -m benchmarks.all_to_all --ranks "$gpus" --out "$out" 2>&1
       fi
       timeout "${SCALE_TIMEOUT:-540}" python3 -m benchmarks.scale_out --out "$out" ${SCALE_ARGS:-} 2>&1 ;;
+    pd)  # issue 51: a prefill/decode pair on one GPU (two engines sharing it) against one engine
+      python3 -m pytest -q -m gpu tests/test_pd.py -p no:cacheprovider 2>&1 | tail -15
+      for launch in one pd; do
+        timeout "${PD_TIMEOUT:-300}" python3 -m benchmarks.serve --launch "$launch" --rates "${PD_RATES:-2,8,32}" --requests 64 \
+          --max-tokens 64 --accelerator nvidia --out "$out/pd_$launch" 2>&1 | grep '\[serve\]'
+      done ;;
     v4)  # issue 47's matrix on the V4-Flash slice: experts x KV dtype in V4_RUNS (EXPERTS:KV[:peer]),
       # transformers beside the bf16-expert runs (it cannot share packed MXFP4 experts)
       for run in ${V4_RUNS:-fp4:fp8 fp4:auto bf16:auto:peer}; do

@@ -358,3 +358,17 @@ def test_on_the_gpu_a_pair_gives_one_engines_tokens(kind, tmp_path_factory):
                                for i, p in enumerate(prompts)])
     for i, w in enumerate(want):
         assert got[str(i)].error is None and got[str(i)].outputs[0].token_ids == w.outputs[0].token_ids, i
+
+
+def test_a_request_that_waited_past_the_prefills_keep_time_ends_with_an_error_not_a_stale_read(trio):
+    """The prefill instance frees parked blocks after its timeout: a decode instance that could
+    not start the READ within half of it ends the request, naming the setting, and serves on."""
+    one, prefill, decode = trio
+    prompt = random_prompt(50, seed=41)
+    params = {**_prefill(prefill, [prompt])["0"], "timeout_s": 1e-6}  # as if it had waited that long
+    engine = decode.engine
+    out = _run(engine, [("late", prompt, GREEDY.model_copy(update={"kv_transfer_params": params}))])["late"]
+    assert out.outputs[0].finish_reason == "abort" and "--kv-transfer-timeout" in out.error
+    assert engine.kv.num_free == engine.kv.num_blocks and not engine.scheduler.transfer.busy
+    again = _run(engine, [("fresh", prompt, GREEDY)])["fresh"]  # no role needed for a plain request
+    assert again.outputs[0].token_ids == one.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids

@@ -215,6 +215,7 @@ class KVTransfer:
         self.parked: dict[str, tuple[Sequence, float]] = {}  # transfer id -> (sequence, when it is freed anyway)
         self.receiving: dict[Sequence, Receiving] = {}
         self.abandoned: list[Receiving] = []  # READs whose request ended, still to let go of their blocks
+        self.held: set[Sequence] = set()  # the sequences above: their blocks are not to be freed yet
         self.remote_agents: dict[str, str] = {}  # engine id -> NIXL agent name
         log.info("KV transfer (%s): NIXL agent %s over %d cache tensors (%s)", role, self.name, len(tensors), self.memory)
 
@@ -224,6 +225,7 @@ class KVTransfer:
         ``kv_transfer_params`` that say where they are."""
         tid = uuid.uuid4().hex
         self.parked[tid] = (seq, time.monotonic() + self.timeout_s)
+        self.held.add(seq)
         bases = {layer: [t.data_ptr(), self.device_id] for layer, t in self.tensors.items()}
         return {"do_remote_prefill": True, "do_remote_decode": False, "deepinfer_protocol": PROTOCOL,
                 "remote_engine_id": self.name, "remote_agent_metadata": self.metadata, "remote_layout": self.layout,
@@ -249,6 +251,7 @@ class KVTransfer:
         remote, waited = seq.remote, time.monotonic() - seq.remote_since
         r = Receiving(seq, None, "", remote.transfer_id, time.monotonic() + remote.timeout_s * 0.9)
         self.receiving[seq] = r
+        self.held.add(seq)
         try:
             if waited > remote.timeout_s / 2:
                 raise KVTransferError(f"the request waited {waited:.0f} s for free KV blocks here; the "
@@ -306,7 +309,7 @@ class KVTransfer:
 
     def holds(self, seq: Sequence) -> bool:
         """Whether ``seq``'s blocks must not be freed yet (parked, or a READ may write them)."""
-        return seq in self.receiving or any(r.seq is seq for r in self.abandoned) or any(s is seq for s, _ in self.parked.values())
+        return seq in self.held
 
     @property
     def busy(self) -> bool:
@@ -362,31 +365,38 @@ class KVTransfer:
                 self._release(r)
                 if r.nothing:  # no READ tells the prefill instance
                     self._tell_prefill(r)
+                self.held.discard(seq)
                 out.received.append(seq)
                 continue
             self._tell_prefill(r)
             out.failed.append((seq, r.failure or "NIXL reported an error"))
-            if not self._release(r):
+            if self._release(r):
+                self.held.discard(seq)
+            else:
                 self.abandoned.append(r)  # failed for the request; the blocks stay held until NIXL lets go
         for r in list(self.abandoned):
             if self._state(r, post=False) != "PROC" and self._release(r):
                 self._tell_prefill(r)
                 self.abandoned.remove(r)
-                out.freed.append(r.seq)
+                self._free(r.seq, out)
         if self.parked:
             for msgs in self.agent.get_new_notifs().values():
                 for msg in msgs:
                     if msg.startswith(RELEASE):
                         seq, _ = self.parked.pop(msg[len(RELEASE):].decode(), (None, 0))
                         if seq is not None:
-                            out.freed.append(seq)
+                            self._free(seq, out)
             for tid, (seq, deadline) in list(self.parked.items()):
                 if now > deadline:
                     log.warning("KV transfer: no decode instance read the blocks of request %s within %.0f s; freed",
                                 seq.request_id, self.timeout_s)
                     del self.parked[tid]
-                    out.freed.append(seq)
+                    self._free(seq, out)
         return out
+
+    def _free(self, seq: Sequence, out: Polled) -> None:
+        self.held.discard(seq)
+        out.freed.append(seq)
 
     def reset(self) -> None:
         """Every block pool is being reset (an engine error, an interrupted generate): forget
@@ -398,6 +408,7 @@ class KVTransfer:
         self.receiving.clear()
         self.abandoned.clear()
         self.parked.clear()
+        self.held.clear()
 
     def close(self) -> None:
         self.reset()

@@ -34,6 +34,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_npu)
 
 
+def pytest_runtest_logreport(report):
+    """With DEEPINFER_FAILURES_FILE set, each failure's id and the end of its traceback are
+    appended to that file as it happens (xdist workers too). A GPU call that a timeout cuts off
+    before pytest's summary still brings back why its tests failed (tools/gpu_session.sh)."""
+    import os
+
+    path = os.environ.get("DEEPINFER_FAILURES_FILE")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext[-3000:]}\n\n")
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """torch on one thread for a module: tiny matmuls, where on CI's two cores torch's thread pool

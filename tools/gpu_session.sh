@@ -46,9 +46,11 @@ for part in "${parts[@]}"; do
   case "$part" in
     tests|all)
       deepinfer backends 2>&1
-      timeout "${TESTS_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-4}" -rfE \
-        ${TEST_PATHS:-tests/nvidia tests/test_gpu.py} >"$out/tests.log" 2>&1
-      tail -40 "$out/tests.log" ;;&
+      # each failure's traceback lands in failures.txt as it happens: a cut-off run still says why
+      DEEPINFER_FAILURES_FILE="$out/failures.txt" timeout "${TESTS_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider \
+        -n "${TEST_WORKERS:-4}" -rfE ${TEST_PATHS:-tests/nvidia tests/test_gpu.py} >"$out/tests.log" 2>&1
+      tail -40 "$out/tests.log"
+      [[ -f "$out/failures.txt" ]] && grep -c '^=== ' "$out/failures.txt" | sed 's/^/failures recorded: /' ;;&
     kernels|all)
       timeout "${KERNELS_TIMEOUT:-230}" python3 -m benchmarks.kernels --out "$out" ${KERNELS_ONLY:+$KERNELS_ONLY} 2>&1 ;;&
     tune)

@@ -46,6 +46,23 @@ def pytest_runtest_logreport(report):
             f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext[-3000:]}\n\n")
 
 
+@pytest.fixture
+def llm_arguments(monkeypatch) -> dict:
+    """What the command line hands ``LLM()``: ``deepinfer_core.LLM`` becomes a recorder of its
+    keyword arguments that stops there (a ConfigError, which the commands report as one line)."""
+    import deepinfer_core
+    from deepinfer_core.config import ConfigError
+
+    seen: dict = {}
+
+    def llm(**kwargs):
+        seen.update(kwargs)
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(deepinfer_core, "LLM", llm)
+    return seen
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """torch on one thread for a module: tiny matmuls, where on CI's two cores torch's thread pool

@@ -386,18 +386,11 @@ def test_bad_tier_flags_are_one_error_line(capsys, argv, message):
 
 
 @pytest.mark.parametrize("size_flag", ["--kv-offload-gb", "--kv-offloading-size", "--hicache-size"])
-def test_tier_flags_reach_llm(monkeypatch, size_flag):
+def test_tier_flags_reach_llm(llm_arguments, size_flag):
     """vLLM's and SGLang's spellings of the host tier's size are the same flag."""
-    import deepinfer_core
     from deepinfer_core.cli import main
 
-    seen = {}
-
-    def llm(**kwargs):
-        seen.update(kwargs)
-        raise ConfigError("stop here")
-
-    monkeypatch.setattr(deepinfer_core, "LLM", llm)
+    seen = llm_arguments
     assert main(["serve", "--port", "0", size_flag, "2.5", "--kv-disk-dir", "/kv", "--kv-disk-gb", "100"]) == 1
     assert (seen["kv_offload_gb"], seen["kv_disk_dir"], seen["kv_disk_gb"]) == (2.5, "/kv", 100)
 

@@ -487,19 +487,11 @@ def test_serve_takes_the_port_before_loading_the_model(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
-def test_generate_and_serve_take_the_same_engine_flags(monkeypatch, command):
+def test_generate_and_serve_take_the_same_engine_flags(llm_arguments, command):
     """One definition of the engine flags (vLLM's names), handed to LLM() alike by both commands."""
-    import deepinfer_core
     from deepinfer_core.cli import main
-    from deepinfer_core.config import ConfigError
 
-    seen = {}
-
-    def llm(**kwargs):
-        seen.update(kwargs)
-        raise ConfigError("stop here")
-
-    monkeypatch.setattr(deepinfer_core, "LLM", llm)
+    seen = llm_arguments
     flags = ["--dtype", "half", "--max-model-len", "256", "--max-num-seqs", "3", "--seed", "5", "--kv-cache-dtype", "auto",
              "--gpu-memory-utilization", "0.5", "--mtp", "2", "--no-prefix-caching", "--batch-invariant", "--accelerator", "cpu",
              "--data-parallel-size", "2", "--expert-parallel", "--context-parallel-size", "2", "--num-gpu-blocks-override", "40",
@@ -513,18 +505,10 @@ def test_generate_and_serve_take_the_same_engine_flags(monkeypatch, command):
                     "kv_offload_gb": 0, "kv_disk_dir": None, "kv_disk_gb": None, "num_kv_blocks": 40, "load_format": "dummy"}
 
 
-def test_serve_role_flags_reach_llm_and_bad_ones_are_refused(monkeypatch, capsys):
-    import deepinfer_core
+def test_serve_role_flags_reach_llm_and_bad_ones_are_refused(llm_arguments, capsys):
     from deepinfer_core.cli import main
-    from deepinfer_core.config import ConfigError
 
-    seen = {}
-
-    def llm(**kwargs):
-        seen.update(kwargs)
-        raise ConfigError("stop here")
-
-    monkeypatch.setattr(deepinfer_core, "LLM", llm)
+    seen = llm_arguments
     assert main(["serve", "--port", "0", "--role", "decode", "--kv-transfer-timeout", "30"]) == 1
     assert seen["kv_role"] == "decode" and seen["kv_transfer_timeout"] == 30
     capsys.readouterr()

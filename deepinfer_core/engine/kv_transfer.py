@@ -49,7 +49,14 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from deepinfer_core.config import ConfigError
 from deepinfer_core.engine.kv_cache import KVCache
 from deepinfer_core.engine.sequence import Sequence
-from deepinfer_core.ops.kv_record import DATA_BYTES, PAGE_BYTES, PAGE_ROWS, SCALE_BYTES, SCALE_PLANE, is_record_cache
+from deepinfer_core.ops.kv_record import (
+    DATA_BYTES,
+    PAGE_BYTES,
+    PAGE_ROWS,
+    SCALE_BYTES,
+    SCALE_PLANE,
+    is_record_cache,
+)
 
 log = logging.getLogger("deepinfer")
 

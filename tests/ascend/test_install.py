@@ -40,7 +40,7 @@ def test_only_the_ascend_path_installs_torch_npu():
     assert len(installs) == 1 and "DEEPINFER_TORCH_NPU_SPEC" in installs[0]  # one install of torch_npu ...
     block = script[script.index('if [[ "$accel" == ascend ]] && !'):]
     assert installs[0] in block[:block.index("\nfi\n")]  # ... on the ascend path only
-    assert '-e ".[dev,eval]"' in script  # what CI installs: no [ascend] extra
+    assert '-e ".[dev,eval,pd]"' in script  # what CI installs: no [ascend] extra
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["ascend"][0] == "deepinfer-ascend-950" and any(r.startswith("torch-npu") for r in extras["ascend"])
     assert not any("npu" in r for name, reqs in extras.items() if name != "ascend" for r in reqs)

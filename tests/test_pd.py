@@ -372,3 +372,17 @@ def test_a_request_that_waited_past_the_prefills_keep_time_ends_with_an_error_no
     assert engine.kv.num_free == engine.kv.num_blocks and not engine.scheduler.transfer.busy
     again = _run(engine, [("fresh", prompt, GREEDY)])["fresh"]  # no role needed for a plain request
     assert again.outputs[0].token_ids == one.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_seeded_samples_of_a_request_are_one_engines_through_the_pair(trio):
+    """n=2 sampled with a seed: the prefill computes the prompt once, the decode's first sample reads
+    it and the second starts from the first's blocks; both draw what one engine draws (the decode
+    samples the first token itself)."""
+    one, prefill, decode = trio
+    prompt = random_prompt(45, seed=51)
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, n=2, max_tokens=8)
+    want = one.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    kv = _prefill(prefill, [prompt], params)["0"]
+    got = _run(decode.engine, [("n2", prompt, params.model_copy(update={"kv_transfer_params": kv}))])["n2"]
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+    assert got.outputs[0].token_ids != got.outputs[1].token_ids  # two samples, not one copied

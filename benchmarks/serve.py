@@ -4,6 +4,7 @@
     python -m benchmarks.serve --workload chat --num-kv-blocks 48 [--kv-offload-gb 1]   # multi-turn, a cache that evicts
     python -m benchmarks.serve --launch pd     # deepinfer serve --role prefill + --role decode behind vllm-router
     python -m benchmarks.serve --launch one    # one deepinfer serve behind vllm-router: the same path without the split
+    python -m benchmarks.serve --launch one --replicas 2 --router-policy cache_aware --workload chat   # replicas' balancing
 
 Starts ``deepinfer serve``'s app in this process (on 127.0.0.1, a free port), or with
 ``--launch`` ``deepinfer serve`` processes behind ``vllm-router`` (``one``: one server; ``pd``: a
@@ -164,14 +165,14 @@ def _launched(args):
              "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), "--kv-offload-gb", str(args.kv_offload_gb)]
     serve += ["--accelerator", args.accelerator] if args.accelerator else []
     serve += ["--num-kv-blocks", str(args.num_kv_blocks)] if args.num_kv_blocks else []
-    roles = ["prefill", "decode"] if args.launch == "pd" else [None]
+    roles = ["prefill", "decode"] if args.launch == "pd" else [None] * args.replicas
     # a pair on one GPU shares its memory; on the CPU the fraction is not read
     serve += ["--gpu-memory-utilization", str(args.gpu_memory_utilization or round(0.9 / len(roles), 3))]
     procs, urls = [], []
     try:
         for role in roles:
             port = _free_port()
-            log = open(args.out / f"server-{role or 'one'}.log", "w")
+            log = open(args.out / f"server-{role or len(procs)}.log", "w")
             procs.append(subprocess.Popen(serve + ["--port", str(port)] + (["--role", role] if role else []),
                                           stdout=log, stderr=subprocess.STDOUT))
             urls.append(f"http://127.0.0.1:{port}")
@@ -181,7 +182,7 @@ def _launched(args):
         if args.launch == "pd":
             how = ["--vllm-pd-disaggregation", "--kv-connector", "nixl", "--prefill", urls[0], "--decode", urls[1]]
         else:
-            how = ["--worker-urls", urls[0]]
+            how = ["--worker-urls", *urls, "--policy", args.router_policy]
         procs.append(subprocess.Popen([router, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(_free_port()),
                                        *how], stdout=open(args.out / "router.log", "w"), stderr=subprocess.STDOUT))
         _wait(f"http://127.0.0.1:{port}", procs, timeout=60)
@@ -348,6 +349,9 @@ def main(argv=None) -> None:
     p.add_argument("--workload", choices=["shared", "chat"], default="shared",
                    help="shared: a shared system prompt and a question each; chat: --requests conversations of --turns turns")
     p.add_argument("--turns", type=int, default=4, help="with --workload chat: turns per conversation")
+    p.add_argument("--replicas", type=int, default=1, help="with --launch one: that many servers behind the router")
+    p.add_argument("--router-policy", default="round_robin",
+                   help="with --launch one: vllm-router's --policy across the replicas (round_robin, cache_aware, power_of_two, ...)")
     p.add_argument("--launch", choices=["one", "pd"], default=None,
                    help="deepinfer serve processes behind vllm-router: one server, or a prefill and a decode server")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="the servers' KV cache in blocks (a small one evicts)")

@@ -70,3 +70,16 @@ def test_a_prefill_decode_pair_behind_vllm_router_serves_the_benchmark(tmp_path)
     (point,) = json.loads((tmp_path / "serve.json").read_text())["points"]
     assert point["num_errors"] == 0 and point["output_tokens"] == 4 * 4
     assert 0 < point["prompt_tokens_computed"] <= point["prompt_tokens"]
+
+
+def test_replicas_behind_vllm_router_serve_the_benchmark(tmp_path):
+    """--launch one --replicas 2: two deepinfer serve processes behind vllm-router's policy; the
+    servers' counters add up over both."""
+    from benchmarks import serve
+
+    pytest.importorskip("nixl", reason="the pd extra (which brings vllm-router) is not installed")
+    serve.main(["--launch", "one", "--replicas", "2", "--router-policy", "round_robin", "--rates", "8", "--requests", "4",
+                "--max-tokens", "4", "--system-tokens", "40", "--accelerator", "cpu", "--warmup", "0", "--out", str(tmp_path)])
+    (point,) = json.loads((tmp_path / "serve.json").read_text())["points"]
+    assert point["num_errors"] == 0 and point["output_tokens"] == 4 * 4 and point["prompt_tokens"] > 0
+    assert sorted(p.name for p in tmp_path.glob("server-*.log")) == ["server-0.log", "server-1.log"]

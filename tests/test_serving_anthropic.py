@@ -151,6 +151,7 @@ def test_auth_takes_x_api_key_or_bearer(server):
     ({**GREEDY, "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64"}}]}]}, 400, "'image'"),
     ({**GREEDY, "system": [{"type": "document", "source": {}}]}, 400, "'document'"),
     ({**GREEDY, "tools": [{"name": "f", "input_schema": {"type": "object"}}]}, 400, "not supported"),
+    ({**GREEDY, "kv_transfer_params": {"do_remote_decode": True}}, 400, "route a prefill/decode pair through /v1/completions"),
     ({**GREEDY, "model": "claude-sonnet-4"}, 404, "claude-sonnet-4"),
     ({**GREEDY, "max_tokens": True}, 400, "max_tokens: Input should be a valid integer"),
     ({**GREEDY, "stop_sequences": ["", "a"]}, 400, "stop_sequences cannot contain an empty string"),

@@ -397,6 +397,7 @@ class MessagesRequest(BaseModel):
     stream: bool = False
     tools: list | None = None
     tool_choice: dict | None = None
+    kv_transfer_params: dict | None = None  # read to be refused: prefill/decode pairs take OpenAI's routes
 
     @field_validator("stop_sequences")
     @classmethod
@@ -407,6 +408,9 @@ class MessagesRequest(BaseModel):
     def _supported(self) -> MessagesRequest:
         if self.tools or self.tool_choice:
             raise FieldError("tools and tool_choice are not supported for this model", "tools")
+        if self.kv_transfer_params is not None:
+            raise FieldError("kv_transfer_params are not read on /v1/messages for this model; route a prefill/decode pair "
+                             "through /v1/completions or /v1/chat/completions", "kv_transfer_params")
         return self
 
     def conversation(self) -> list[dict]:

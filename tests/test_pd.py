@@ -291,6 +291,7 @@ def test_a_killed_prefill_instance_costs_its_request_not_the_decode_instance(pai
     assert first.status_code == 200, first.text
     params = first.json()["kv_transfer_params"]
     assert params["do_remote_prefill"] and params["remote_num_tokens"] == len(prompt) - 1
+    assert "deepinfer_kv_transfers_parked 1.0" in httpx.get(f"{prefill_url}/metrics").text  # held for the decode side
     procs[0].send_signal(signal.SIGKILL)  # the prefill instance dies holding the blocks
     procs[0].wait()
     r = _completion(decode_url, prompt, kv_transfer_params=params)

@@ -226,15 +226,16 @@ class Engine:
         sequences waiting and running, KV blocks used and in all (tightest cache group), prompt
         tokens found in / looked up in the prefix cache (and of those found, how many came back
         from the host and disk tiers), the lower tiers' blocks held and capacity, draft tokens
-        verified / accepted."""
-        kv, tiers = self.kv, self.kv.tiers
+        verified / accepted, and a prefill/decode instance's sequences parked or being read."""
+        kv, tiers, transfer = self.kv, self.kv.tiers, self.scheduler.transfer
         usage = tiers.usage() if tiers is not None else {"kv_host_used_blocks": 0, "kv_host_blocks": 0,
                                                           "kv_disk_used_blocks": 0, "kv_disk_blocks": 0}
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "kv_used_blocks": kv.num_blocks - kv.num_free, "kv_blocks": kv.num_blocks,
                 "prefix_hit_tokens": kv.num_hit_tokens, "prefix_queried_tokens": kv.num_queried_tokens,
                 "prefix_hit_tokens_host": kv.num_hit_tokens_by_tier["host"], "prefix_hit_tokens_disk": kv.num_hit_tokens_by_tier["disk"],
-                **usage, "draft_tokens": self.spec_stats.num_draft_tokens, "accepted_tokens": self.spec_stats.num_accepted_tokens}
+                **usage, "draft_tokens": self.spec_stats.num_draft_tokens, "accepted_tokens": self.spec_stats.num_accepted_tokens,
+                "kv_parked": len(transfer.parked) if transfer else 0, "kv_receiving": len(transfer.receiving) if transfer else 0}
 
     def abort(self, request_id: str) -> Request:
         """Stop a request (unfinished samples get finish_reason "abort" and the text of the tokens

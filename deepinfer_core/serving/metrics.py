@@ -36,6 +36,9 @@ class ServerMetrics:
               lambda g: g["kv_host_used_blocks"] / max(1, g["kv_host_blocks"]))
         gauge("kv_disk_tier_usage_ratio", "share of the disk KV tier's blocks in use (0 without one)",
               lambda g: g["kv_disk_used_blocks"] / max(1, g["kv_disk_blocks"]))
+        gauge("kv_transfers_parked", "sequences whose blocks a prefill instance keeps for its decode instances to read",
+              lambda g: g["kv_parked"])
+        gauge("kv_transfers_receiving", "sequences a decode instance is reading from prefill instances", lambda g: g["kv_receiving"])
         gauge("spec_decode_draft_tokens", "draft tokens verified since start-up", lambda g: g["draft_tokens"])
         gauge("spec_decode_accepted_tokens", "draft tokens accepted since start-up", lambda g: g["accepted_tokens"])
         self.ttft = Histogram(p + "time_to_first_token_seconds", "request arrival to its first output token", buckets=LATENCY_BUCKETS,

@@ -44,16 +44,20 @@ def _checkpoint(kind: str, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp(kind)
     if kind == "v3":
         write_checkpoint("v3_grouped", path)
+    elif kind == "v4_fp8":  # FlashMLA's 584-byte records need V4's real head dims (448 + 64)
+        write_checkpoint_v4("v4_flash_like", path, head_dim=512, qk_rope_head_dim=64, index_head_dim=64)
     else:
         write_checkpoint_v4("v4_flash_like", path)
     return path
 
 
-@pytest.fixture(scope="module", params=["v3", "v4"])
+@pytest.fixture(scope="module", params=["v3", "v4", "v4_fp8"])
 def trio(request, tmp_path_factory, one_thread):
-    """(one engine, a prefill engine, a decode engine) of one tiny model, float32."""
+    """(one engine, a prefill engine, a decode engine) of one tiny model, float32 (v4_fp8: V4's
+    window and compressed caches as FP8 records, whose rows straddle pages)."""
     path = _checkpoint(request.param, tmp_path_factory)
-    kw = dict(model=str(path), accelerator="cpu", dtype="float32", progress=False, max_num_seqs=8)  # V4: a parked sequence keeps its ring slots
+    kw = dict(model=str(path), accelerator="cpu", dtype="float32", progress=False, max_num_seqs=8,  # V4: a parked
+              kv_cache_dtype="fp8" if request.param == "v4_fp8" else "auto")  # sequence keeps its ring slots
     llms = LLM(**kw), LLM(**kw, kv_role="prefill"), LLM(**kw, kv_role="decode")
     yield llms
     for llm in llms:
@@ -387,3 +391,20 @@ def test_seeded_samples_of_a_request_are_one_engines_through_the_pair(trio):
     got = _run(decode.engine, [("n2", prompt, params.model_copy(update={"kv_transfer_params": kv}))])["n2"]
     assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
     assert got.outputs[0].token_ids != got.outputs[1].token_ids  # two samples, not one copied
+
+
+@pytest.mark.parametrize("rows", [16, 48, 64, 100])
+def test_the_read_spans_are_the_host_tiers_block_views(rows):
+    """``spans`` computes where a table entry's bytes lie without slicing (the other instance's
+    block ids may lie beyond this tensor); on this tensor it names exactly the bytes the host
+    tier's ``block_views`` slices, FP8 records whose rows straddle pages included."""
+    from deepinfer_core.engine.kv_tiers import block_views
+    from deepinfer_core.ops.kv_record import RECORD_BYTES, record_rows
+
+    blocks = 5
+    record = torch.zeros(record_rows(blocks * rows), RECORD_BYTES, dtype=torch.uint8)
+    plain = torch.zeros(blocks, rows, 24, dtype=torch.bfloat16)
+    for t in (record, plain):
+        for block in range(blocks):
+            want = [(v.data_ptr() - t.data_ptr(), v.numel()) for v in block_views(t, rows, block)]
+            assert spans(t, rows, block) == want, (t.dtype, block)

@@ -193,6 +193,9 @@ def test_wrong_kv_transfer_params_are_refused_with_what_to_do(trio):
     refused(decode, params, ids=random_prompt(40, seed=5), match="computed other tokens than this prompt's")
     refused(decode, {**params, "remote_layout": "0" * 64}, match="another model or KV cache layout")
     refused(decode, {**params, "deepinfer_protocol": 99}, match="run the same DeepInfer version")
+    with pytest.raises(RequestError, match="prompt_logprobs .* send this request to one instance"):
+        prefill.engine.add_request({"prompt_token_ids": prompt}, GREEDY.model_copy(
+            update={"prompt_logprobs": 1, "kv_transfer_params": {"do_remote_decode": True}}))
     assert not decode.engine.requests and not one.engine.requests
     _run(decode.engine, [("ok", prompt, GREEDY.model_copy(update={"kv_transfer_params": params}))])  # the right ones still run
 

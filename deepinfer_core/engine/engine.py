@@ -152,6 +152,10 @@ class Engine:
 
         kv, transfer = params.kv_transfer_params, self.scheduler.transfer
         role = transfer.role if transfer is not None else None
+        if params.prompt_logprobs is not None and (kv.get("do_remote_decode") or kv.get("do_remote_prefill")):
+            raise RequestError(f"{label}: prompt_logprobs (echo with logprobs) need every prompt position's logits, and a "
+                               "prefill/decode pair computes them on neither side; send this request to one instance "
+                               "without kv_transfer_params")
         if kv.get("do_remote_decode"):
             if role != "prefill":
                 raise RequestError(f"{label}: kv_transfer_params ask this instance to prefill for a decode instance, but it runs "

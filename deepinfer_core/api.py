@@ -271,6 +271,8 @@ class LLM:
         if self.engine.kv.tiers is not None:
             self.engine.kv.close_tiers()
             atexit.unregister(self.close)
+        if self.engine.scheduler.transfer is not None:  # prefill/decode: the cache leaves NIXL
+            self.engine.scheduler.transfer.close()
         if self.parallel is not None:
             self.parallel.close()
             atexit.unregister(self.close)  # the exit hook's reference would keep the engine alive

@@ -411,3 +411,22 @@ def test_the_read_spans_are_the_host_tiers_block_views(rows):
         for block in range(blocks):
             want = [(v.data_ptr() - t.data_ptr(), v.numel()) for v in block_views(t, rows, block)]
             assert spans(t, rows, block) == want, (t.dtype, block)
+
+
+def test_a_prefill_engine_reset_with_parked_blocks_fails_their_reads_not_serves_other_bytes(trio):
+    """An engine reset (a failed step's abort_all) frees the parked blocks for reuse: the prefill
+    engine restarts its NIXL agent, so a decode engine still holding the old kv_transfer_params
+    gets a failed READ (the request ends with an error), and the new agent serves the next pair."""
+    one, prefill, decode = trio
+    prompt = random_prompt(60, seed=61)
+    stale = _prefill(prefill, [prompt])["0"]
+    before = prefill.engine.scheduler.transfer.name
+    prefill.engine.abort_all()
+    assert prefill.engine.scheduler.transfer.name != before and not prefill.engine.scheduler.transfer.parked
+    _prefill(prefill, [random_prompt(60, seed=62)])  # another request's bytes may now sit in those blocks
+    out = _run(decode.engine, [("stale", prompt, GREEDY.model_copy(update={"kv_transfer_params": stale}))])["stale"]
+    assert out.error is not None and "did not arrive from the prefill instance" in out.error
+    fresh = _prefill(prefill, [prompt])["0"]
+    got = _run(decode.engine, [("fresh", prompt, GREEDY.model_copy(update={"kv_transfer_params": fresh}))])["fresh"]
+    want = one.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
+    assert got.error is None and got.outputs[0].token_ids == want.outputs[0].token_ids

@@ -206,25 +206,39 @@ class KVTransfer:
     def __init__(self, engine, model_dir, role: str, timeout_s: float):
         if role not in ROLES:
             raise ConfigError(f"kv_role {role!r}: one of {', '.join(ROLES)}")
-        nixl_agent, nixl_agent_config = _nixl()
         self.role, self.timeout_s = role, timeout_s
         self.block_size = engine.kv.block_size
         self.groups = engine.cache_groups
         self.tensors = engine.kv_cache.tensors
         self.layout = layout_identity(engine, model_dir)
-        self.name = f"deepinfer-{role}-{uuid.uuid4().hex[:12]}"
-        self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
-        tensors = [t for t in self.tensors.values()]
+        tensors = list(self.tensors.values())
         self.memory = "DRAM" if tensors[0].device.type == "cpu" else "VRAM"
         self.device_id = max(tensors[0].get_device(), 0)
-        self.registered = self.agent.register_memory(tensors)
-        self.metadata = base64.b64encode(self.agent.get_agent_metadata()).decode()
+        self.agent = None
+        self._start_agent()
         self.parked: dict[str, tuple[Sequence, float]] = {}  # transfer id -> (sequence, when it is freed anyway)
         self.receiving: dict[Sequence, Receiving] = {}
         self.abandoned: list[Receiving] = []  # READs whose request ended, still to let go of their blocks
         self.held: set[Sequence] = set()  # the sequences above: their blocks are not to be freed yet
-        self.remote_agents: dict[str, str] = {}  # engine id -> NIXL agent name
         log.info("KV transfer (%s): NIXL agent %s over %d cache tensors (%s)", role, self.name, len(tensors), self.memory)
+
+    def _start_agent(self) -> None:
+        """A NIXL agent of a new name over every cache tensor; its metadata is what parked
+        sequences' kv_transfer_params carry."""
+        nixl_agent, nixl_agent_config = _nixl()
+        self.name = f"deepinfer-{self.role}-{uuid.uuid4().hex[:12]}"
+        self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        self.registered = self.agent.register_memory(list(self.tensors.values()))
+        self.metadata = base64.b64encode(self.agent.get_agent_metadata()).decode()
+        self.remote_agents: dict[str, str] = {}  # engine id -> NIXL agent name
+
+    def _stop_agent(self) -> None:
+        """Deregister the cache and drop the agent: READs that name it fail from now on."""
+        try:
+            self.agent.deregister_memory(self.registered)
+        except Exception:  # noqa: BLE001 - the agent goes anyway
+            log.warning("KV transfer: deregistering the cache from NIXL failed", exc_info=True)
+        self.agent = None
 
     # ---- prefill side ----------------------------------------------------------------------------
     def park(self, seq: Sequence, token_ids: list[int]) -> dict:
@@ -406,20 +420,28 @@ class KVTransfer:
         out.freed.append(seq)
 
     def reset(self) -> None:
-        """Every block pool is being reset (an engine error, an interrupted generate): forget
-        parked sequences and let go of the READs."""
+        """Every block pool is being reset (an engine error, an interrupted generate): let go of
+        the READs and forget parked sequences. Their blocks will be reused, so a prefill instance
+        that had any restarts its agent under a new name: a decode instance still holding their
+        kv_transfer_params gets a failed READ (its request ends with an error), never another
+        request's bytes."""
         for r in list(self.receiving.values()) + self.abandoned:
             if not self._release(r):
                 log.warning("KV transfer: a READ NIXL cannot cancel may still write into blocks of the reset pool")
             self._tell_prefill(r)
         self.receiving.clear()
         self.abandoned.clear()
+        if self.parked:
+            self._stop_agent()
+            self._start_agent()
+            log.warning("KV transfer: %d parked sequences dropped with the pool; NIXL agent restarted as %s",
+                        len(self.parked), self.name)
         self.parked.clear()
         self.held.clear()
 
     def close(self) -> None:
-        self.reset()
-        try:
-            self.agent.deregister_memory(self.registered)
-        except Exception:  # noqa: BLE001 - the process is ending
-            pass
+        """Let go of every transfer and deregister the cache (``LLM.close``)."""
+        if self.agent is not None:
+            self.parked.clear()  # no restart: the agent goes
+            self.reset()
+            self._stop_agent()

@@ -430,3 +430,20 @@ def test_a_prefill_engine_reset_with_parked_blocks_fails_their_reads_not_serves_
     got = _run(decode.engine, [("fresh", prompt, GREEDY.model_copy(update={"kv_transfer_params": fresh}))])["fresh"]
     want = one.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
     assert got.error is None and got.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_a_read_that_does_not_end_before_the_prefills_keep_time_ends_its_request(trio, monkeypatch):
+    """A READ still in flight when 90% of the prefill's keep time (from the request's arrival) is
+    gone is given up: the request ends naming the setting, its blocks come back, the engine goes on."""
+    _, prefill, decode = trio
+    prompt = random_prompt(50, seed=71)
+    params = {**_prefill(prefill, [prompt])["0"], "timeout_s": 0.4}
+    transfer = decode.engine.scheduler.transfer
+    monkeypatch.setattr(transfer.agent, "check_xfer_state", lambda handle: "PROC")  # as if the network stalled
+    out = _run(decode.engine, [("stalled", prompt, GREEDY.model_copy(update={"kv_transfer_params": params}))])["stalled"]
+    assert out.outputs[0].finish_reason == "abort" and "did not end in time" in out.error and "--kv-transfer-timeout" in out.error
+    monkeypatch.undo()
+    deadline = time.time() + 10
+    while transfer.busy and time.time() < deadline:
+        decode.engine.poll_transfers()
+    assert not transfer.busy and decode.engine.kv.num_free == decode.engine.kv.num_blocks

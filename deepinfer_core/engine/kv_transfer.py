@@ -270,7 +270,9 @@ class KVTransfer:
         ``cached`` paged blocks are this pool's own cached ones, not read); its outcome comes from
         ``poll``."""
         remote, waited = seq.remote, time.monotonic() - seq.remote_since
-        r = Receiving(seq, None, "", remote.transfer_id, time.monotonic() + remote.timeout_s * 0.9)
+        # the READ ends before the prefill instance frees the blocks (its timeout runs from its answer,
+        # about when the request arrived here): counted from the arrival, not from the READ's start
+        r = Receiving(seq, None, "", remote.transfer_id, seq.remote_since + remote.timeout_s * 0.9)
         self.receiving[seq] = r
         self.held.add(seq)
         try:
@@ -378,7 +380,8 @@ class KVTransfer:
         for seq, r in list(self.receiving.items()):
             state = self._state(r)
             if state == "PROC" and now > r.deadline:
-                state, r.failure = "ERR", f"the READ took longer than {self.timeout_s:.0f} s (--kv-transfer-timeout)"
+                state, r.failure = "ERR", (f"the READ did not end in time: the prefill instance keeps the blocks "
+                                           f"{seq.remote.timeout_s:.0f} s after its answer (--kv-transfer-timeout)")
             if state == "PROC":
                 continue
             del self.receiving[seq]

@@ -64,7 +64,6 @@ def test_a_prefill_decode_pair_behind_vllm_router_serves_the_benchmark(tmp_path)
     once (the prefill's prompt lacks the last token, the decode's received the rest)."""
     from benchmarks import serve
 
-    pytest.importorskip("nixl", reason="the pd extra is not installed")
     serve.main(["--launch", "pd", "--rates", "8", "--requests", "4", "--max-tokens", "4", "--system-tokens", "40",
                 "--accelerator", "cpu", "--warmup", "0", "--out", str(tmp_path)])
     (point,) = json.loads((tmp_path / "serve.json").read_text())["points"]
@@ -77,7 +76,6 @@ def test_replicas_behind_vllm_router_serve_the_benchmark(tmp_path):
     servers' counters add up over both."""
     from benchmarks import serve
 
-    pytest.importorskip("nixl", reason="the pd extra (which brings vllm-router) is not installed")
     serve.main(["--launch", "one", "--replicas", "2", "--router-policy", "round_robin", "--rates", "8", "--requests", "4",
                 "--max-tokens", "4", "--system-tokens", "40", "--accelerator", "cpu", "--warmup", "0", "--out", str(tmp_path)])
     (point,) = json.loads((tmp_path / "serve.json").read_text())["points"]

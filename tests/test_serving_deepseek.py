@@ -334,7 +334,6 @@ def test_a_prefill_decode_pair_answers_deepseeks_chat_as_one_server(server, chec
     """V4's chat route through two instances, the router's two hops by hand: the prefill's answer
     carries kv_transfer_params, the decode's continues from the prompt's KV (NIXL, CPU) to one
     server's greedy answer."""
-    pytest.importorskip("nixl", reason="the pd extra is not installed")
     url, _, _ = server
     body = {"model": NAME, "messages": [{"role": "user", "content": "hello there"}], "thinking": {"type": "disabled"},
             "max_tokens": 12, "temperature": 0}

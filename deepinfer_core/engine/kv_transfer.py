@@ -69,15 +69,31 @@ class KVTransferError(RuntimeError):
     """A request's KV cache could not be brought from its prefill instance."""
 
 
+NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")  # the meta-package's, then the wheels' own
+
+
+def nixl_api():
+    """NIXL's Python API module: through the ``nixl`` meta-package where it is installed, else
+    straight from the ``nixl-cu13`` or ``nixl-cu12`` wheel (the ``pd`` extra installs nixl-cu12
+    alone: the meta-package pulls both and a CUDA build of torch). None when none imports."""
+    import importlib
+
+    for name in NIXL_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    return None
+
+
 def _nixl():
-    """NIXL's agent classes (the CUDA 13, CUDA 12 or CPU-only wheel, whichever is installed)."""
-    try:
-        from nixl._api import nixl_agent, nixl_agent_config
-    except ImportError as e:
+    """NIXL's agent classes; ConfigError naming the fix when no NIXL wheel imports."""
+    api = nixl_api()
+    if api is None:
         raise ConfigError(
-            f"kv_role (--role) needs NIXL, which does not import here ({e}): pip install 'deepinfer[pd]' (nixl-cu12), or "
-            "the NIXL wheel for your CUDA (nixl-cu13 for CUDA 13)") from None
-    return nixl_agent, nixl_agent_config
+            "kv_role (--role) needs NIXL, and none of nixl, nixl-cu13, nixl-cu12 imports here: pip install 'deepinfer[pd]' "
+            "(nixl-cu12), or the NIXL wheel for your CUDA (nixl-cu13 for CUDA 13)")
+    return api.nixl_agent, api.nixl_agent_config
 
 
 def tokens_hash(token_ids: list[int]) -> str:

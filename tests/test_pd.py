@@ -27,7 +27,8 @@ import pytest
 import torch
 
 from deepinfer_core import LLM, SamplingParams
-from deepinfer_core.engine.kv_transfer import rows_per_block, spans
+from deepinfer_core.engine.kv_tiers import block_spans, block_views
+from deepinfer_core.engine.kv_transfer import rows_per_block
 from deepinfer_core.engine.output import to_output
 from deepinfer_core.engine.requests import RequestError
 from tests.hf_checkpoints import write_checkpoint
@@ -138,7 +139,7 @@ def test_every_cache_group_arrives_bit_for_bit(trio):
             a, b = prefill.engine.kv_cache.tensors[layer], engine.kv_cache.tensors[layer]
             rows = rows_per_block(g, engine.kv.block_size, a)
             for mine, their in zip(seq.block_tables[g.name], theirs):
-                for (lo, n), (ro, _) in zip(spans(b, rows, mine), spans(a, rows, their)):
+                for (lo, n), (ro, _) in zip(block_spans(b, rows, mine), block_spans(a, rows, their)):
                     assert torch.equal(b.view(-1).view(torch.uint8)[lo : lo + n], a.view(-1).view(torch.uint8)[ro : ro + n]), (layer, mine)
     engine.abort("bits")
     assert engine.kv.num_free == engine.kv.num_blocks
@@ -398,20 +399,20 @@ def test_seeded_samples_of_a_request_are_one_engines_through_the_pair(trio):
 
 
 @pytest.mark.parametrize("rows", [16, 48, 64, 100])
-def test_the_read_spans_are_the_host_tiers_block_views(rows):
-    """``spans`` computes where a table entry's bytes lie without slicing (the other instance's
-    block ids may lie beyond this tensor); on this tensor it names exactly the bytes the host
-    tier's ``block_views`` slices, FP8 records whose rows straddle pages included."""
-    from deepinfer_core.engine.kv_tiers import block_views
+def test_the_read_spans_of_blocks_beyond_this_tensor_are_where_a_larger_pool_keeps_them(rows):
+    """A decode instance computes the prefill's spans from its own tensor (``block_spans``), and
+    the prefill's block numbers may lie beyond it: the spans of those blocks are the bytes a
+    larger pool of the same layout holds them in (FP8 records whose rows straddle pages too; the
+    layout itself is checked against ops/kv_record's in test_kv_tiers.py)."""
     from deepinfer_core.ops.kv_record import RECORD_BYTES, record_rows
 
-    blocks = 5
-    record = torch.zeros(record_rows(blocks * rows), RECORD_BYTES, dtype=torch.uint8)
-    plain = torch.zeros(blocks, rows, 24, dtype=torch.bfloat16)
-    for t in (record, plain):
-        for block in range(blocks):
-            want = [(v.data_ptr() - t.data_ptr(), v.numel()) for v in block_views(t, rows, block)]
-            assert spans(t, rows, block) == want, (t.dtype, block)
+    small, large = 2, 7
+    records = [torch.zeros(record_rows(n * rows), RECORD_BYTES, dtype=torch.uint8) for n in (small, large)]
+    plain = [torch.zeros(n, rows, 24, dtype=torch.bfloat16) for n in (small, large)]
+    for mine, theirs in (records, plain):
+        for block in range(large):
+            want = [(v.data_ptr() - theirs.data_ptr(), v.numel()) for v in block_views(theirs, rows, block)]
+            assert block_spans(mine, rows, block) == want, (mine.dtype, block)
 
 
 def test_a_prefill_engine_reset_with_parked_blocks_fails_their_reads_not_serves_other_bytes(trio):

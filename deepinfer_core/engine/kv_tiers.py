@@ -34,24 +34,44 @@ from deepinfer_core.config import ConfigError
 from deepinfer_core.engine.kv_cache import KVCache
 from deepinfer_core.engine.kv_disk import HEADER, DiskTier
 from deepinfer_core.models.batch import CacheGroup
-from deepinfer_core.ops.kv_record import PAGE_ROWS, is_record_cache, planes
+from deepinfer_core.ops.kv_record import (
+    DATA_BYTES,
+    PAGE_BYTES,
+    PAGE_ROWS,
+    SCALE_BYTES,
+    SCALE_PLANE,
+    is_record_cache,
+    planes,
+)
 
 log = logging.getLogger("deepinfer")
 
-def block_views(t: torch.Tensor, rows: int, block: int) -> list[torch.Tensor]:
-    """The bytes of paged block ``block`` (``rows`` rows) of one layer's cache tensor, as
-    contiguous uint8 views: the block itself, or for an FP8 record cache its rows' data then their
-    scales, which sit in the data and scale planes of the pages the rows fall in."""
+
+def block_spans(t: torch.Tensor, rows: int, block: int) -> list[tuple[int, int]]:
+    """(byte offset from ``t``'s start, bytes) of table entry ``block`` (``rows`` rows) of one
+    layer's cache tensor: the entry itself, or for an FP8 record cache its rows' data then their
+    scales, which sit in the data and scale planes of the pages the rows fall in
+    (``ops/kv_record.py``). Computed, not sliced: a prefill/decode transfer applies them to the
+    other instance's block numbers, which may lie beyond this tensor (``kv_transfer``)."""
     if not is_record_cache(t):
-        return [t[block].view(torch.uint8).reshape(-1)]
-    data, scales = planes(t)
-    spans, r, end = [], block * rows, (block + 1) * rows
+        return [(block * t.stride(0) * t.element_size(), rows * t.shape[-1] * t.element_size())]
+    data, scales, r, end = [], [], block * rows, (block + 1) * rows
     while r < end:
         page, slot = divmod(r, PAGE_ROWS)
         n = min(PAGE_ROWS - slot, end - r)
-        spans.append((page, slot, slot + n))
+        data.append((page * PAGE_BYTES + slot * DATA_BYTES, n * DATA_BYTES))
+        scales.append((page * PAGE_BYTES + SCALE_PLANE + slot * SCALE_BYTES, n * SCALE_BYTES))
         r += n
-    return [data[p, a:b].reshape(-1) for p, a, b in spans] + [scales[p, a:b].reshape(-1) for p, a, b in spans]
+    return data + scales
+
+
+def block_views(t: torch.Tensor, rows: int, block: int) -> list[torch.Tensor]:
+    """The bytes of block ``block`` of a (contiguous) cache tensor as uint8 views, span by span
+    (``block_spans``)."""
+    if is_record_cache(t):
+        planes(t)  # its check: a contiguous record cache of whole pages
+    flat = t.view(torch.uint8).reshape(-1)
+    return [flat[at : at + n] for at, n in block_spans(t, rows, block)]
 
 
 def block_bytes(groups: list[CacheGroup], block_size: int) -> int:

@@ -48,15 +48,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from deepinfer_core.config import ConfigError
 from deepinfer_core.engine.kv_cache import KVCache
+from deepinfer_core.engine.kv_tiers import block_spans, model_identity
 from deepinfer_core.engine.sequence import Sequence
-from deepinfer_core.ops.kv_record import (
-    DATA_BYTES,
-    PAGE_BYTES,
-    PAGE_ROWS,
-    SCALE_BYTES,
-    SCALE_PLANE,
-    is_record_cache,
-)
 
 log = logging.getLogger("deepinfer")
 
@@ -111,25 +104,6 @@ def rows_per_block(group, block_size: int, t: torch.Tensor) -> int:
     return t.shape[1]
 
 
-def spans(t: torch.Tensor, rows: int, block: int) -> list[tuple[int, int]]:
-    """(byte offset from ``t``'s start, bytes) of table entry ``block`` (``rows`` rows) of a cache
-    tensor laid out as this engine lays it out: whole entries of a plain cache, or for an FP8
-    record cache the rows' data and then their scales, in the data and scale planes of the pages
-    the rows fall in (``ops/kv_record.py``). Computed, not sliced: the other instance's block
-    numbers may lie beyond this tensor."""
-    if not is_record_cache(t):
-        size = rows * t.shape[-1] * t.element_size()
-        return [(block * t.stride(0) * t.element_size(), size)]
-    out, scales, r, end = [], [], block * rows, (block + 1) * rows
-    while r < end:
-        page, slot = divmod(r, PAGE_ROWS)
-        n = min(PAGE_ROWS - slot, end - r)
-        out.append((page * PAGE_BYTES + slot * DATA_BYTES, n * DATA_BYTES))
-        scales.append((page * PAGE_BYTES + SCALE_PLANE + slot * SCALE_BYTES, n * SCALE_BYTES))
-        r += n
-    return out + scales
-
-
 def merge(pairs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     """(local address, remote address, bytes) copies, those that continue the one before on both
     sides joined into one."""
@@ -146,8 +120,6 @@ def layout_identity(engine, model_dir) -> str:
     """What both instances must share for one's bytes to mean the same in the other: the model
     (type, config, weights' identity, dtype), the block size, and per cache group its kind,
     layers, row format and rows per table entry (not the pool sizes: those may differ)."""
-    from deepinfer_core.engine.kv_tiers import model_identity
-
     ident = model_identity(engine, model_dir)
     ident["groups"] = []
     for g in engine.cache_groups:
@@ -307,7 +279,7 @@ class KVTransfer:
                     t, (base, _) = self.tensors[layer], remote.remote_bases[layer]
                     rows = rows_per_block(g, self.block_size, t)
                     for lb, rb in zip(mine[skip:], theirs[skip:]):
-                        for (lo, n), (ro, _) in zip(spans(t, rows, lb), spans(t, rows, rb)):
+                        for (lo, n), (ro, _) in zip(block_spans(t, rows, lb), block_spans(t, rows, rb)):
                             pairs.append((t.data_ptr() + lo, base + ro, n))
             pairs = merge(pairs)
             if not pairs:

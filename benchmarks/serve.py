@@ -254,11 +254,6 @@ def _pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))] if values else None
 
 
-def _tier_counter(page: str, tier: str) -> float:
-    name = f'deepinfer_cached_prompt_tokens_by_tier_total{{tier="{tier}"}}'
-    return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines() if line.startswith(name + " "))
-
-
 async def _metrics(client, urls: list[str]) -> dict[str, float]:
     """The servers' prompt-token counters, added up."""
     pages = [(await client.get(url + "/metrics")).text for url in urls]
@@ -266,7 +261,7 @@ async def _metrics(client, urls: list[str]) -> dict[str, float]:
            "cached": sum(_counter(p, "deepinfer_cached_prompt_tokens_total") for p in pages),
            "transferred": sum(_counter(p, "deepinfer_transferred_prompt_tokens_total") for p in pages)}
     for tier in TIERS:
-        out[tier] = sum(_tier_counter(p, tier) for p in pages)
+        out[tier] = sum(_counter(p, f'deepinfer_cached_prompt_tokens_by_tier_total{{tier="{tier}"}}') for p in pages)
     return out
 
 

@@ -101,14 +101,21 @@ def _hccl_rank(rank: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
-def test_hccl_collectives_over_two_npus():
+def _on_two_npus(rank_fn, port_base: int):
+    """What ``rank_fn(rank, port, results)`` put in ``results`` on each of two spawned ranks (one
+    NPU each); the test is skipped without two NPUs."""
     devices, why_not = backend._visible_devices()
     if why_not is not None or len(devices) < 2:
         pytest.skip("needs two NPUs")
     import torch.multiprocessing as mp
 
     results = mp.Manager().dict()
-    mp.spawn(_hccl_rank, args=(29611 + os.getpid() % 1000, results), nprocs=2)
+    mp.spawn(rank_fn, args=(port_base + os.getpid() % 1000, results), nprocs=2)
+    return results
+
+
+def test_hccl_collectives_over_two_npus():
+    results = _on_two_npus(_hccl_rank, 29611)
     for rank in (0, 1):
         total, counts, got_bf16, got_fp8, _ = results[rank]
         assert torch.equal(total, torch.full((4,), 3.0))
@@ -160,13 +167,7 @@ def _moe_rank(rank: int, port: int, results) -> None:
 def test_moe_dispatch_and_combine_over_two_npus():
     """Each rank's expert-parallel MoE output through npu_moe_distribute_dispatch_v2 / combine_v2
     equals the one-process reference in float32 within the bf16 tolerance of specs/ops.toml."""
-    devices, why_not = backend._visible_devices()
-    if why_not is not None or len(devices) < 2:
-        pytest.skip("needs two NPUs")
-    import torch.multiprocessing as mp
-
-    results = mp.Manager().dict()
-    mp.spawn(_moe_rank, args=(29711 + os.getpid() % 1000, results), nprocs=2)
+    results = _on_two_npus(_moe_rank, 29711)
     for rank in (0, 1):
         outs, fused = results[rank]
         assert fused == 2, f"rank {rank}: {fused} of 2 calls took the fused operators (see the log for why not)"

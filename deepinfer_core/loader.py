@@ -401,7 +401,13 @@ def _check_finite(finite, key_file: dict[str, Path], handles, params, expected: 
     weight key -> its scale's key, for the weights dequantised at load)."""
     if not finite:
         return
-    flags = torch.stack([flag for _, flag in finite]).tolist()
+    flags = [True] * len(finite)
+    by_device: dict[torch.device, list[int]] = {}  # packed MXFP4 scales are checked on the host, the rest where they load
+    for i, (_, flag) in enumerate(finite):
+        by_device.setdefault(flag.device, []).append(i)
+    for rows in by_device.values():  # one sync a device
+        for i, ok in zip(rows, torch.stack([finite[i][1] for i in rows]).tolist()):
+            flags[i] = ok
     bad = [key for (key, _), ok in zip(finite, flags) if not ok]
     if not bad:
         return

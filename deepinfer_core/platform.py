@@ -166,6 +166,11 @@ class Platform:
         self.synchronize()
         return torch.accelerator.max_memory_allocated(dev) - before
 
+    def memory_held(self) -> int:
+        """Bytes of device memory this process's allocator holds (0 on the CPU)."""
+        dev = self.torch_device
+        return 0 if dev.type == "cpu" else torch.accelerator.memory_reserved(dev)
+
     def empty_cache(self) -> None:
         """Hand the allocator's cached free blocks back (before measuring free memory)."""
         if self.torch_device.type != "cpu":

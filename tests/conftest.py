@@ -36,12 +36,14 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_runtest_logreport(report):
     """With DEEPINFER_FAILURES_FILE set, each failure's id and the end of its traceback are
-    appended to that file as it happens (xdist workers too). A GPU call that a timeout cuts off
+    appended to that file as it happens (once, by xdist's controller). A GPU call that a timeout cuts off
     before pytest's summary still brings back why its tests failed (tools/gpu_session.sh)."""
     import os
 
     path = os.environ.get("DEEPINFER_FAILURES_FILE")
-    if path and report.failed:
+    # under xdist the controller hears every worker's report again: only it (or a run without
+    # workers) writes, so each failure is recorded once
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
         with open(path, "a") as f:
             f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext[-3000:]}\n\n")
 

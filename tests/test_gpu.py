@@ -11,6 +11,10 @@ from tests.hf_checkpoints import write_checkpoint
 
 pytestmark = pytest.mark.gpu
 
+# Each engine's share of the GPU: the tests run in parallel workers on one device (tools/gpu_session.sh),
+# and at the default 0.9 the first engine's KV cache left the others none.
+GPU_SHARE = 0.05
+
 PROMPTS = [[5, 17, 42, 99, 3, 64, 7], [11, 12], [150, 2, 2, 8, 33, 41, 90, 100, 120, 7, 6, 5, 4]]
 
 
@@ -24,7 +28,7 @@ def checkpoint(tmp_path_factory):
 def test_nvidia_backend_matches_cpu_reference(checkpoint):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
     cpu = LLM(model=str(checkpoint), accelerator="cpu", dtype="float32", progress=False).generate(PROMPTS, params, use_tqdm=False)
-    gpu_llm = LLM(model=str(checkpoint), accelerator="nvidia", dtype="float32", progress=False)
+    gpu_llm = LLM(model=str(checkpoint), accelerator="nvidia", gpu_memory_utilization=GPU_SHARE, dtype="float32", progress=False)
     assert gpu_llm.engine.platform.name in ("nvidia-sm90", "nvidia-sm100")
     assert gpu_llm.engine.device.type == "cuda"
     _assert_same_greedy(cpu, gpu_llm.generate(PROMPTS, params, use_tqdm=False), 1e-3)  # TF32/cuBLAS vs CPU float32
@@ -56,7 +60,7 @@ def test_shared_experts_in_the_grouped_pass_match_cpu_reference(tmp_path, monkey
     for dtype, hint in (("float32", None), ("bfloat16", None), ("bfloat16", {})):
         if hint is not None:
             monkeypatch.setattr(kmoe.moe_experts, "shared_expert_max_tokens", hint)
-        llm = LLM(model=str(path), accelerator="nvidia", dtype=dtype, progress=False)
+        llm = LLM(model=str(path), accelerator="nvidia", gpu_memory_utilization=GPU_SHARE, dtype=dtype, progress=False)
         moe = [layer.mlp for layer in llm.engine.model.model.layers if hasattr(layer.mlp, "with_shared")]
         assert moe and all((m.with_shared is not None) == (hint is None) for m in moe)
         runs[dtype, hint is None] = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -68,7 +72,7 @@ def test_shared_experts_in_the_grouped_pass_match_cpu_reference(tmp_path, monkey
 
 
 def test_nvidia_backend_runs_bf16_and_sampling(checkpoint):
-    llm = LLM(model=str(checkpoint), accelerator="nvidia", dtype="bfloat16", progress=False)
+    llm = LLM(model=str(checkpoint), accelerator="nvidia", gpu_memory_utilization=GPU_SHARE, dtype="bfloat16", progress=False)
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True, n=2)
     a = llm.generate(PROMPTS, params, use_tqdm=False)
     b = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -77,7 +81,7 @@ def test_nvidia_backend_runs_bf16_and_sampling(checkpoint):
 
 
 def test_default_model_on_gpu():
-    llm = LLM(accelerator="nvidia", progress=False)
+    llm = LLM(accelerator="nvidia", gpu_memory_utilization=GPU_SHARE, progress=False)
     out = llm.generate(["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
     assert out.outputs[0].token_ids and out.outputs[0].finish_reason in ("stop", "length")
 
@@ -87,7 +91,7 @@ def test_decode_graphs_match_eager(checkpoint):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     runs = {}
     for eager in (True, False):
-        llm = LLM(model=str(checkpoint), accelerator="nvidia", dtype="float32", enforce_eager=eager, progress=False)
+        llm = LLM(model=str(checkpoint), accelerator="nvidia", gpu_memory_utilization=GPU_SHARE, dtype="float32", enforce_eager=eager, progress=False)
         assert (llm.engine.runner.graphs is None) == eager
         runs[eager] = llm.generate(PROMPTS, params, use_tqdm=False)
         if not eager:
@@ -108,7 +112,7 @@ def test_fp8_checkpoint_kept_fp8_matches_cpu_dequantised(tmp_path):
     cpu_llm = LLM(model=str(path), accelerator="cpu", dtype="float32", progress=False)
     texts = [p + o.outputs[0].token_ids for p, o in zip(PROMPTS, cpu_llm.generate(PROMPTS, params, use_tqdm=False))]
     score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    gpu_llm = LLM(model=str(path), accelerator="nvidia", dtype="float32", progress=False)
+    gpu_llm = LLM(model=str(path), accelerator="nvidia", gpu_memory_utilization=GPU_SHARE, dtype="float32", progress=False)
     assert gpu_llm.engine.model.keep_fp8
     cpu = cpu_llm.generate(texts, score, use_tqdm=False)
     gpu = gpu_llm.generate(texts, score, use_tqdm=False)
@@ -131,10 +135,10 @@ def test_engine_core_on_gpu_emits_what_plain_synchronous_decoding_does(checkpoin
     cases = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True, n=2)]
     monkeypatch.setenv("DEEPINFER_ASYNC_SCHEDULING", "0")
-    plain = LLM(model=str(checkpoint), accelerator="nvidia", dtype="float32", enable_prefix_caching=False, progress=False)
+    plain = LLM(model=str(checkpoint), accelerator="nvidia", gpu_memory_utilization=GPU_SHARE, dtype="float32", enable_prefix_caching=False, progress=False)
     monkeypatch.delenv("DEEPINFER_ASYNC_SCHEDULING")
-    core = LLM(model=str(checkpoint), accelerator="nvidia", dtype="float32", progress=False)
-    spec = LLM(model=str(checkpoint), accelerator="nvidia", dtype="float32", progress=False,
+    core = LLM(model=str(checkpoint), accelerator="nvidia", gpu_memory_utilization=GPU_SHARE, dtype="float32", progress=False)
+    spec = LLM(model=str(checkpoint), accelerator="nvidia", gpu_memory_utilization=GPU_SHARE, dtype="float32", progress=False,
                speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1})
     assert core.engine.async_scheduling and not plain.engine.async_scheduling
     assert core.engine.runner.graphs.graphs and (1, 4) in spec.engine.runner.graphs.graphs
@@ -158,7 +162,7 @@ def test_v4_nvidia_matches_cpu_reference(tmp_path, quant):
     prompts = [[(7 * i + 3) % 150 + 2 for i in range(n)] for n in (70, 9)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     cpu = LLM(model=str(path), accelerator="cpu", dtype="float32", progress=False).generate(prompts, params, use_tqdm=False)
-    gpu_llm = LLM(model=str(path), accelerator="nvidia", dtype="float32", progress=False)
+    gpu_llm = LLM(model=str(path), accelerator="nvidia", gpu_memory_utilization=GPU_SHARE, dtype="float32", progress=False)
     assert gpu_llm.engine.device.type == "cuda"
     # FP8 kept FP8 on the GPU (its GEMMs) against weights dequantised on the CPU
     _assert_same_greedy(cpu, gpu_llm.generate(prompts, params, use_tqdm=False), 2e-2 if quant else 1e-3)
@@ -174,7 +178,7 @@ def test_v41_nvidia_matches_cpu_reference(tmp_path, name):
     prompts = [[(7 * i + 3) % 1990 + 3 for i in range(n)] for n in (70, 9)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     cpu = LLM(model=str(path), accelerator="cpu", dtype="float32", progress=False).generate(prompts, params, use_tqdm=False)
-    gpu_llm = LLM(model=str(path), accelerator="nvidia", dtype="float32", progress=False)
+    gpu_llm = LLM(model=str(path), accelerator="nvidia", gpu_memory_utilization=GPU_SHARE, dtype="float32", progress=False)
     assert gpu_llm.engine.device.type == "cuda"
     _assert_same_greedy(cpu, gpu_llm.generate(prompts, params, use_tqdm=False), 2e-2)
 
@@ -186,8 +190,8 @@ def test_mtp_on_gpu_emits_what_plain_decoding_does():
     seeded (coupled) tokens equal plain decoding's, and drafts are accepted."""
     code = ["def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n", "for i in range(10):\n    print(i)\n", "import os\n"]
     cases = [SamplingParams(temperature=0, max_tokens=32), SamplingParams(temperature=0.7, seed=5, max_tokens=32, n=2)]
-    plain = LLM(accelerator="nvidia", dtype="float32", progress=False, enable_prefix_caching=False)
-    spec = LLM(accelerator="nvidia", dtype="float32", progress=False, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    plain = LLM(accelerator="nvidia", gpu_memory_utilization=GPU_SHARE, dtype="float32", progress=False, enable_prefix_caching=False)
+    spec = LLM(accelerator="nvidia", gpu_memory_utilization=GPU_SHARE, dtype="float32", progress=False, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     assert (1, 4) in spec.engine.runner.graphs.graphs and (1, 4) in spec.engine.proposer.graphs.graphs
     for params in cases:
         assert _tokens(spec.generate(code, params, use_tqdm=False)) == _tokens(plain.generate(code, params, use_tqdm=False))
@@ -207,7 +211,7 @@ def test_batch_invariant_mode_on_gpu_is_bitwise_in_any_batch_and_after_preemptio
 
     path = tmp_path / name
     write_checkpoint(name, path)
-    kw = dict(model=str(path), accelerator="nvidia", dtype="bfloat16", progress=False, batch_invariant=True)
+    kw = dict(model=str(path), accelerator="nvidia", gpu_memory_utilization=GPU_SHARE, dtype="bfloat16", progress=False, batch_invariant=True)
     llm = LLM(**kw)
     assert llm.engine.ops.batch_invariant and llm.engine.runner.graphs.graphs and llm.engine.async_scheduling
     rng = random.Random(0)

@@ -13,8 +13,10 @@ hand from the tiny config:
   16 x 62_500 = 1_000_000), plus (max_model_len 64 - 16) x (latent 40 + 4 heads x (16 + 16 + 24))
   x 4 = 48 x 1056 = 50_688 for the long context, plus the logits of max_num_seqs 2 rows
   2 x 160 x 4 x 3 = 3_840, plus the 256 MiB margin: 269_489_984 in all;
-* budget: total x gpu_memory_utilization 0.5 - (total - free) - ring/state bytes - activations;
-  blocks = budget // 1920, at most ceil(2 x 64 / 4) = 32 (max_num_seqs sequences of max_model_len).
+* budget: the smaller of this engine's share, total x gpu_memory_utilization 0.5 - what the
+  allocator holds (the weights) - ring/state bytes - activations, and the device's free memory -
+  ring/state bytes - activations; blocks = budget // 1920, at most ceil(2 x 64 / 4) = 32
+  (max_num_seqs sequences of max_model_len).
 """
 
 from __future__ import annotations
@@ -42,8 +44,13 @@ USABLE = TOTAL // 2  # gpu_memory_utilization 0.5
 
 
 def free_for(budget: int) -> int:
-    """The free memory that leaves ``budget`` bytes for the paged blocks."""
-    return TOTAL - (USABLE - ACTIVATION - budget)
+    """The free memory that leaves ``budget`` bytes for the paged blocks (the share is larger)."""
+    return ACTIVATION + budget
+
+
+def held_for(budget: int) -> int:
+    """What the allocator may hold so that this engine's share leaves ``budget`` bytes."""
+    return USABLE - ACTIVATION - budget
 
 
 class CudaLike(str):
@@ -65,7 +72,7 @@ def gpu(llm, monkeypatch):
     """The engine on a fake cuda:0; returns the fake's state: set ``free``; ``calls`` logs the
     memory calls in order, ``forwards`` the prefill tokens of each forward since the last reset."""
     engine = llm.engine
-    state = {"free": TOTAL, "calls": [], "forwards": []}
+    state = {"free": TOTAL, "held": ALLOCATED, "calls": [], "forwards": []}
     monkeypatch.setattr(engine, "device", CudaLike("cpu"))
     monkeypatch.setattr(engine.platform, "device", "cuda:0")
     monkeypatch.setattr(runner_module, "to_device", lambda t, device: t)  # no pinned memory without a GPU
@@ -83,6 +90,7 @@ def gpu(llm, monkeypatch):
     monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: state["calls"].append(("empty_cache",)))
     monkeypatch.setattr(torch.accelerator, "reset_peak_memory_stats", reset_peak)
     monkeypatch.setattr(torch.accelerator, "memory_allocated", lambda dev: ALLOCATED)
+    monkeypatch.setattr(torch.accelerator, "memory_reserved", lambda dev: state["held"])
     monkeypatch.setattr(torch.accelerator, "max_memory_allocated",
                         lambda dev: ALLOCATED + PEAK_PER_TOKEN * sum(state["forwards"]))
     forward = engine.model.forward
@@ -131,11 +139,20 @@ def test_ring_and_state_groups_take_their_bytes_per_sequence_first(llm, gpu):
 
 def test_memory_that_cannot_hold_one_block_is_an_error(llm, gpu):
     gpu["free"] = free_for(PER_BLOCK - 1)
-    with pytest.raises(ConfigError, match=r"no memory left for the KV cache .*raise gpu_memory_utilization, set num_kv_blocks"):
+    with pytest.raises(ConfigError, match=r"no memory left for the KV cache: the device has .*other processes hold"):
         auto_blocks(llm)
-    gpu["free"] = TOTAL - USABLE  # the weights alone fill gpu_memory_utilization of the device
-    with pytest.raises(ConfigError, match="no memory left for the KV cache"):
+    gpu["free"], gpu["held"] = TOTAL, USABLE  # the weights alone fill gpu_memory_utilization of the device
+    with pytest.raises(ConfigError, match=r"no memory left for the KV cache: this engine's share .*raise gpu_memory_utilization, set num_kv_blocks"):
         auto_blocks(llm)
+
+
+def test_the_share_is_this_engines_not_the_devices(llm, gpu):
+    """vLLM's meaning of gpu_memory_utilization: another process's memory does not come out of this
+    engine's share (two instances at 0.45 share one GPU), only out of what is free."""
+    gpu["free"], gpu["held"] = TOTAL // 2, held_for(10 * PER_BLOCK + 1000)  # another process holds half the device
+    assert auto_blocks(llm) == 10
+    gpu["free"] = free_for(3 * PER_BLOCK)  # it holds nearly all: what is free decides
+    assert auto_blocks(llm) == 3
 
 
 def test_the_cpu_takes_a_quarter_of_free_host_memory_and_profiles_nothing(llm, monkeypatch):

@@ -234,7 +234,9 @@ def default_block_size(model, limits) -> int:
 
 def auto_num_blocks(self, groups, block_size: int, lookahead: int) -> int:
     """Enough blocks for max_num_seqs sequences of the longest allowed length, capped by memory:
-    a quarter of free host memory on the CPU, gpu_memory_utilization of the device otherwise.
+    a quarter of free host memory on the CPU; on a device, this engine's share of it
+    (gpu_memory_utilization x the device's memory, less what this process already holds: vLLM's
+    meaning, so two instances at 0.45 share one GPU), and never more than the device has free.
     Ring and state groups take their fixed bytes per sequence first."""
     per_block = KVCache.bytes_per_token(groups) * block_size
     fixed = KVCache.bytes_per_sequence(groups, block_size, lookahead) * self.max_num_seqs
@@ -246,14 +248,28 @@ def auto_num_blocks(self, groups, block_size: int, lookahead: int) -> int:
     free, total = self.platform.memory_info()
     if self.device.type == "cpu":
         budget = free * CPU_KV_MEMORY_FRACTION - fixed
-    else:
-        budget = total * self.config.gpu_memory_utilization - (total - free) - fixed - activation_bytes(self, groups, block_size, max_len)
-    if budget < per_block:
+        if budget < per_block:
+            raise ConfigError(f"no memory left for the KV cache ({free / 2**30:.1f} GiB of host memory free); "
+                              "set num_kv_blocks or use a smaller model")
+        return min(int(budget // per_block), wanted)
+    held = self.platform.memory_held()  # weights (the allocator's cache was handed back above)
+    needed = fixed + activation_bytes(self, groups, block_size, max_len)
+    share = total * self.config.gpu_memory_utilization - held - needed
+    room = free - needed
+    gib = 2**30
+    if share < per_block:
         raise ConfigError(
-            f"no memory left for the KV cache ({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB after "
-            f"loading weights); raise gpu_memory_utilization, set num_kv_blocks, or use a smaller model"
+            f"no memory left for the KV cache: this engine's share of the device (gpu_memory_utilization "
+            f"{self.config.gpu_memory_utilization} of {total / gib:.1f} GiB) is taken by its weights ({held / gib:.1f} GiB) "
+            f"and activations ({needed / gib:.1f} GiB); raise gpu_memory_utilization, set num_kv_blocks, or use a smaller model"
         )
-    return min(int(budget // per_block), wanted)
+    if room < per_block:
+        raise ConfigError(
+            f"no memory left for the KV cache: the device has {free / gib:.1f} GiB free of {total / gib:.1f} GiB "
+            f"(other processes hold {(total - free - held) / gib:.1f} GiB) and the activations need {needed / gib:.1f} GiB; "
+            "lower the other instances' gpu_memory_utilization, set num_kv_blocks, or use a smaller model"
+        )
+    return min(int(min(share, room) // per_block), wanted)
 
 def activation_bytes(self, groups, block_size: int, max_len: int) -> int:
     """Memory the steps need beside weights and cache: the measured peak of a prefill of

@@ -160,7 +160,20 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
             raise ValueError(f"{name} is kept as packed MXFP4, which transformers' model cannot share; "
                              "run the transformers peer on a slice with --expert-dtype bf16")
         out.update(checkpoint_weights(model, name.removesuffix(".weight"), p) if name.endswith(".weight") else {name: p})
-    return out
+    return _dequantized_fp8(out, getattr(model.config, "fp8_block", None))
+
+
+def _dequantized_fp8(state: dict[str, torch.Tensor], block) -> dict[str, torch.Tensor]:
+    """Block-FP8 weights we keep in FP8 (V4's dense linears), dequantised to bf16 with their
+    ``weight_scale_inv`` dropped: a transformers model built from a config (no quantizer) takes
+    bf16 weights, so its peer runs those linears in bf16 (our engine reads them as FP8)."""
+    from deepinfer_core.ops.linear import dequantize_fp8_block
+
+    for key in [k for k in state if k.endswith(".weight_scale_inv")]:
+        weight_key = key.removesuffix("_scale_inv")
+        if state.get(weight_key) is not None and state[weight_key].dtype == torch.float8_e4m3fn:
+            state[weight_key] = dequantize_fp8_block(state[weight_key], state.pop(key), block or (128, 128), torch.bfloat16)
+    return state
 
 
 @torch.inference_mode()

@@ -180,6 +180,65 @@ def tune_fp8_linear(device="cuda") -> list[dict]:
     return out
 
 
+def _packed_experts(e: int, n: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random MXFP4 experts [e, n, k] (uint8 codes, two a byte) with UE8M0 scales around 2^-7."""
+    codes = torch.randint(0, 256, (e, n, k // 2), device=device, dtype=torch.uint8)
+    scales = torch.randint(118, 122, (e, n, k // 32), device=device, dtype=torch.uint8)
+    return codes, scales
+
+
+def tune_mxfp4(device="cuda") -> list[dict]:
+    """The MXFP4 expert GEMM (kernels/moe_mxfp4.py) at V4-Flash's and V4-Pro's expert shapes: its
+    tiles x how many programs an SM split-K aims for (0: no split), decode (1-64 tokens) and prefill
+    chunks. GB/s counts the packed weights and scales of the experts the tokens hit (what decode
+    must read), beside the copy bandwidth measured here."""
+    from benchmarks.ceilings import copy_bandwidth
+    from deepinfer_nvidia_sm100.kernels import moe_mxfp4 as m
+
+    copy_gbs = copy_bandwidth(device) / 1e9
+    print(f"[tune] mxfp4: copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
+    t = m.ExpertTiles
+    decode = [t(16, 64, 64, 128, 4, 4), t(16, 64, 64, 32, 4, 4), t(16, 128, 128, 32, 4, 4), t(16, 128, 128, 32, 8, 4),
+              t(16, 32, 32, 32, 4, 4), t(16, 64, 64, 64, 4, 4), t(16, 128, 128, 64, 8, 3)]
+    prefill = [t(64, 64, 128, 64, 4, 3), t(128, 64, 128, 64, 8, 3), t(64, 64, 128, 32, 4, 4), t(128, 128, 128, 32, 8, 3),
+               t(32, 64, 64, 64, 4, 4)]
+    models = {"V4-Flash": (4096, 2048, 256, 6), "V4-Pro": (7168, 3072, 384, 6)}
+    out = []
+    for name, (d, i, e, k) in models.items():
+        w13, s13 = _packed_experts(e, 2 * i, d, device)
+        w2, s2 = _packed_experts(e, d, i, device)
+        for tokens in (1, 8, 32, 64, 512, 2048):
+            if name == "V4-Pro" and tokens not in (1, 64, 2048):
+                continue
+            x = torch.randn(tokens, d, device=device, dtype=torch.bfloat16)
+            ids = torch.stack([torch.randperm(e, device=device)[:k] for _ in range(tokens)])
+            weights = torch.rand(tokens, k, device=device).softmax(-1)
+            hit = ids.unique().numel()
+            nbytes = hit * 3 * d * i * (0.5 + 1 / 32)
+            grid = [(tiles, pps) for tiles in decode for pps in (0, 2, 4, 8)] if tokens <= 64 else [(tiles, 4) for tiles in prefill]
+            rows = []
+            for tiles, pps in grid:
+                values = {"MXFP4_PROGRAMS_PER_SM": max(pps, 1), "MXFP4_MAX_SPLITS": 16 if pps else 1}
+                row = {"model": name, "tokens": tokens, "experts_hit": hit, "tiles": tiles._asdict(), "programs_per_sm": pps,
+                       **_timed(m, values, lambda: m.run_mxfp4_experts(x, w13, w2, weights, ids, 10.0, s13, s2, tiles))}
+                if "us" in row:
+                    row["gb_per_s"] = nbytes / row["us"] / 1e3
+                    row["of_copy"] = row["gb_per_s"] / copy_gbs
+                rows.append(row)
+            out += rows
+            ok = [r for r in rows if "us" in r]
+            if not ok:
+                print(f"[tune] mxfp4 {name} T={tokens}: every configuration failed: {rows[0].get('error')}", flush=True)
+                continue
+            best = min(ok, key=lambda r: r["us"])
+            print(f"[tune] mxfp4 {name:8s} T={tokens:4d} ({hit} experts): first {ok[0]['us']:7.1f} us, best {best['us']:7.1f} us "
+                  f"({best['gb_per_s']:5.0f} GB/s, {100 * best['of_copy']:3.0f}% of copy) tiles {tuple(best['tiles'].values())} "
+                  f"programs/SM {best['programs_per_sm']}", flush=True)
+        del w13, w2, s13, s2
+        torch.cuda.empty_cache()
+    return out
+
+
 def tune_invariant_mla_decode(device="cuda") -> list[dict]:
     """The batch-invariant decode attention's split size (INV_SPLIT_TOKENS_PER_HEAD x heads, at
     clamped to [INV_MIN_SPLIT_TOKENS, INV_MAX_SPLIT_TOKENS]) against the normal kernel at the same shape."""
@@ -271,7 +330,7 @@ def tune_invariant_head_linear(device="cuda") -> list[dict]:
     return out
 
 
-TUNERS = {"mla_decode": tune_mla_decode, "mla_decode_small": tune_mla_decode_small, "moe": tune_moe, "fp8_linear": tune_fp8_linear, "invariant_linear": tune_invariant_linear,
+TUNERS = {"mxfp4": tune_mxfp4, "mla_decode": tune_mla_decode, "mla_decode_small": tune_mla_decode_small, "moe": tune_moe, "fp8_linear": tune_fp8_linear, "invariant_linear": tune_invariant_linear,
           "invariant_head_linear": tune_invariant_head_linear,
           "invariant_mla_decode": tune_invariant_mla_decode}
 

@@ -31,3 +31,25 @@ def test_summary_ratios_from_the_rows():
 def test_summary_without_cadence_has_no_projection():
     s = summarize({"model": "v4-pro-slice", "generate": []}, slice_layers=4)
     assert s["versus_transformers"] == [] and "projection" not in s
+
+
+def test_the_transformers_peer_gets_fp8_linears_dequantised():
+    """benchmarks.e2e hands transformers (a model built from a config, no quantizer) our block-FP8
+    linears as bf16: the weight is the dequantised one and its weight_scale_inv is gone; other
+    tensors pass as they are (the 2026-12-07 H100 run failed on the unexpected scales)."""
+    import torch
+
+    from benchmarks.e2e import _dequantized_fp8
+    from deepinfer_core.ops.linear import dequantize_fp8_block
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(256, 384, generator=gen).to(torch.float8_e4m3fn)
+    scale = torch.rand(2, 3, generator=gen) + 0.5
+    norm = torch.randn(384, generator=gen)
+    state = {"q.weight": weight, "q.weight_scale_inv": scale, "norm.weight": norm}
+    out = _dequantized_fp8(dict(state), (128, 128))
+    assert set(out) == {"q.weight", "norm.weight"}
+    assert out["q.weight"].dtype == torch.bfloat16
+    assert torch.equal(out["q.weight"], dequantize_fp8_block(weight, scale, (128, 128), torch.bfloat16))
+    assert out["q.weight"][0, 0] == (weight[0, 0].float() * scale[0, 0]).to(torch.bfloat16)
+    assert out["norm.weight"] is norm

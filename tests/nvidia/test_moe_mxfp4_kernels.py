@@ -50,7 +50,7 @@ def _dequantize_tile_kernel(codes_ptr, scales_ptr, out_ptr, BLOCK_N: tl.constexp
     kb = tl.arange(0, BLOCK_K // 2)[None, :]
     packed = tl.load(codes_ptr + rows * (BLOCK_K // 2) + kb)
     scales = tl.load(scales_ptr + rows * (BLOCK_K // 32) + kb // 16)
-    even, odd = kfp4._dequantize(packed, scales)
+    even, odd = kfp4._dequantize(packed, kfp4._scales(scales))
     tl.store(out_ptr + rows * BLOCK_K + 2 * kb, even)
     tl.store(out_ptr + rows * BLOCK_K + 2 * kb + 1, odd)
 
@@ -104,9 +104,25 @@ EDGES = {
 }
 
 
+GROUP_DOT = kfp4.ExpertTiles(16, 32, 32, 32, 4, 3)  # one scale group a K step, scaling the dot's sums
+SCALE_MODES = {  # (scales by address, tiles, K slices)
+    "group-scales": (False, None, 0),  # a group's scale byte loaded once, broadcast over its 16 bytes
+    "byte-scales": (True, None, 0),  # each byte's scale loaded by address
+    "group-dot": (False, GROUP_DOT, 0),
+    "group-dot-split-k": (False, GROUP_DOT, 2),  # float32 partial sums of 2 K slices, reduced by the epilogue kernel
+}
+
+
+@pytest.mark.parametrize("mode", SCALE_MODES)
 @pytest.mark.parametrize("limit", [1.0, None], ids=["clamped", "plain"])
 @pytest.mark.parametrize("name", EDGES)
-def test_edge_cases_match_the_reference(device, dtype, name, limit):
+def test_edge_cases_match_the_reference(device, dtype, name, limit, mode, monkeypatch):
+    """Every way the kernel reads the scales (see SCALE_MODES)."""
+    gather, tiles, splits = SCALE_MODES[mode]
+    monkeypatch.setattr(kfp4, "MXFP4_SCALE_GATHER", gather)
+    monkeypatch.setattr(kfp4, "MXFP4_FORCE_SPLITS", splits)
+    if tiles:
+        monkeypatch.setattr(kfp4, "MXFP4_TILES", ((float("inf"), tiles),))
     x, w13, w2, weights, ids, s13, s2 = _case(device, dtype, **EDGES[name])
     out = kfp4.mxfp4_experts(x, w13, w2, weights, ids, limit, s13, s2)
     if limit is None:  # plain SwiGLU: moe_experts
@@ -115,6 +131,19 @@ def test_edge_cases_match_the_reference(device, dtype, name, limit):
         ref = REFERENCE_OPS[OP](x, w13, w2, weights, ids, limit, s13, s2)
     assert out.dtype == x.dtype and out.shape == x.shape
     assert_close(out, ref, OP, dtype, f" {name}")
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+def test_split_k_adds_the_slices_in_order(device, monkeypatch, splits):
+    """K cut into 2 or 4 slices (GEMM 1's 128 inputs, GEMM 2's 64 or 128): the epilogue kernel's
+    sums in slice order give the reference (float32: within its tolerance); a split that does not
+    divide the steps falls back to one slice."""
+    monkeypatch.setattr(kfp4, "MXFP4_TILES", ((float("inf"), GROUP_DOT),))
+    monkeypatch.setattr(kfp4, "MXFP4_FORCE_SPLITS", splits)
+    assert kfp4.k_splits(8, 128, 32, device) == splits and kfp4.k_splits(8, 96, 32, device) == (3 % splits == 0 and splits or 1)
+    x, w13, w2, weights, ids, s13, s2 = _case(device, torch.float32, tokens=5, hidden=128, inter=64, experts=4, top_k=2)
+    out = kfp4.mxfp4_experts(x, w13, w2, weights, ids, 1.0, s13, s2)
+    assert_close(out, REFERENCE_OPS[OP](x, w13, w2, weights, ids, 1.0, s13, s2), OP, torch.float32)
 
 
 def test_experts_with_no_token_and_no_tokens_at_all(device, dtype):

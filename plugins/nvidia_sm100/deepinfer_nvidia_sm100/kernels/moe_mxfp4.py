@@ -41,44 +41,68 @@ from deepinfer_nvidia_sm100.kernels.moe import (ExpertTiles, align_pairs, expert
 # As moe.py's EXPERT_TILES, chosen by the average pairs per active expert. BLOCK_K (inputs) is a
 # multiple of the 32-input scale group and of 64 (each of its two dots has K = BLOCK_K / 2 >= 32).
 MXFP4_TILES: tuple[tuple[float, ExpertTiles], ...] = (
-    (16, ExpertTiles(16, 64, 64, 128, 4, 4)),
-    (32, ExpertTiles(32, 64, 64, 128, 4, 4)),
+    (16, ExpertTiles(16, 64, 64, 64, 4, 4)),  # BLOCK_K 128 spills at 4 warps once K is split (sm_90 compile)
+    (32, ExpertTiles(32, 64, 64, 64, 4, 4)),
     (96, ExpertTiles(64, 64, 128, 64, 4, 3)),
     (float("inf"), ExpertTiles(128, 64, 128, 64, 8, 3)),
 )
 MXFP4_GROUP_M = 8  # grouped program order: GROUP_M M-blocks sweep the column tiles together
 MXFP4_SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles per program; num_stages is lowered to fit
+MXFP4_PROGRAMS_PER_SM = 4  # split K until a GEMM has this many programs an SM (decode: few (expert, column) tiles)
+MXFP4_MAX_SPLITS = 16
+MXFP4_FORCE_SPLITS = 0  # > 0: this many K slices whatever the shape (tests, sweeps), where the steps divide
+MXFP4_SCALE_GATHER = False  # True: each packed byte's scale loaded by address; False: a group's once, broadcast
 SCALE_GROUP = 32  # inputs per UE8M0 scale (the format's, not a tunable)
 
 
 @triton.jit
-def _e2m1(codes):
-    """int32 E2M1 codes (0-15) -> their float32 values, exactly: sign bit 8, exponent bits e = (c >> 1) & 3
-    (value (1 + m/2) 2^(e - 1), float32 exponent e + 126), mantissa bit m; e = 0 is 0 or 0.5 (code 1)."""
-    e = (codes >> 1) & 3
-    m = codes & 1
-    bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22)) | ((codes & 8) << 28)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _dequantize(packed, scale_bytes):
-    """[BLOCK_N, BLOCK_K/2] uint8 (two codes a byte) and the UE8M0 byte of each byte's group ->
-    (the float32 weights of the even inputs (low nibbles), of the odd ones (high nibbles)):
-    E2M1(code) * 2^(s - 127), exactly (byte 0: 2^-127, 255: NaN)."""
-    b = packed.to(tl.int32)
+def _scales(scale_bytes):
+    """UE8M0 bytes -> 2^(s - 127) as float32, exactly (byte 0: 2^-127, a subnormal; 255: NaN)."""
     s = scale_bytes.to(tl.int32)
-    scale = tl.where(s == 0, 0x00400000, tl.where(s == 255, 0x7FC00000, s << 23)).to(tl.float32, bitcast=True)
-    return _e2m1(b & 0xF) * scale, _e2m1(b >> 4) * scale
+    return tl.where(s == 0, 0x00400000, tl.where(s == 255, 0x7FC00000, s << 23)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _load_weights(w_ptrs, s_ptrs, mask):
-    """The even- and odd-input halves of a weight tile: packed bytes w_ptrs [BLOCK_N, BLOCK_K/2],
-    s_ptrs the scale byte of each (one per 16 bytes: repeated addresses, served by the cache)."""
+def _e2m1_as_e4m3(codes):
+    """int32 E2M1 codes (0-15) -> float32 value * 2^-6, through the e4m3 byte whose bits are the
+    code's magnitude shifted left by 2 (exponent field e, top mantissa bit m: (1 + m/2) 2^(e - 7),
+    and for e = 0 the e4m3 subnormal m/2 * 2^-6) and its sign in bit 7: one hardware conversion
+    (e4m3 -> f16 on sm_89+) instead of decoding exponent and mantissa in integer ops."""
+    bits = ((codes & 7) << 2) | ((codes & 8) << 4)
+    return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _dequantize(packed, scale):
+    """[BLOCK_N, BLOCK_K/2] uint8 (two codes a byte) and each byte's float32 group scale (or one
+    that broadcasts to it) -> (the float32 weights of the even inputs (low nibbles), of the odd ones
+    (high nibbles)): E2M1(code) * 2^(s - 127), exactly (the e4m3 value * 64 is the E2M1 value)."""
+    b = packed.to(tl.int32)
+    return (_e2m1_as_e4m3(b) * 64.0) * scale, (_e2m1_as_e4m3(b >> 4) * 64.0) * scale
+
+
+@triton.jit
+def _load_weights(w_ptrs, s_ptrs, mask, s_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_GATHER: tl.constexpr):
+    """The even- and odd-input halves of a weight tile: packed bytes w_ptrs [BLOCK_N, BLOCK_K/2].
+    SCALE_GATHER: s_ptrs [BLOCK_N, BLOCK_K/2], the scale byte of each byte (one per 16 bytes:
+    repeated addresses, served by the cache); else s_ptrs [BLOCK_N, BLOCK_K/32], one byte a group,
+    decoded once and broadcast over its 16 bytes in registers."""
     packed = tl.load(w_ptrs, mask=mask, other=0)
-    scales = tl.load(s_ptrs, mask=mask, other=127)  # masked inputs: code 0 (value 0) times 1
+    scales = _scales(tl.load(s_ptrs, mask=s_mask, other=127))  # masked inputs: code 0 (value 0) times 1
+    if not SCALE_GATHER:
+        scales = tl.reshape(tl.broadcast_to(scales[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
     return _dequantize(packed, scales)
+
+
+@triton.jit
+def _group_dot(a_even, a_odd, w_ptrs, s_ptrs, mask, col_ok, IEEE: tl.constexpr):
+    """One 32-input scale group: a [BLOCK_M, 16] (even, odd inputs) @ the group's E2M1 values / 64
+    (exact in x's dtype, no scale multiplied into the weights), the partial sums then times 64 and
+    the row's 2^(s - 127) (powers of two: exact) -> [BLOCK_M, BLOCK_N] float32."""
+    b = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32)
+    part = _dot(_dot(tl.zeros([a_even.shape[0], b.shape[0]], tl.float32), a_even, _e2m1_as_e4m3(b), IEEE), a_odd,
+                _e2m1_as_e4m3(b >> 4), IEEE)
+    return (part * 64.0) * _scales(tl.load(s_ptrs, mask=col_ok, other=127))[None, :]
 
 
 @triton.jit
@@ -90,11 +114,11 @@ def _dot(acc, a, w, IEEE: tl.constexpr):
     return acc + tl.dot(a, wt)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])  # per-step sizes: one compile, not one per value class
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks", "k_split"])  # one compile, not one per value class
 def _mxfp4_expert_gemm_kernel(
-    a_ptr, w_ptr, s_ptr, out_ptr, route_w_ptr,
+    a_ptr, w_ptr, s_ptr, out_ptr, route_w_ptr, part_ptr,
     sorted_ptr, block_expert_ptr, num_padded_ptr,
-    num_pairs, a_row_div, num_m_blocks, limit,
+    num_pairs, a_row_div, num_m_blocks, limit, k_split,  # k_split: inputs per program (K, or a multiple of BLOCK_K)
     stride_am, stride_ak,
     stride_we, stride_wn, stride_wk,  # packed codes [E, rows, K/2]
     stride_se, stride_sn, stride_sk,  # UE8M0 scales [E, rows, ceil(K/32)]
@@ -105,6 +129,8 @@ def _mxfp4_expert_gemm_kernel(
     WEIGHTED: tl.constexpr,  # GEMM 2: multiply each row by its pair's routing weight
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    SCALE_GATHER: tl.constexpr,  # each byte's scale loaded by address (else one load a group, broadcast)
+    SPLIT: tl.constexpr,  # K cut into slices (program_id 1): float32 partial sums to part_ptr, reduced after
 ):
     await_inputs(PDL)
     pid_m, pid_n = expert_tile_ids(num_m_blocks, N, BLOCK_N, GROUP_M)
@@ -117,32 +143,84 @@ def _mxfp4_expert_gemm_kernel(
     # nibble's weights: two dots of K = BLOCK_K/2, no interleaving shuffle of the weights.
     kb = tl.arange(0, BLOCK_K // 2)
     HALF_K: tl.constexpr = K // 2
+    split = tl.program_id(1)  # this program's k_split inputs
+    k_lo = split * k_split
 
-    a_ptrs = a_ptr + a_row[:, None] * stride_am + (2 * kb)[None, :] * stride_ak  # even inputs; odd: + stride_ak
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + (k_lo + 2 * kb)[None, :] * stride_ak  # even inputs; odd: + stride_ak
     rows = cols[:, None].to(tl.int64)
-    w_ptrs = w_ptr + expert * stride_we + rows * stride_wn + kb[None, :] * stride_wk
-    s_ptrs = s_ptr + expert * stride_se + rows * stride_sn + (kb // 16)[None, :] * stride_sk  # 16 bytes a scale
+    w_ptrs = w_ptr + expert * stride_we + rows * stride_wn + (k_lo // 2 + kb)[None, :] * stride_wk
+    if BLOCK_K == 32:  # one scale group a step: the scale multiplies the dot's partial sums
+        s_ptrs = s_ptr + expert * stride_se + cols.to(tl.int64) * stride_sn + (k_lo // 32) * stride_sk
+    elif SCALE_GATHER:
+        s_ptrs = s_ptr + expert * stride_se + rows * stride_sn + (k_lo // 32 + kb // 16)[None, :] * stride_sk  # 16 bytes a scale
+    else:
+        kg = tl.arange(0, BLOCK_K // 32)
+        s_ptrs = s_ptr + expert * stride_se + rows * stride_sn + (k_lo // 32 + kg)[None, :] * stride_sk
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if GATED:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_lo + k_split, BLOCK_K):
         byte_ok = (k0 // 2 + kb) < HALF_K  # K is even: an input pair is both in or both out
         a_mask = row_ok[:, None] & byte_ok[None, :]
         a_even = tl.load(a_ptrs, mask=a_mask, other=0.0)
         a_odd = tl.load(a_ptrs + stride_ak, mask=a_mask, other=0.0)
         mask = col_ok[:, None] & byte_ok[None, :]
-        w_even, w_odd = _load_weights(w_ptrs, s_ptrs, mask)
-        acc = _dot(_dot(acc, a_even, w_even, IEEE), a_odd, w_odd, IEEE)
-        if GATED:  # the up rows: N rows further down w13[e]
-            up_even, up_odd = _load_weights(w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask)
-            acc_up = _dot(_dot(acc_up, a_even, up_even, IEEE), a_odd, up_odd, IEEE)
+        if BLOCK_K == 32:
+            acc += _group_dot(a_even, a_odd, w_ptrs, s_ptrs, mask, col_ok, IEEE)
+            if GATED:  # the up rows: N rows further down w13[e]
+                acc_up += _group_dot(a_even, a_odd, w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask, col_ok, IEEE)
+        else:
+            if SCALE_GATHER:
+                s_mask = mask
+            else:
+                s_mask = col_ok[:, None] & ((k0 // 32 + kg) < (K + 31) // 32)[None, :]
+            w_even, w_odd = _load_weights(w_ptrs, s_ptrs, mask, s_mask, BLOCK_N, BLOCK_K, SCALE_GATHER)
+            acc = _dot(_dot(acc, a_even, w_even, IEEE), a_odd, w_odd, IEEE)
+            if GATED:  # the up rows: N rows further down w13[e]
+                up_even, up_odd = _load_weights(w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask, s_mask, BLOCK_N, BLOCK_K,
+                                                SCALE_GATHER)
+                acc_up = _dot(_dot(acc_up, a_even, up_even, IEEE), a_odd, up_odd, IEEE)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += (BLOCK_K // 2) * stride_wk
         s_ptrs += (BLOCK_K // 32) * stride_sk
 
+    if SPLIT:  # float32 partial sums part[split, pair, col] (GATED: the up sums at col + N); reduced after
+        wide: tl.constexpr = 2 * N if GATED else N
+        p_ptrs = part_ptr + (split * num_pairs + pair.to(tl.int64))[:, None] * wide + cols[None, :]
+        p_mask = row_ok[:, None] & col_ok[None, :]
+        tl.store(p_ptrs, acc, mask=p_mask)
+        if GATED:
+            tl.store(p_ptrs + N, acc_up, mask=p_mask)
+    else:
+        if GATED:
+            acc = swiglu(acc, acc_up, limit, CLAMP)
+        store_expert_tile(acc, out_ptr, route_w_ptr, pair, row_ok, cols, col_ok, stride_om, stride_on, WEIGHTED)
+
+
+@triton.jit
+def _split_k_epilogue_kernel(part_ptr, out_ptr, route_w_ptr, num_pairs, limit, stride_om, stride_on,
+                             N: tl.constexpr, SPLITS: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr,
+                             WEIGHTED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """out[pair, cols] = the SPLITS partial sums of a split-K expert GEMM added in split order, then
+    GEMM 1's (clamped) SwiGLU of the gate and up sums, or GEMM 2's routing weight; one program per
+    (pair, column block)."""
+    await_inputs(PDL)
+    pair = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    wide: tl.constexpr = 2 * N if GATED else N
+    acc = tl.zeros([BLOCK], tl.float32)
+    acc_up = tl.zeros([BLOCK], tl.float32)
+    for split in tl.static_range(SPLITS):
+        row = part_ptr + (split * num_pairs + pair) * wide + cols
+        acc += tl.load(row, mask=ok, other=0.0)
+        if GATED:
+            acc_up += tl.load(row + N, mask=ok, other=0.0)
     if GATED:
         acc = swiglu(acc, acc_up, limit, CLAMP)
-    store_expert_tile(acc, out_ptr, route_w_ptr, pair, row_ok, cols, col_ok, stride_om, stride_on, WEIGHTED)
+    if WEIGHTED:
+        acc = acc * tl.load(route_w_ptr + pair)
+    tl.store(out_ptr + pair * stride_om + cols * stride_on, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def mxfp4_tiles(num_pairs: int, num_experts: int) -> ExpertTiles:
@@ -162,22 +240,53 @@ def _num_stages(tiles: ExpertTiles, block_n: int, a_bytes: int, gated: bool) -> 
     return stages
 
 
+def k_splits(programs: int, k: int, block_k: int, device: torch.device) -> int:
+    """How many slices a GEMM's K is cut into: enough programs to give every SM MXFP4_PROGRAMS_PER_SM
+    of them (decode's few (expert, column) tiles otherwise leave most SMs idle and each program a long
+    serial loop), a power of two whose slices are whole BLOCK_K steps, at most MXFP4_MAX_SPLITS."""
+    steps, rest = divmod(k, block_k)
+    if rest:
+        return 1
+    if MXFP4_FORCE_SPLITS:
+        return MXFP4_FORCE_SPLITS if steps % MXFP4_FORCE_SPLITS == 0 else 1
+    if device.type != "cuda":
+        return 1
+    want = MXFP4_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    splits = 1
+    while splits * 2 <= MXFP4_MAX_SPLITS and programs * splits < want and steps % (splits * 2) == 0:
+        splits *= 2
+    return splits
+
+
 def _gemm(a, w, scales, out, route_w, layout, tiles: ExpertTiles, *, n: int, k: int, block_n: int, num_pairs: int,
-          row_div: int, gated: bool, limit: float | None, weighted: bool) -> None:
-    grid = (layout.max_blocks * triton.cdiv(n, block_n),)
+          row_div: int, gated: bool, limit: float | None, weighted: bool, active_blocks: int) -> None:
+    tiles_n = triton.cdiv(n, block_n)
+    splits = k_splits(active_blocks * tiles_n, k, tiles.block_k, a.device)
+    part = out
+    if splits > 1:
+        part = torch.empty((splits, num_pairs, 2 * n if gated else n), dtype=torch.float32, device=a.device)
+    grid = (layout.max_blocks * tiles_n, splits)
     _mxfp4_expert_gemm_kernel[grid](
-        a, w, scales, out, route_w,
+        a, w, scales, out, route_w, part,
         layout.sorted_pairs, layout.block_expert, layout.num_padded,
-        num_pairs, row_div, layout.max_blocks, 0.0 if limit is None else float(limit),
+        num_pairs, row_div, layout.max_blocks, 0.0 if limit is None else float(limit), k // splits,
         a.stride(0), a.stride(1),
         w.stride(0), w.stride(1), w.stride(2),
         scales.stride(0), scales.stride(1), scales.stride(2),
         out.stride(0), out.stride(1),
         N=n, K=k, GATED=gated, CLAMP=limit is not None, WEIGHTED=weighted, IEEE=a.dtype == torch.float32,
-        BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=tiles.block_k, GROUP_M=MXFP4_GROUP_M,
+        BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=tiles.block_k, GROUP_M=MXFP4_GROUP_M, SCALE_GATHER=MXFP4_SCALE_GATHER,
+        SPLIT=splits > 1,
         num_warps=tiles.num_warps, num_stages=_num_stages(tiles, block_n, a.element_size(), gated),
         **launch_options(a.device),
     )
+    if splits > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        _split_k_epilogue_kernel[(num_pairs, triton.cdiv(n, block))](
+            part, out, route_w, num_pairs, 0.0 if limit is None else float(limit), out.stride(0), out.stride(1),
+            N=n, SPLITS=splits, GATED=gated, CLAMP=limit is not None, WEIGHTED=weighted, BLOCK=block, num_warps=4,
+            **launch_options(a.device),
+        )
 
 
 def run_mxfp4_experts(x, w13, w2, topk_weights, topk_ids, limit, w13_scale, w2_scale, tiles: ExpertTiles) -> torch.Tensor:
@@ -193,12 +302,13 @@ def run_mxfp4_experts(x, w13, w2, topk_weights, topk_ids, limit, w13_scale, w2_s
     layout = align_pairs(topk_ids, num_experts, tiles.block_m)
     route_w = topk_weights.reshape(-1).float()
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
+    active = min(layout.max_blocks, num_pairs, num_experts)  # M blocks with pairs, as the host can tell without a sync
     _gemm(x, w13, w13_scale, h, route_w, layout, tiles, n=inter, k=hidden, block_n=tiles.block_n_up,
-          num_pairs=num_pairs, row_div=top_k, gated=True, limit=limit, weighted=False)
+          num_pairs=num_pairs, row_div=top_k, gated=True, limit=limit, weighted=False, active_blocks=active)
     # With one slot the weighted rows are the output itself; otherwise sum the slots after.
     y = out if top_k == 1 else torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     _gemm(h, w2, w2_scale, y, route_w, layout, tiles, n=hidden, k=inter, block_n=tiles.block_n_down,
-          num_pairs=num_pairs, row_div=1, gated=False, limit=None, weighted=True)
+          num_pairs=num_pairs, row_div=1, gated=False, limit=None, weighted=True, active_blocks=active)
     if top_k > 1:
         sum_slots(y, out, top_k)
     return out

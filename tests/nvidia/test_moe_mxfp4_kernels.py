@@ -75,6 +75,27 @@ def test_every_byte_and_scale_dequantises_exactly(device):
         assert out[0, 4].item() == 2.0**-127  # byte 2's low nibble, code 2 (1.0), times scale byte 0
 
 
+@triton.jit
+def _permute_decode_kernel(codes_ptr, out_ptr, N: tl.constexpr):
+    """The byte-permute decode (kfp4._e2m1_bf16) of N bytes, written back interleaved (even, odd)."""
+    i = tl.arange(0, N)
+    even, odd = kfp4._e2m1_bf16(tl.load(codes_ptr + i))
+    tl.store(out_ptr + 2 * i, even)
+    tl.store(out_ptr + 2 * i + 1, odd)
+
+
+@pytest.mark.gpu
+def test_the_byte_permute_decode_gives_every_code_pair_exactly():
+    """All 256 bytes through the PTX lookup tables: bit for bit the E2M1 values (scale 1) of both
+    nibbles in bf16, -0.0 included, and in the right order within each 4-byte register."""
+    device = torch.device("cuda:0")
+    codes = torch.arange(256, dtype=torch.int64).to(torch.uint8)
+    out = torch.empty(512, dtype=torch.bfloat16, device=device)
+    _permute_decode_kernel[(1,)](codes.to(device), out, N=256)
+    want = dequantize_mxfp4(codes.view(1, 256), torch.full((1, 16), 127, dtype=torch.uint8), torch.bfloat16).view(512)
+    assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))
+
+
 # ---- edge cases ----------------------------------------------------------------------------
 
 def _mxfp4(gen, e: int, n: int, k: int, std: float, device):

@@ -41,8 +41,10 @@ from deepinfer_nvidia_sm100.kernels.moe import (ExpertTiles, align_pairs, expert
 # As moe.py's EXPERT_TILES, chosen by the average pairs per active expert. BLOCK_K (inputs) is a
 # multiple of the 32-input scale group and of 64 (each of its two dots has K = BLOCK_K / 2 >= 32).
 MXFP4_TILES: tuple[tuple[float, ExpertTiles], ...] = (
-    (16, ExpertTiles(16, 64, 64, 64, 4, 4)),  # BLOCK_K 128 spills at 4 warps once K is split (sm_90 compile)
-    (32, ExpertTiles(32, 64, 64, 64, 4, 4)),
+    # decode: one scale group a K step (byte-permute decode, the scale on the dot's sums), K split to
+    # fill the SMs: the best of benchmarks/tune.py --only mxfp4 at 1-64 tokens on an H100 (2026-12-07)
+    (16, ExpertTiles(16, 64, 64, 32, 4, 4)),
+    (32, ExpertTiles(32, 64, 64, 32, 4, 4)),
     (96, ExpertTiles(64, 64, 128, 64, 4, 3)),
     (float("inf"), ExpertTiles(128, 64, 128, 64, 8, 3)),
 )
@@ -51,6 +53,7 @@ MXFP4_SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles per program; num_stag
 MXFP4_PROGRAMS_PER_SM = 4  # split K until a GEMM has this many programs an SM (decode: few (expert, column) tiles)
 MXFP4_MAX_SPLITS = 16
 MXFP4_FORCE_SPLITS = 0  # > 0: this many K slices whatever the shape (tests, sweeps), where the steps divide
+MXFP4_ASM_DECODE = True  # BLOCK_K 32, bf16, compiled: E2M1 -> bf16 by byte permutes (else through e4m3 and a multiply)
 MXFP4_SCALE_GATHER = False  # True: each packed byte's scale loaded by address; False: a group's once, broadcast
 SCALE_GROUP = 32  # inputs per UE8M0 scale (the format's, not a tunable)
 
@@ -94,15 +97,74 @@ def _load_weights(w_ptrs, s_ptrs, mask, s_mask, BLOCK_N: tl.constexpr, BLOCK_K: 
     return _dequantize(packed, scales)
 
 
+# Four packed bytes (one 32-bit register: 8 E2M1 codes) -> the bf16 values of their low nibbles
+# ($0, $1: bytes 0-1, 2-3) and of their high nibbles ($2, $3), exactly, with byte permutes as
+# lookup tables (Marlin's way): the magnitude (3 bits) of each nibble selects the bf16's high byte
+# from {00, 3F, 3F, 3F, 40 x4} and its low byte from {00, 00, 80, C0, 00, 40, 80, C0} (0, 0.5, 1,
+# 1.5, 2, 3, 4, 6); two more permutes interleave them into (even, odd) bf16 pairs, and the sign
+# bit of each nibble (bit 3 / 7 of its byte) is replicated into place by a permute in sign mode.
+# About 2.6 instructions a value, against ~17 for the integer decode and scale multiply.
+_E2M1_BF16_ASM = tl.constexpr("""
+{
+.reg .b32 w, m, hl, hh, ll, lh, h, l, s, z, k;
+mov.b32 hl, 0x3F3F3F00;
+mov.b32 hh, 0x40404040;
+mov.b32 ll, 0xC0800000;
+mov.b32 lh, 0xC0804000;
+mov.b32 z, 0;
+mov.b32 w, $4;
+and.b32 m, w, 0x7777;
+prmt.b32 h, hl, hh, m;
+prmt.b32 l, ll, lh, m;
+prmt.b32 $0, l, h, 0x6240;
+prmt.b32 $2, l, h, 0x7351;
+shl.b32 k, w, 4;
+prmt.b32 s, k, z, 0x9484;
+and.b32 s, s, 0x80008000;
+or.b32 $0, $0, s;
+prmt.b32 s, w, z, 0x9484;
+and.b32 s, s, 0x80008000;
+or.b32 $2, $2, s;
+shr.b32 w, w, 16;
+and.b32 m, w, 0x7777;
+prmt.b32 h, hl, hh, m;
+prmt.b32 l, ll, lh, m;
+prmt.b32 $1, l, h, 0x6240;
+prmt.b32 $3, l, h, 0x7351;
+shl.b32 k, w, 4;
+prmt.b32 s, k, z, 0x9484;
+and.b32 s, s, 0x80008000;
+or.b32 $1, $1, s;
+prmt.b32 s, w, z, 0x9484;
+and.b32 s, s, 0x80008000;
+or.b32 $3, $3, s;
+}
+""")
+
+
 @triton.jit
-def _group_dot(a_even, a_odd, w_ptrs, s_ptrs, mask, col_ok, IEEE: tl.constexpr):
-    """One 32-input scale group: a [BLOCK_M, 16] (even, odd inputs) @ the group's E2M1 values / 64
-    (exact in x's dtype, no scale multiplied into the weights), the partial sums then times 64 and
-    the row's 2^(s - 127) (powers of two: exact) -> [BLOCK_M, BLOCK_N] float32."""
-    b = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32)
-    part = _dot(_dot(tl.zeros([a_even.shape[0], b.shape[0]], tl.float32), a_even, _e2m1_as_e4m3(b), IEEE), a_odd,
-                _e2m1_as_e4m3(b >> 4), IEEE)
-    return (part * 64.0) * _scales(tl.load(s_ptrs, mask=col_ok, other=127))[None, :]
+def _e2m1_bf16(packed):
+    """uint8 bytes (two E2M1 codes each) -> (bf16 values of the low nibbles, of the high nibbles),
+    exactly: _E2M1_BF16_ASM, four bytes a call (compiled code only; the interpreter cannot run PTX)."""
+    return tl.inline_asm_elementwise(_E2M1_BF16_ASM, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16),
+                                     is_pure=True, pack=4)
+
+
+@triton.jit
+def _group_dot(a_even, a_odd, w_ptrs, s_ptrs, mask, col_ok, IEEE: tl.constexpr, ASM: tl.constexpr):
+    """One 32-input scale group: a [BLOCK_M, 16] (even, odd inputs) @ the group's E2M1 values (no
+    scale multiplied into the weights), the partial sums then times the row's 2^(s - 127) (a power
+    of two: exact) -> [BLOCK_M, BLOCK_N] float32. ASM (bf16 activations, compiled): the values come
+    from _e2m1_bf16's byte permutes; else through e4m3 (the values / 64, the sums times 64)."""
+    packed = tl.load(w_ptrs, mask=mask, other=0)
+    zero = tl.zeros([a_even.shape[0], packed.shape[0]], tl.float32)
+    if ASM:
+        w_even, w_odd = _e2m1_bf16(packed)
+        part = tl.dot(a_odd, tl.trans(w_odd), tl.dot(a_even, tl.trans(w_even), zero))
+    else:
+        b = packed.to(tl.int32)
+        part = _dot(_dot(zero, a_even, _e2m1_as_e4m3(b), IEEE), a_odd, _e2m1_as_e4m3(b >> 4), IEEE) * 64.0
+    return part * _scales(tl.load(s_ptrs, mask=col_ok, other=127))[None, :]
 
 
 @triton.jit
@@ -131,6 +193,7 @@ def _mxfp4_expert_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
     SCALE_GATHER: tl.constexpr,  # each byte's scale loaded by address (else one load a group, broadcast)
     SPLIT: tl.constexpr,  # K cut into slices (program_id 1): float32 partial sums to part_ptr, reduced after
+    ASM: tl.constexpr,  # BLOCK_K 32 with bf16 activations, compiled: E2M1 -> bf16 by byte permutes (_E2M1_BF16_ASM)
 ):
     await_inputs(PDL)
     pid_m, pid_n = expert_tile_ids(num_m_blocks, N, BLOCK_N, GROUP_M)
@@ -144,7 +207,7 @@ def _mxfp4_expert_gemm_kernel(
     kb = tl.arange(0, BLOCK_K // 2)
     HALF_K: tl.constexpr = K // 2
     split = tl.program_id(1)  # this program's k_split inputs
-    k_lo = split * k_split
+    k_lo = tl.multiple_of(split * k_split, BLOCK_K)  # k_split is K or a multiple of BLOCK_K: aligned vector loads
 
     a_ptrs = a_ptr + a_row[:, None] * stride_am + (k_lo + 2 * kb)[None, :] * stride_ak  # even inputs; odd: + stride_ak
     rows = cols[:, None].to(tl.int64)
@@ -160,15 +223,19 @@ def _mxfp4_expert_gemm_kernel(
     if GATED:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_lo + k_split, BLOCK_K):
-        byte_ok = (k0 // 2 + kb) < HALF_K  # K is even: an input pair is both in or both out
-        a_mask = row_ok[:, None] & byte_ok[None, :]
+        if K % BLOCK_K == 0:  # no mask along K: the weight bytes load as vectors, not one by one
+            a_mask = row_ok[:, None]
+            mask = col_ok[:, None]
+        else:
+            byte_ok = (k0 // 2 + kb) < HALF_K  # K is even: an input pair is both in or both out
+            a_mask = row_ok[:, None] & byte_ok[None, :]
+            mask = col_ok[:, None] & byte_ok[None, :]
         a_even = tl.load(a_ptrs, mask=a_mask, other=0.0)
         a_odd = tl.load(a_ptrs + stride_ak, mask=a_mask, other=0.0)
-        mask = col_ok[:, None] & byte_ok[None, :]
         if BLOCK_K == 32:
-            acc += _group_dot(a_even, a_odd, w_ptrs, s_ptrs, mask, col_ok, IEEE)
+            acc += _group_dot(a_even, a_odd, w_ptrs, s_ptrs, mask, col_ok, IEEE, ASM)
             if GATED:  # the up rows: N rows further down w13[e]
-                acc_up += _group_dot(a_even, a_odd, w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask, col_ok, IEEE)
+                acc_up += _group_dot(a_even, a_odd, w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask, col_ok, IEEE, ASM)
         else:
             if SCALE_GATHER:
                 s_mask = mask
@@ -276,7 +343,7 @@ def _gemm(a, w, scales, out, route_w, layout, tiles: ExpertTiles, *, n: int, k: 
         out.stride(0), out.stride(1),
         N=n, K=k, GATED=gated, CLAMP=limit is not None, WEIGHTED=weighted, IEEE=a.dtype == torch.float32,
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=tiles.block_k, GROUP_M=MXFP4_GROUP_M, SCALE_GATHER=MXFP4_SCALE_GATHER,
-        SPLIT=splits > 1,
+        SPLIT=splits > 1, ASM=MXFP4_ASM_DECODE and a.dtype == torch.bfloat16 and a.device.type == "cuda",
         num_warps=tiles.num_warps, num_stages=_num_stages(tiles, block_n, a.element_size(), gated),
         **launch_options(a.device),
     )

@@ -314,3 +314,23 @@ def test_v4_graphs_by_context_bucket(tmp_path):
     assert engine.model.graphs_by_context and graphs.buckets == [75] and len(graphs.bucket_graphs) == len(graphs.graphs)
     assert any(longest <= 75 for _, _, longest in replays) and any(longest > 75 for _, _, longest in replays)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+
+
+@pytest.mark.parametrize("kw, lengths", [(dict(max_num_batched_tokens=100, max_model_len=256), [16, 32, 64, 100]),
+                                         (dict(max_num_batched_tokens=100, num_kv_blocks=20, max_model_len=80), [16, 32, 64, 76])],
+                         ids=["to-a-chunk", "to-max-model-len"])
+def test_the_prefill_warm_up_runs_long_prompts_up_to_a_chunk(checkpoint, kw, lengths, monkeypatch):
+    """A GPU engine's warm-up also prefills prompts of (here) 16, 32, 64, ... tokens and the longest
+    one chunk holds (or max_model_len less a few tokens to generate), each in full, so that a first long
+    request finds its prefill kernels compiled; nothing of them stays behind."""
+    from deepinfer_core.engine import startup
+
+    monkeypatch.setattr(startup, "WARM_PREFILL_TOKENS", 16)
+    llm = LLM(model=str(checkpoint), accelerator="cpu", dtype="float32", block_size=4, progress=False, **kw)
+    engine = llm.engine
+    computed = []
+    forward = engine.model.forward
+    engine.model.forward = lambda ids, positions, meta, caches: computed.append(meta.num_prefill_tokens) or forward(
+        ids, positions, meta, caches)
+    assert startup.warm_up_prefill(engine) == lengths
+    assert sum(computed) == sum(lengths) and not engine.has_unfinished()

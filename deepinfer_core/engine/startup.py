@@ -218,10 +218,11 @@ def warm_up(self, sizes: tuple[int, ...], progress: bool) -> None:
                              sampled if i % 2 else greedy)
         while self.has_unfinished():
             self.step()
+    prefills = warm_up_prefill(self) if self.device.type != "cpu" else []
     self.platform.synchronize()
     self.scheduler.reset()
     self._reset_counters()
-    log.info("warmed up %d batch sizes in %.1f s", len(sizes), time.perf_counter() - t0)
+    log.info("warmed up %d batch sizes and prompts of %s tokens in %.1f s", len(sizes), prefills, time.perf_counter() - t0)
 
 
 def default_block_size(model, limits) -> int:
@@ -359,3 +360,29 @@ def load_tokenizer(model_dir: Path):
         return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
     except Exception as e:
         raise ConfigError(f"{model_dir}: the tokenizer files could not be loaded: {e}") from e
+
+
+WARM_PREFILL_TOKENS = 256  # the shortest prompt of the long-prefill warm-up (doubled up to a prefill chunk)
+
+
+def warm_up_prefill(self) -> list[int]:
+    """Long prompts, one at a time, of 256, 512, 1024, ... tokens and the longest one chunk holds
+    (as far as max_model_len and the KV pool allow): the prefill kernels' variants for long chunks
+    (expert tiles chosen by tokens per expert, attention over a long chunk) compile at start-up,
+    not in a user's first long request (H100, 2026-12-07: the V4-Flash slice's first 2048-token
+    prompt took 2.6 s, its repeat 0.1 s). Returns the prompt lengths run."""
+    vocab = self.model_config.vocab_size
+    limit = min(self.max_num_batched_tokens, self.max_model_len - 4, (self.kv.num_free - 1) * self.kv.block_size)
+    lengths = []
+    length = WARM_PREFILL_TOKENS
+    while length < limit:
+        lengths.append(length)
+        length *= 2
+    if limit >= WARM_PREFILL_TOKENS:
+        lengths.append(limit)
+    once = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for length in lengths:  # prompts of their own (no prefix-cache hit shortens one)
+        self.add_request([(13 * j + length) % vocab for j in range(length)], once)
+        while self.has_unfinished():
+            self.step()
+    return lengths

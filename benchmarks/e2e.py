@@ -149,31 +149,36 @@ def prefill_point(llm, batch: int, length: int) -> dict | None:
 
 def hf_state_dict(model) -> dict[str, torch.Tensor]:
     """Our parameters under transformers' names (fused MLP gate/up and the stacked attention
-    input projections split back into views)."""
+    input projections split back into views; block-FP8 weights dequantised, see peer_params)."""
     from deepinfer_core.models.layers import checkpoint_weights
 
     out = {}
-    for name, p in model.named_parameters():
+    for name, p in peer_params(dict(model.named_parameters()), getattr(model.config, "fp8_block", None)).items():
         if p.numel() == 0 or name.startswith("mtp."):
             continue  # released (fused) weights
         if p.dtype == torch.uint8 and name.endswith("_proj"):
             raise ValueError(f"{name} is kept as packed MXFP4, which transformers' model cannot share; "
                              "run the transformers peer on a slice with --expert-dtype bf16")
         out.update(checkpoint_weights(model, name.removesuffix(".weight"), p) if name.endswith(".weight") else {name: p})
-    return _dequantized_fp8(out, getattr(model.config, "fp8_block", None))
+    return out
 
 
-def _dequantized_fp8(state: dict[str, torch.Tensor], block) -> dict[str, torch.Tensor]:
-    """Block-FP8 weights we keep in FP8 (V4's dense linears), dequantised to bf16 with their
-    ``weight_scale_inv`` dropped: a transformers model built from a config (no quantizer) takes
-    bf16 weights, so its peer runs those linears in bf16 (our engine reads them as FP8)."""
+def peer_params(params: dict[str, torch.Tensor], block) -> dict[str, torch.Tensor]:
+    """The parameters to hand transformers: a block-FP8 weight we keep in FP8 (V4's dense linears
+    and shared experts) dequantised to bf16 and its ``weight_scale_inv`` dropped, before a stacked
+    weight is split (its scale rows go with it): a transformers model built from a config (no
+    quantizer) takes bf16 weights, so its peer runs those linears in bf16 (our engine reads FP8)."""
     from deepinfer_core.ops.linear import dequantize_fp8_block
 
-    for key in [k for k in state if k.endswith(".weight_scale_inv")]:
-        weight_key = key.removesuffix("_scale_inv")
-        if state.get(weight_key) is not None and state[weight_key].dtype == torch.float8_e4m3fn:
-            state[weight_key] = dequantize_fp8_block(state[weight_key], state.pop(key), block or (128, 128), torch.bfloat16)
-    return state
+    out = {}
+    for name, p in params.items():
+        scale = params.get(name + "_scale_inv")
+        if p.dtype == torch.float8_e4m3fn and scale is not None:
+            out[name] = dequantize_fp8_block(p, scale, block or (128, 128), torch.bfloat16)
+        elif not (name.endswith(".weight_scale_inv") and name.removesuffix("_scale_inv") in params
+                  and params[name.removesuffix("_scale_inv")].dtype == torch.float8_e4m3fn):
+            out[name] = p
+    return out
 
 
 @torch.inference_mode()

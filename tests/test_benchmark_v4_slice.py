@@ -35,21 +35,22 @@ def test_summary_without_cadence_has_no_projection():
 
 def test_the_transformers_peer_gets_fp8_linears_dequantised():
     """benchmarks.e2e hands transformers (a model built from a config, no quantizer) our block-FP8
-    linears as bf16: the weight is the dequantised one and its weight_scale_inv is gone; other
-    tensors pass as they are (the 2026-12-07 H100 run failed on the unexpected scales)."""
+    linears as bf16, before a stacked weight is split: the weight is the dequantised one and its
+    weight_scale_inv is gone; other tensors pass as they are (the 2026-12-07 H100 runs failed on
+    the unexpected scales, first of the attention, then of the fused shared-expert gate_up)."""
     import torch
 
-    from benchmarks.e2e import _dequantized_fp8
+    from benchmarks.e2e import peer_params
     from deepinfer_core.ops.linear import dequantize_fp8_block
 
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(256, 384, generator=gen).to(torch.float8_e4m3fn)
     scale = torch.rand(2, 3, generator=gen) + 0.5
     norm = torch.randn(384, generator=gen)
-    state = {"q.weight": weight, "q.weight_scale_inv": scale, "norm.weight": norm}
-    out = _dequantized_fp8(dict(state), (128, 128))
-    assert set(out) == {"q.weight", "norm.weight"}
-    assert out["q.weight"].dtype == torch.bfloat16
-    assert torch.equal(out["q.weight"], dequantize_fp8_block(weight, scale, (128, 128), torch.bfloat16))
-    assert out["q.weight"][0, 0] == (weight[0, 0].float() * scale[0, 0]).to(torch.bfloat16)
+    params = {"mlp.gate_up_proj.weight": weight, "mlp.gate_up_proj.weight_scale_inv": scale, "norm.weight": norm}
+    out = peer_params(params, (128, 128))
+    assert set(out) == {"mlp.gate_up_proj.weight", "norm.weight"}
+    got = out["mlp.gate_up_proj.weight"]
+    assert got.dtype == torch.bfloat16 and torch.equal(got, dequantize_fp8_block(weight, scale, (128, 128), torch.bfloat16))
+    assert got[200, 300] == (weight[200, 300].float() * scale[1, 2]).to(torch.bfloat16)
     assert out["norm.weight"] is norm

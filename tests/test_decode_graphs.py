@@ -316,21 +316,29 @@ def test_v4_graphs_by_context_bucket(tmp_path):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
 
 
-@pytest.mark.parametrize("kw, lengths", [(dict(max_num_batched_tokens=100, max_model_len=256), [16, 32, 64, 100]),
-                                         (dict(max_num_batched_tokens=100, num_kv_blocks=20, max_model_len=80), [16, 32, 64, 76])],
-                         ids=["to-a-chunk", "to-max-model-len"])
-def test_the_prefill_warm_up_runs_long_prompts_up_to_a_chunk(checkpoint, kw, lengths, monkeypatch):
-    """A GPU engine's warm-up also prefills prompts of (here) 16, 32, 64, ... tokens and the longest
-    one chunk holds (or max_model_len less a few tokens to generate), each in full, so that a first long
-    request finds its prefill kernels compiled; nothing of them stays behind."""
+@pytest.mark.parametrize("kw, steps, prompts", [
+    (dict(max_num_batched_tokens=100, max_model_len=256), [16, 32, 64, 100], [16, 32, 64, 100]),
+    (dict(max_num_batched_tokens=100, max_model_len=40, max_num_seqs=8, num_kv_blocks=100), [16, 32, 64, 100],
+     [16, 32, 36, 28, 36, 36, 28]),
+    (dict(max_num_batched_tokens=100, max_model_len=40, max_num_seqs=2, num_kv_blocks=100), [16, 32, 64, 72],
+     [16, 32, 36, 28, 36, 36]),
+], ids=["one-prompt-a-step", "prompts-of-max-model-len", "at-most-max-num-seqs"])
+def test_the_prefill_warm_up_runs_long_steps_up_to_a_chunk(checkpoint, kw, steps, prompts, monkeypatch):
+    """A GPU engine's warm-up also runs prefill steps of (here) 16, 32, 64, ... tokens and of a whole
+    chunk, each of prompts of their own (several of max_model_len - 4 tokens where a step is longer,
+    at most max_num_seqs of them, added together for the scheduler to pack), every token computed
+    (no prefix-cache hit between them), so that a first long request or batch finds its prefill
+    kernels compiled; nothing of them stays behind."""
     from deepinfer_core.engine import startup
 
     monkeypatch.setattr(startup, "WARM_PREFILL_TOKENS", 16)
     llm = LLM(model=str(checkpoint), accelerator="cpu", dtype="float32", block_size=4, progress=False, **kw)
     engine = llm.engine
-    computed = []
-    forward = engine.model.forward
+    computed, added = [], []
+    forward, add = engine.model.forward, engine.add_request
     engine.model.forward = lambda ids, positions, meta, caches: computed.append(meta.num_prefill_tokens) or forward(
         ids, positions, meta, caches)
-    assert startup.warm_up_prefill(engine) == lengths
-    assert sum(computed) == sum(lengths) and not engine.has_unfinished()
+    engine.add_request = lambda prompt, params, *a, **k: added.append(len(prompt)) or add(prompt, params, *a, **k)
+    assert startup.warm_up_prefill(engine) == steps
+    assert added == prompts
+    assert sum(computed) == sum(steps) and max(computed) >= min(steps[-1], 72) and not engine.has_unfinished()

@@ -366,23 +366,33 @@ WARM_PREFILL_TOKENS = 256  # the shortest prompt of the long-prefill warm-up (do
 
 
 def warm_up_prefill(self) -> list[int]:
-    """Long prompts, one at a time, of 256, 512, 1024, ... tokens and the longest one chunk holds
-    (as far as max_model_len and the KV pool allow): the prefill kernels' variants for long chunks
-    (expert tiles chosen by tokens per expert, attention over a long chunk) compile at start-up,
-    not in a user's first long request (H100, 2026-12-07: the V4-Flash slice's first 2048-token
-    prompt took 2.6 s, its repeat 0.1 s). Returns the prompt lengths run."""
-    vocab = self.model_config.vocab_size
-    limit = min(self.max_num_batched_tokens, self.max_model_len - 4, (self.kv.num_free - 1) * self.kv.block_size)
-    lengths = []
-    length = WARM_PREFILL_TOKENS
-    while length < limit:
-        lengths.append(length)
-        length *= 2
+    """Prefill steps of 256, 512, 1024, ... tokens and of a whole chunk (max_num_batched_tokens, as
+    far as the KV pool and max_num_seqs allow), each of prompts of their own (one, or several of
+    max_model_len when a step is longer): the prefill kernels' variants for long steps (expert
+    tiles chosen by tokens per expert, attention over a long chunk) compile at start-up, not in a
+    user's first long request (H100, 2026-12-07: the V4-Flash slice's first 2048-token prompt took
+    2.6 s, its repeat 0.1 s; a first batch of 8 such prompts, one 16384-token step, 0.8 s).
+    Returns the step sizes run."""
+    vocab, block = self.model_config.vocab_size, self.kv.block_size
+    longest = self.max_model_len - 4  # room for the one token each generates
+    if longest < 1:
+        return []
+    per_prompt = -(-(longest + 1) // block)  # blocks a longest prompt holds
+    capacity = min(self.max_num_seqs, self.kv.num_free // per_prompt) * longest
+    limit = min(self.max_num_batched_tokens, max(capacity, min(longest, (self.kv.num_free - 1) * block)))
+    steps = []
+    size = WARM_PREFILL_TOKENS
+    while size < limit:
+        steps.append(size)
+        size *= 2
     if limit >= WARM_PREFILL_TOKENS:
-        lengths.append(limit)
+        steps.append(limit)
     once = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    for length in lengths:  # prompts of their own (no prefix-cache hit shortens one)
-        self.add_request([(13 * j + length) % vocab for j in range(length)], once)
+    k = 0
+    for size in steps:  # prompts added together (the scheduler packs them), each its own first token: no prefix hit
+        for start in range(0, size, longest):
+            self.add_request([k % vocab] + [(13 * j + k) % vocab for j in range(1, min(longest, size - start))], once)
+            k += 1
         while self.has_unfinished():
             self.step()
-    return lengths
+    return steps

@@ -42,15 +42,16 @@ from deepinfer_nvidia_sm100.kernels.moe import (ExpertTiles, align_pairs, expert
 # multiple of the 32-input scale group and of 64 (each of its two dots has K = BLOCK_K / 2 >= 32).
 MXFP4_TILES: tuple[tuple[float, ExpertTiles], ...] = (
     # decode: one scale group a K step (byte-permute decode, the scale on the dot's sums), K split to
-    # fill the SMs: the best of benchmarks/tune.py --only mxfp4 at 1-64 tokens on an H100 (2026-12-07)
-    (16, ExpertTiles(16, 64, 64, 32, 4, 4)),
-    (32, ExpertTiles(32, 64, 64, 32, 4, 4)),
+    # fill the SMs: the best of benchmarks/tune.py --only mxfp4 over 1-64 tokens at V4-Flash's and
+    # V4-Pro's shapes on an H100 (2026-12-07; within 1% of each point's best, the best at 8 tokens)
+    (16, ExpertTiles(16, 128, 128, 32, 4, 4)),
+    (32, ExpertTiles(32, 64, 64, 32, 4, 4)),  # not measured (the sweep has no 32-row tile)
     (96, ExpertTiles(64, 64, 128, 64, 4, 3)),
     (float("inf"), ExpertTiles(128, 64, 128, 64, 8, 3)),
 )
 MXFP4_GROUP_M = 8  # grouped program order: GROUP_M M-blocks sweep the column tiles together
 MXFP4_SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles per program; num_stages is lowered to fit
-MXFP4_PROGRAMS_PER_SM = 4  # split K until a GEMM has this many programs an SM (decode: few (expert, column) tiles)
+MXFP4_PROGRAMS_PER_SM = 8  # split K until a GEMM has this many programs an SM (decode: few (expert, column) tiles)
 MXFP4_MAX_SPLITS = 16
 MXFP4_FORCE_SPLITS = 0  # > 0: this many K slices whatever the shape (tests, sweeps), where the steps divide
 MXFP4_ASM_DECODE = True  # BLOCK_K 32, bf16, compiled: E2M1 -> bf16 by byte permutes (else through e4m3 and a multiply)
@@ -190,10 +191,11 @@ def _mxfp4_expert_gemm_kernel(
     CLAMP: tl.constexpr,  # GATED: silu(min(gate, limit)) * clamp(up, -limit, limit)
     WEIGHTED: tl.constexpr,  # GEMM 2: multiply each row by its pair's routing weight
     IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_GATHER: tl.constexpr,  # each byte's scale loaded by address (else one load a group, broadcast)
     SPLIT: tl.constexpr,  # K cut into slices (program_id 1): float32 partial sums to part_ptr, reduced after
     ASM: tl.constexpr,  # BLOCK_K 32 with bf16 activations, compiled: E2M1 -> bf16 by byte permutes (_E2M1_BF16_ASM)
+    PDL: tl.constexpr,
 ):
     await_inputs(PDL)
     pid_m, pid_n = expert_tile_ids(num_m_blocks, N, BLOCK_N, GROUP_M)

@@ -87,34 +87,43 @@ def step_floor_bytes(model, batch: int, context: int) -> dict:
     return {"weight_bytes": weights, "cache_bytes": cache, "bytes": weights + cache}
 
 
-def cadence_points(llm, batches, prompt_len: int, new_tokens: int, bandwidth: float | None) -> list[dict]:
-    """Decode cadence through LLM.generate: (t(new_tokens) - t(1)) / (new_tokens - 1), each timed
-    on the second of two calls (new random prompts every call: no prefix-cache hit)."""
+def cadence_points(llm, batches, prompt_len: int, new_tokens: int, bandwidth: float | None, repeats: int = 5) -> list[dict]:
+    """Decode cadence through LLM.generate: (t(new_tokens) - t(1)) / (new_tokens - 1), t the median
+    of ``repeats`` timed calls each (after one untimed pair; calls of 1 and of new_tokens alternate;
+    new random prompts every call: no prefix-cache hit). One pair alone moved the cadence by ~25%
+    between identical H100 runs (2026-12-07): the difference of two prefill-dominated times."""
+    import statistics
+
     from deepinfer_core import SamplingParams
 
     vocab = llm.engine.model_config.vocab_size
     g = torch.Generator().manual_seed(1000)
     out = []
     for batch in batches:
-        times = {}
-        for n in (1, new_tokens):
-            params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-            for _ in range(2):  # the second call is timed
+        samples: dict[int, list[float]] = {1: [], new_tokens: []}
+        for r in range(repeats + 1):  # round 0 warms up
+            for n in (1, new_tokens):
+                params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
                 prompts = [torch.randint(2, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
                 _sync()
                 t0 = time.perf_counter()
                 llm.generate(prompts, params, use_tqdm=False)
                 _sync()
-                times[n] = time.perf_counter() - t0
+                if r:
+                    samples[n].append(time.perf_counter() - t0)
+        times = {n: statistics.median(ts) for n, ts in samples.items()}
         step = (times[new_tokens] - times[1]) / (new_tokens - 1)
+        pairs = [(b - a) / (new_tokens - 1) * 1e3 for a, b in zip(samples[1], samples[new_tokens])]
         floor = step_floor_bytes(llm.engine.model, batch, prompt_len + new_tokens // 2)
         row = {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "seconds_1": times[1],
-               "seconds_n": times[new_tokens], "decode_step_ms": step * 1e3, "prefill_tokens_per_s": batch * prompt_len / times[1],
+               "seconds_n": times[new_tokens], "decode_step_ms": step * 1e3, "decode_step_ms_pairs": pairs, "repeats": repeats,
+               "prefill_tokens_per_s": batch * prompt_len / times[1],
                **floor}
         if bandwidth:
             row["floor_ms"] = floor["bytes"] / bandwidth * 1e3
             row["step_over_floor"] = step / (floor["bytes"] / bandwidth)
-        print(f"cadence B={batch} P={prompt_len}: decode {step * 1e3:.2f} ms/step"
+        print(f"cadence B={batch} P={prompt_len}: decode {step * 1e3:.2f} ms/step (median of {repeats}; pairs "
+              f"{min(pairs):.2f}-{max(pairs):.2f})"
               + (f", HBM floor {row['floor_ms']:.3f} ms ({row['step_over_floor']:.1f}x)" if bandwidth else "")
               + f"; prefill {row['prefill_tokens_per_s']:.0f} tok/s", flush=True)
         out.append(row)
@@ -353,6 +362,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--profile", action="append", default=None, help="BATCHxCONTEXT of a decode profile (repeatable)")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per point of the cadence (median)")
     parser.add_argument("--model", default="v4-flash-slice", choices=("v4-flash-slice", "v4-pro-slice"))
     parser.add_argument("--expert-dtype", choices=("fp4", "bf16"), default=None,
                         help="the routed experts' stored format (default: the real config's, MXFP4)")
@@ -384,7 +394,7 @@ def main() -> None:
             bandwidth = copy_bandwidth()
             print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
         result["copy_bandwidth"] = bandwidth
-        result["cadence"] = cadence_points(llm, batches, args.prompt_len, args.new_tokens, bandwidth)
+        result["cadence"] = cadence_points(llm, batches, args.prompt_len, args.new_tokens, bandwidth, args.repeats)
     for point in args.hf_peer or []:
         from benchmarks.e2e import hf_peer
 

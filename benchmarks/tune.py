@@ -215,11 +215,15 @@ def tune_mxfp4(device="cuda") -> list[dict]:
             weights = torch.rand(tokens, k, device=device).softmax(-1)
             hit = ids.unique().numel()
             nbytes = hit * 3 * d * i * (0.5 + 1 / 32)
-            grid = [(tiles, pps) for tiles in decode for pps in (0, 4, 8)] if tokens <= 64 else [(tiles, 4) for tiles in prefill]
+            if tokens <= 64:
+                grid = [(tiles, pps, False) for tiles in decode for pps in (0, 4, 8)]
+            else:  # wide: BLOCK_K >= 64 tiles through the byte-permute decode too
+                grid = [(tiles, 4, wide) for tiles in prefill for wide in (False, True)]
             rows = []
-            for tiles, pps in grid:
-                values = {"MXFP4_PROGRAMS_PER_SM": max(pps, 1), "MXFP4_MAX_SPLITS": 16 if pps else 1}
+            for tiles, pps, wide in grid:
+                values = {"MXFP4_PROGRAMS_PER_SM": max(pps, 1), "MXFP4_MAX_SPLITS": 16 if pps else 1, "MXFP4_ASM_WIDE": wide}
                 row = {"model": name, "tokens": tokens, "experts_hit": hit, "tiles": tiles._asdict(), "programs_per_sm": pps,
+                       "asm_wide": wide,
                        **_timed(m, values, lambda: m.run_mxfp4_experts(x, w13, w2, weights, ids, 10.0, s13, s2, tiles))}
                 if "us" in row:
                     row["gb_per_s"] = nbytes / row["us"] / 1e3
@@ -233,7 +237,7 @@ def tune_mxfp4(device="cuda") -> list[dict]:
             best = min(ok, key=lambda r: r["us"])
             print(f"[tune] mxfp4 {name:8s} T={tokens:4d} ({hit} experts): first {ok[0]['us']:7.1f} us, best {best['us']:7.1f} us "
                   f"({best['gb_per_s']:5.0f} GB/s, {100 * best['of_copy']:3.0f}% of copy) tiles {tuple(best['tiles'].values())} "
-                  f"programs/SM {best['programs_per_sm']}", flush=True)
+                  f"programs/SM {best['programs_per_sm']}{' wide byte-permute' if best['asm_wide'] else ''}", flush=True)
         del w13, w2, s13, s2
         torch.cuda.empty_cache()
     return out

@@ -55,6 +55,7 @@ MXFP4_PROGRAMS_PER_SM = 8  # split K until a GEMM has this many programs an SM (
 MXFP4_MAX_SPLITS = 16
 MXFP4_FORCE_SPLITS = 0  # > 0: this many K slices whatever the shape (tests, sweeps), where the steps divide
 MXFP4_ASM_DECODE = True  # BLOCK_K 32, bf16, compiled: E2M1 -> bf16 by byte permutes (else through e4m3 and a multiply)
+MXFP4_ASM_WIDE = False  # the same for BLOCK_K >= 64 (prefill tiles), the scale multiplied in bf16: not yet measured
 MXFP4_SCALE_GATHER = False  # True: each packed byte's scale loaded by address; False: a group's once, broadcast
 SCALE_GROUP = 32  # inputs per UE8M0 scale (the format's, not a tunable)
 
@@ -86,7 +87,8 @@ def _dequantize(packed, scale):
 
 
 @triton.jit
-def _load_weights(w_ptrs, s_ptrs, mask, s_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_GATHER: tl.constexpr):
+def _load_weights(w_ptrs, s_ptrs, mask, s_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_GATHER: tl.constexpr,
+                  ASM: tl.constexpr):
     """The even- and odd-input halves of a weight tile: packed bytes w_ptrs [BLOCK_N, BLOCK_K/2].
     SCALE_GATHER: s_ptrs [BLOCK_N, BLOCK_K/2], the scale byte of each byte (one per 16 bytes:
     repeated addresses, served by the cache); else s_ptrs [BLOCK_N, BLOCK_K/32], one byte a group,
@@ -95,7 +97,13 @@ def _load_weights(w_ptrs, s_ptrs, mask, s_mask, BLOCK_N: tl.constexpr, BLOCK_K: 
     scales = _scales(tl.load(s_ptrs, mask=s_mask, other=127))  # masked inputs: code 0 (value 0) times 1
     if not SCALE_GATHER:
         scales = tl.reshape(tl.broadcast_to(scales[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
-    return _dequantize(packed, scales)
+    if ASM:  # byte-permute decode to bf16, times the scale in bf16 (a power of two: exact)
+        even, odd = _e2m1_bf16(packed)
+        scales = scales.to(tl.bfloat16)
+        even, odd = even * scales, odd * scales
+    else:
+        even, odd = _dequantize(packed, scales)
+    return even, odd
 
 
 # Four packed bytes (one 32-bit register: 8 E2M1 codes) -> the bf16 values of their low nibbles
@@ -194,7 +202,7 @@ def _mxfp4_expert_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_GATHER: tl.constexpr,  # each byte's scale loaded by address (else one load a group, broadcast)
     SPLIT: tl.constexpr,  # K cut into slices (program_id 1): float32 partial sums to part_ptr, reduced after
-    ASM: tl.constexpr,  # BLOCK_K 32 with bf16 activations, compiled: E2M1 -> bf16 by byte permutes (_E2M1_BF16_ASM)
+    ASM: tl.constexpr,  # bf16 activations, compiled: E2M1 -> bf16 by byte permutes (_E2M1_BF16_ASM)
     PDL: tl.constexpr,
 ):
     await_inputs(PDL)
@@ -243,11 +251,11 @@ def _mxfp4_expert_gemm_kernel(
                 s_mask = mask
             else:
                 s_mask = col_ok[:, None] & ((k0 // 32 + kg) < (K + 31) // 32)[None, :]
-            w_even, w_odd = _load_weights(w_ptrs, s_ptrs, mask, s_mask, BLOCK_N, BLOCK_K, SCALE_GATHER)
+            w_even, w_odd = _load_weights(w_ptrs, s_ptrs, mask, s_mask, BLOCK_N, BLOCK_K, SCALE_GATHER, ASM)
             acc = _dot(_dot(acc, a_even, w_even, IEEE), a_odd, w_odd, IEEE)
             if GATED:  # the up rows: N rows further down w13[e]
                 up_even, up_odd = _load_weights(w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask, s_mask, BLOCK_N, BLOCK_K,
-                                                SCALE_GATHER)
+                                                SCALE_GATHER, ASM)
                 acc_up = _dot(_dot(acc_up, a_even, up_even, IEEE), a_odd, up_odd, IEEE)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += (BLOCK_K // 2) * stride_wk
@@ -345,7 +353,8 @@ def _gemm(a, w, scales, out, route_w, layout, tiles: ExpertTiles, *, n: int, k: 
         out.stride(0), out.stride(1),
         N=n, K=k, GATED=gated, CLAMP=limit is not None, WEIGHTED=weighted, IEEE=a.dtype == torch.float32,
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=tiles.block_k, GROUP_M=MXFP4_GROUP_M, SCALE_GATHER=MXFP4_SCALE_GATHER,
-        SPLIT=splits > 1, ASM=MXFP4_ASM_DECODE and a.dtype == torch.bfloat16 and a.device.type == "cuda",
+        SPLIT=splits > 1, ASM=(MXFP4_ASM_DECODE if tiles.block_k == 32 else MXFP4_ASM_WIDE) and a.dtype == torch.bfloat16
+        and a.device.type == "cuda",
         num_warps=tiles.num_warps, num_stages=_num_stages(tiles, block_n, a.element_size(), gated),
         **launch_options(a.device),
     )

@@ -12,16 +12,27 @@ stores the clamped SwiGLU silu(min(gate, limit)) * clamp(up, -limit, limit) (pla
 no limit); GEMM 2 multiplies h by w2[e] and by the pair's routing weight; then the k slots are
 summed per token in float32, in slot order.
 
-The weights are dequantised in registers, as Marlin does on Hopper: each K step loads the
-weight tile packed ([BLOCK_N, BLOCK_K/2] bytes, contiguous along K) and the scale byte of each
-byte (one per 16 bytes), takes the low nibbles (the even inputs) and the high ones (the odd
-inputs) apart, builds each E2M1 value's float32 bits (sign, exponent e + 126, one mantissa bit;
-code 1 is 0.5, codes 0 and 8 zero), multiplies by the group's 2^(s - 127) (float32 bits s << 23)
-and feeds two tl.dots in x's dtype: the even columns of the activation tile by the low-nibble
-weights, the odd columns by the high ones (the same products as the interleaved K, with no
-shuffle of the weight tile). Every e2m1 * 2^k is exact in bf16 (and in float32), so the products are the reference's
-(ops.moe dequantises to x's dtype first); only the summation order differs. Activations are
-never quantised (W4A16). The weight stream, what decode is bound by, is a quarter of bf16's.
+The weights are dequantised in registers, as Marlin does on Hopper. Each K step loads the weight
+tile packed ([BLOCK_N, BLOCK_K/2] bytes, contiguous along K: cp.async 128-bit loads when K is a
+whole number of steps), takes the low nibbles (the even inputs) and the high ones (the odd inputs)
+apart and feeds two tl.dots in x's dtype: the even columns of the activation tile by the
+low-nibble weights, the odd columns by the high ones (the same products as the interleaved K, with
+no shuffle of the weight tile). Every e2m1 * 2^k is exact in bf16 (and in float32), so the
+products are the reference's (ops.moe dequantises to x's dtype first); only the summation order
+differs. Activations are never quantised (W4A16).
+
+Two decodes, measured on an H100 (benchmarks/tune.py --only mxfp4, 2026-12-07):
+- decode tiles (BLOCK_K 32, one scale group a step): the E2M1 values come from byte permutes
+  (_E2M1_BF16_ASM: PTX lookup tables, ~2.6 instructions a value; with bf16 on a GPU) or through
+  one e4m3 conversion (the interpreter, float32); the group's 2^(s - 127) multiplies the dot's
+  float32 partial sums, not the weights. V4-Flash, one token: 98 us a layer (27% of the copy
+  bandwidth), against 224 us for the integer decode with a per-byte scale multiply it replaced;
+- wider tiles (prefill): each 32-input group's scale decoded once and broadcast over its 16
+  bytes, times the e4m3-decoded values (or, with MXFP4_ASM_WIDE, not yet measured, the byte
+  permutes and a bf16 multiply).
+Decode's few (expert, column) tiles would leave most SMs idle with one program per tile: K is
+split into slices (MXFP4_PROGRAMS_PER_SM programs an SM), whose float32 partial sums an epilogue
+kernel adds in slice order before the SwiGLU or the routing weight.
 """
 
 from __future__ import annotations
@@ -411,7 +422,8 @@ def mxfp4_experts(
     return run_mxfp4_experts(x, w13, w2, topk_weights, topk_ids, limit, w13_scale, w2_scale, tiles)
 
 
-mxfp4_experts.impl = "triton: MXFP4 experts kept packed, W4A16 grouped GEMMs dequantising in registers (fused clamped SwiGLU), slot sum"
+mxfp4_experts.impl = ("triton: MXFP4 experts kept packed, W4A16 grouped GEMMs dequantising in registers (E2M1 by byte "
+                      "permutes at decode), K split across SMs at decode, fused clamped SwiGLU, slot sum")
 
 
 def with_mxfp4(clamped, plain=None) -> dict:

@@ -243,6 +243,26 @@ def tune_mxfp4(device="cuda") -> list[dict]:
     return out
 
 
+def tune_indexer_select(device="cuda") -> list[dict]:
+    """indexer_topk's selection (kernels/sparse.py INDEXER_SELECT: a stable sort of every score or
+    the threshold from torch.topk) at V4's top-k (Flash 512, Pro 1024) over a row of C candidate
+    entries (C = L / 4: 2k to 64k tokens), for decode batches and a prefill chunk."""
+    from deepinfer_nvidia_sm100.kernels import sparse as m
+
+    out = []
+    for k in (512, 1024):
+        for c in (512, 4096, 16384):
+            for t in (1, 8, 64, 2048):
+                scores = torch.randn(t, c, device=device).relu_()  # ReLU'd sums: many exact zeros
+                rows = [{"top_k": k, "candidates": c, "tokens": t, "select": mode,
+                         **_timed(m, {"INDEXER_SELECT": mode}, lambda: m.top_k_columns(scores, min(k, c)))}
+                        for mode in ("sort", "threshold")]
+                out += rows
+                print(f"[tune] indexer select k={k:4d} C={c:5d} T={t:4d}: "
+                      + "  ".join(f"{r['select']} {r.get('us', float('nan')):8.1f} us" for r in rows), flush=True)
+    return out
+
+
 def tune_invariant_mla_decode(device="cuda") -> list[dict]:
     """The batch-invariant decode attention's split size (INV_SPLIT_TOKENS_PER_HEAD x heads, at
     clamped to [INV_MIN_SPLIT_TOKENS, INV_MAX_SPLIT_TOKENS]) against the normal kernel at the same shape."""
@@ -334,7 +354,7 @@ def tune_invariant_head_linear(device="cuda") -> list[dict]:
     return out
 
 
-TUNERS = {"mxfp4": tune_mxfp4, "mla_decode": tune_mla_decode, "mla_decode_small": tune_mla_decode_small, "moe": tune_moe, "fp8_linear": tune_fp8_linear, "invariant_linear": tune_invariant_linear,
+TUNERS = {"mxfp4": tune_mxfp4, "indexer_select": tune_indexer_select, "mla_decode": tune_mla_decode, "mla_decode_small": tune_mla_decode_small, "moe": tune_moe, "fp8_linear": tune_fp8_linear, "invariant_linear": tune_invariant_linear,
           "invariant_head_linear": tune_invariant_head_linear,
           "invariant_mla_decode": tune_invariant_mla_decode}
 

@@ -256,7 +256,39 @@ def test_indexer_scores_match_the_reference(device, dtype):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_indexer_zero_ties_go_to_the_earlier_columns(device, dtype):
+@pytest.fixture(params=["sort", "threshold"])
+def select(request, monkeypatch):
+    """Both ways indexer_topk picks its columns (sparse.INDEXER_SELECT)."""
+    monkeypatch.setattr(sparse, "INDEXER_SELECT", request.param)
+    return request.param
+
+
+def test_top_k_columns_by_either_way_follow_the_tie_rule(select):
+    """Rows with ties at the k-th score, -0.0 beside +0.0, -inf columns, k = C: the same columns as
+    a stable descending sort (as a set: the order is free), whatever the selection."""
+    gen = torch.Generator().manual_seed(6)
+    scores = torch.randint(-3, 4, (64, 40), generator=gen).float()  # many exact ties
+    scores[::3] *= -1.0  # -0.0 in some rows
+    scores[5, :30] = float("-inf")
+    scores[6] = float("-inf")
+    for k in (1, 7, 16, 40):
+        want = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k].sort(-1).values
+        got = sparse.top_k_columns(scores, k)
+        assert torch.equal(got.sort(-1).values, want), (select, k)
+
+
+def test_the_kit_passes_indexer_topk_by_threshold(device, dtype, monkeypatch):
+    """The conformance kit's indexer_topk shapes (tied queries, duplicate keys) with the threshold
+    selection (test_kit runs the default, the sort)."""
+    monkeypatch.setattr(sparse, "INDEXER_SELECT", "threshold")
+    if ON_GPU:
+        report = run_op("indexer_topk", sparse.indexer_topk, dtype, device)
+    else:
+        report = run_op("indexer_topk", sparse.indexer_topk, dtype, device, examples=CPU_EXAMPLES, max_elements=CPU_MAX_ELEMENTS)
+    assert report.result == "PASS", report.detail()
+
+
+def test_indexer_zero_ties_go_to_the_earlier_columns(device, dtype, select):
     """Every head weighed negatively and every key opposite the queries: all scores are exactly 0
     (+0.0 or -0.0 before the kernel's +0.0), so the first top_k valid columns must be chosen."""
     gen = torch.Generator().manual_seed(4)
@@ -270,7 +302,7 @@ def test_indexer_zero_ties_go_to_the_earlier_columns(device, dtype):
     assert torch.equal(got[1], cands[1, 5:11])
 
 
-def test_indexer_short_rows_and_wide_k(device, dtype):
+def test_indexer_short_rows_and_wide_k(device, dtype, select):
     """top_k above C: rows of C; a query without valid candidates: all -1."""
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(2, 2, 16, generator=gen).to(device, dtype)

@@ -10,7 +10,8 @@
 #   pd: prefill/decode over NIXL on this GPU (tests/test_pd.py's gpu tests, then benchmarks/serve.py --launch one and pd
 #   at PD_RATES; carry nixl-cu13's cp312 wheel in .whl: 59 MB, with little else beside it);
 #   none: only install, for a command of your own after it).
-#   TEST_PATHS narrows the tests part (default: tests/nvidia tests/test_gpu.py).
+#   TEST_PATHS narrows the tests part (default: tests/nvidia tests/test_gpu.py); TUNE_ARGS the tune part
+#   (e.g. "--only mxfp4 --only indexer_select").
 #   DEEPGEMM_SRC=DIR builds DeepGEMM from that source tree first (DEEPGEMM_CUTLASS: its cute/ and
 #   cutlass/ headers, default the carried sgl-deep-gemm wheel's) and puts it first on PYTHONPATH.
 #   DEEPEP_SRC=DIR builds DeepEP from that source tree with its own setup.py (v1.2.1: the Buffer API
@@ -54,7 +55,7 @@ for part in "${parts[@]}"; do
     kernels|all)
       timeout "${KERNELS_TIMEOUT:-230}" python3 -m benchmarks.kernels --out "$out" ${KERNELS_ONLY:+$KERNELS_ONLY} 2>&1 ;;&
     tune)
-      timeout "${TUNE_TIMEOUT:-300}" python3 -m benchmarks.tune --out "$out" 2>&1 ;;
+      timeout "${TUNE_TIMEOUT:-300}" python3 -m benchmarks.tune --out "$out" ${TUNE_ARGS:-} 2>&1 ;;
     profile)
       timeout "${PROFILE_TIMEOUT:-200}" python3 -m benchmarks.profile_step --model v2-lite --model v3-slice \
         --point 1x1024 --point 32x1024 --point 64x4096 --out "$out" 2>&1 ;;

@@ -93,9 +93,12 @@ for part in "${parts[@]}"; do
       done ;;
     v4)  # issue 47's matrix on the V4-Flash slice: experts x KV dtype in V4_RUNS (EXPERTS:KV[:peer]),
       # transformers beside the bf16-expert runs (it cannot share packed MXFP4 experts)
+      # V4_BATCHES (default "1 8"), V4_PROMPT (2048), V4_MODEL (v4-flash-slice | v4-pro-slice)
+      batches=""; for b in ${V4_BATCHES:-1 8}; do batches+=" --batch $b"; done
       for run in ${V4_RUNS:-fp4:fp8 fp4:auto bf16:auto:peer}; do
         IFS=: read -r experts kv peer <<<"$run"
-        timeout "${V4_TIMEOUT:-200}" python3 -m benchmarks.v4_slice --batch 1 --batch 8 --prompt-len "${V4_PROMPT:-2048}" \
+        timeout "${V4_TIMEOUT:-200}" python3 -m benchmarks.v4_slice $batches --prompt-len "${V4_PROMPT:-2048}" \
+          --model "${V4_MODEL:-v4-flash-slice}" \
           --new-tokens 17 --cadence --profile "1x${V4_PROMPT:-2048}" --expert-dtype "$experts" --kv-cache-dtype "$kv" \
           ${peer:+--hf-peer 1x${V4_PROMPT:-2048} --hf-peer 8x${V4_PROMPT:-2048}} --out "$out/v4_${experts}_${kv}" \
           >"$out/v4_${experts}_${kv}.log" 2>&1

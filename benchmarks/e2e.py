@@ -170,15 +170,10 @@ def peer_params(params: dict[str, torch.Tensor], block) -> dict[str, torch.Tenso
     quantizer) takes bf16 weights, so its peer runs those linears in bf16 (our engine reads FP8)."""
     from deepinfer_core.ops.linear import dequantize_fp8_block
 
-    out = {}
-    for name, p in params.items():
-        scale = params.get(name + "_scale_inv")
-        if p.dtype == torch.float8_e4m3fn and scale is not None:
-            out[name] = dequantize_fp8_block(p, scale, block or (128, 128), torch.bfloat16)
-        elif not (name.endswith(".weight_scale_inv") and name.removesuffix("_scale_inv") in params
-                  and params[name.removesuffix("_scale_inv")].dtype == torch.float8_e4m3fn):
-            out[name] = p
-    return out
+    fp8 = {name for name, p in params.items() if p.dtype == torch.float8_e4m3fn and name + "_scale_inv" in params}
+    scales = {name + "_scale_inv" for name in fp8}
+    return {name: dequantize_fp8_block(p, params[name + "_scale_inv"], block or (128, 128), torch.bfloat16) if name in fp8 else p
+            for name, p in params.items() if name not in scales}
 
 
 @torch.inference_mode()

@@ -377,9 +377,8 @@ def warm_up_prefill(self) -> list[int]:
     longest = self.max_model_len - 4  # room for the one token each generates
     if longest < 1:
         return []
-    per_prompt = -(-(longest + 1) // block)  # blocks a longest prompt holds
-    capacity = min(self.max_num_seqs, self.kv.num_free // per_prompt) * longest
-    limit = min(self.max_num_batched_tokens, max(capacity, min(longest, (self.kv.num_free - 1) * block)))
+    per_prompt = -(-(longest + 1) // block)  # blocks a longest prompt holds (the pool holds max_model_len)
+    limit = min(self.max_num_batched_tokens, min(self.max_num_seqs, self.kv.num_free // per_prompt) * longest)
     steps = []
     size = WARM_PREFILL_TOKENS
     while size < limit:

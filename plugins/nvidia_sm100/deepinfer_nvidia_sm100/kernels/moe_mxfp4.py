@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.ops.moe import check_mxfp4_experts
-from deepinfer_nvidia_sm100.kernels.device import await_inputs, launch_options
+from deepinfer_nvidia_sm100.kernels.device import await_inputs, launch_options, num_sms
 from deepinfer_nvidia_sm100.kernels.moe import (ExpertTiles, align_pairs, expert_tile_ids, expert_tile_rows, store_expert_tile, sum_slots,
                                                 swiglu)
 
@@ -331,7 +331,7 @@ def k_splits(programs: int, k: int, block_k: int, device: torch.device) -> int:
         return MXFP4_FORCE_SPLITS if steps % MXFP4_FORCE_SPLITS == 0 else 1
     if device.type != "cuda":
         return 1
-    want = MXFP4_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    want = MXFP4_PROGRAMS_PER_SM * num_sms(device, 1)
     splits = 1
     while splits * 2 <= MXFP4_MAX_SPLITS and programs * splits < want and steps % (splits * 2) == 0:
         splits *= 2

@@ -232,3 +232,21 @@ def test_real_flash_shapes_under_a_cuda_graph(tokens):
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
     assert_close(eager, REFERENCE_OPS[OP](x, w13, w2, weights, ids, 10.0, s13, s2), OP, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [kfp4.ExpertTiles(64, 64, 128, 64, 4, 3), kfp4.ExpertTiles(128, 64, 128, 64, 8, 3),
+                                   kfp4.ExpertTiles(64, 64, 128, 128, 4, 3)], ids=str)
+def test_the_wide_byte_permute_decode_equals_the_e4m3_one(tiles, monkeypatch):
+    """MXFP4_ASM_WIDE (prefill tiles, BLOCK_K >= 64): the byte-permute decode with the scale
+    multiplied in bf16 feeds the dots the same bf16 weights as the e4m3 decode (both exact), so at
+    the same tiles the outputs are equal bit for bit, and close to the reference; V4-Flash's expert
+    dims, 512 tokens over 32 experts."""
+    device, dtype = torch.device("cuda:0"), torch.bfloat16
+    x, w13, w2, weights, ids, s13, s2 = _case(device, dtype, tokens=512, hidden=4096, inter=2048, experts=32, top_k=6)
+    outs = {}
+    for wide in (False, True):
+        monkeypatch.setattr(kfp4, "MXFP4_ASM_WIDE", wide)
+        outs[wide] = kfp4.run_mxfp4_experts(x, w13, w2, weights, ids, 10.0, s13, s2, tiles)
+    assert torch.equal(outs[True], outs[False]), (outs[True] - outs[False]).abs().max()
+    assert_close(outs[True], REFERENCE_OPS[OP](x, w13, w2, weights, ids, 10.0, s13, s2), OP, dtype)

@@ -233,3 +233,24 @@ def test_batch_invariant_mode_on_gpu_is_bitwise_in_any_batch_and_after_preemptio
     tight = LLM(num_kv_blocks=6, max_model_len=64, **kw)
     assert _bitwise(tight.generate(prompts, cases[0], use_tqdm=False)) == big
     assert tight.engine.num_preemptions > 0
+
+
+def test_kv_tiers_on_gpu_give_what_recomputing_gives(checkpoint):
+    """Multi-turn conversations through a device pool too small for them, with a host tier whose
+    copies run on their own stream, overlapping the step in flight (overlapped steps, decode graphs
+    on): every turn gives the tokens and logprobs of the same pool without tiers (which recomputes
+    the evicted prefixes), and the host tier served some of them."""
+    import random
+
+    rng = random.Random(3)
+    kw = dict(model=str(checkpoint), accelerator="nvidia", gpu_memory_utilization=GPU_SHARE, dtype="float32", progress=False,
+              block_size=64, num_kv_blocks=12, max_model_len=256, max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    plain, tiered = LLM(**kw), LLM(kv_offload_gb=0.05, **kw)
+    assert tiered.engine.async_scheduling and tiered.engine.kv.tiers.stream is not None
+    conversations = [[rng.randrange(2, 150) for _ in range(70)] for _ in range(8)]
+    for _ in range(3):
+        want = plain.generate(conversations, params, use_tqdm=False)
+        _assert_same_greedy(want, tiered.generate(conversations, params, use_tqdm=False), 1e-3)
+        conversations = [c + o.outputs[0].token_ids + [rng.randrange(2, 150) for _ in range(30)] for c, o in zip(conversations, want)]
+    assert tiered.engine.gauges()["prefix_hit_tokens_host"] > 0

@@ -96,13 +96,13 @@ def test_blocks_round_trip_bit_for_bit_through_host_and_disk_in_every_paged_layo
     tiers = KVTiers(cache, BLOCK, host_blocks=2, device=torch.device("cpu"), disk=disk)
     h = bytes(range(16))
     for name in paged:
-        tiers.offload(name, 5, h)
+        tiers.offload(name, 5, h, False)
     tiers.end_round()
     assert tiers.tier_of(h, paged) == "host"
 
     before = {layer: t.clone() for layer, t in cache.tensors.items()}
     for name in paged:  # host -> block 2
-        tiers.load(name, h, 2)
+        tiers.load(name, h, 2, False)
     _assert_only_block_changed(before, cache, 2, original)
     assert all(torch.equal(a, b) for a, b in zip(_record_block(cache, 2).values(), records.values()))
 
@@ -116,18 +116,90 @@ def test_blocks_round_trip_bit_for_bit_through_host_and_disk_in_every_paged_layo
     assert tiers.tier_of(h, paged) == "host"
     before = {layer: t.clone() for layer, t in cache.tensors.items()}
     for name in paged:  # disk -> host -> block 7
-        tiers.load(name, h, 7)
+        tiers.load(name, h, 7, False)
     _assert_only_block_changed(before, cache, 7, original)
     assert all(torch.equal(a, b) for a, b in zip(_record_block(cache, 7).values(), records.values()))
     tiers.close()
+
+
+class _Stream:
+    """A device stream that logs what is asked of it (the ordering of the tiers' copies, on a CPU)."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def record_event(self):
+        self.log.append(f"{self.name} records")
+        return f"event on {self.name} #{sum(e.endswith('records') for e in self.log)}"
+
+    def wait_event(self, event):
+        self.log.append(f"{self.name} waits for {event}")
+
+    def wait_stream(self, other):
+        self.log.append(f"{self.name} waits for {other.name}")
+
+    def __enter__(self):
+        self.log.append(f"copies on {self.name}")
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_tier_copies_overlap_the_step_in_flight_unless_it_may_use_the_block(monkeypatch):
+    """The copies' stream waits only for the work queued before the step in flight was launched,
+    unless a block was freed since (the step may still write it): then for everything queued; and
+    the work queued after the blocks were taken waits for the copies (logged on fake streams)."""
+    log = []
+    compute = _Stream("compute", log)
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: compute)
+    tiers = KVTiers(_random_cache(), BLOCK, host_blocks=4, device=torch.device("cpu"))
+    tiers.stream, tiers.async_copies = _Stream("copies", log), True
+    tiers.launching()  # step 1 launched
+    tiers.offload("mla", 5, b"a" * 16, False)
+    tiers.offload("mla", 6, b"b" * 16, True)  # freed since step 1 was launched
+    tiers.offload("mla", 7, b"c" * 16, True)
+    tiers.end_round()
+    assert log == ["compute records", "copies waits for event on compute #1", "copies on copies", "copies waits for compute",
+                   "copies on copies", "copies on copies", "copies records", "compute waits for copies"]
+    log.clear()
+    tiers.launching()  # step 2 launched
+    tiers.load("mla", b"a" * 16, 2, False)
+    tiers.join()  # what KVCacheManager does after taking blocks
+    tiers.join()
+    tiers.end_round()
+    assert log == ["compute records", "copies waits for event on compute #1", "copies on copies", "compute waits for copies",
+                   "copies records"]
+    log.clear()
+    tiers.after_device()  # a reset: a dropped step may use any block
+    tiers.load("mla", b"b" * 16, 3, False)
+    assert log == ["copies waits for compute", "copies on copies"]
+
+
+def test_the_pool_tells_the_tiers_which_evicted_blocks_the_step_in_flight_may_use():
+    """A cached block freed since the last launch is evicted as ``recent``; after the next launch
+    (``KVCacheManager.launching``) it is not."""
+    from deepinfer_core.engine.kv_cache import KVCacheManager
+
+    manager = KVCacheManager([GROUPS[0]], num_blocks=2, block_size=BLOCK, max_num_seqs=2)
+    pool = manager.pools["mla"]
+    evicted = []
+    pool.on_evict = lambda block, h, recent: evicted.append((block, recent))
+    blocks = pool.take(2)
+    for b, h in zip(blocks, (b"x" * 16, b"y" * 16)):
+        pool.register(b, h)
+    pool.release(blocks)
+    pool.take(1)
+    manager.launching()
+    pool.take(1)
+    assert evicted == [(blocks[1], True), (blocks[0], False)]  # a sequence's tail is evicted first
 
 
 def test_a_block_evicted_before_every_group_reached_the_host_is_not_written(tmp_path):
     cache = _random_cache()
     tiers = KVTiers(cache, BLOCK, host_blocks=1, device=torch.device("cpu"),
                     disk=DiskTier(tmp_path, 4, KVTiers(cache, BLOCK, 1, torch.device("cpu")).block_bytes, IDENTITY))
-    tiers.offload("mla", 1, b"a" * 16)
-    tiers.offload("mla", 2, b"b" * 16)  # one slot: the partial "a" goes
+    tiers.offload("mla", 1, b"a" * 16, False)
+    tiers.offload("mla", 2, b"b" * 16, False)  # one slot: the partial "a" goes
     tiers.end_round()
     tiers.flush()
     assert list(tiers.entries) == [b"b" * 16] and not tiers.disk.index and tiers.tier_of(b"a" * 16, ["mla"]) is None
@@ -142,7 +214,7 @@ def test_the_disk_tier_keeps_its_most_recent_blocks_within_its_capacity(tmp_path
     hashes = [bytes([i]) * 16 for i in range(3)]
     for block, h in enumerate(hashes):
         for name in paged:
-            tiers.offload(name, block, h)
+            tiers.offload(name, block, h, False)
         tiers.end_round()
     tiers.close()
     assert sorted(p.name for p in tmp_path.glob("blocks/*/*")) == sorted(f"{h.hex()}.kv" for h in hashes[1:])

@@ -334,6 +334,7 @@ class Engine:
         if prev is not None and prev.sampled is not None:
             rows = {s.seq.seq_id: r0 for s, r0, n in prev.step.samples if n == 1}
             prev_tokens = PrevTokens(prev.sampled.tokens, rows)
+        self.kv.launching()
         step = self.runner.run(out, prev_tokens)
         prev_finished = None
         if prev is not None and any(s.seq.grammar is not None for s, _, _ in step.samples):

@@ -71,7 +71,7 @@ class BlockPool:
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
-        self.on_evict = None  # on_evict(block, hash): a cached block is about to be reused (lower tiers keep it)
+        self.on_evict = None  # on_evict(block, hash, recent): a cached block is about to be reused (lower tiers keep it)
         self.reset()
 
     def reset(self) -> None:
@@ -79,6 +79,7 @@ class BlockPool:
         self.hash_of: list[bytes | None] = [None] * self.num_blocks
         self.by_hash: dict[bytes, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(self.num_blocks))
+        self.recent: set[int] = set()  # freed since the step in flight was launched: it may still use them
         self.num_evicted = 0
 
     @property
@@ -97,7 +98,7 @@ class BlockPool:
                 if self.by_hash.get(h) == block:
                     del self.by_hash[h]
                     if self.on_evict is not None:
-                        self.on_evict(block, h)
+                        self.on_evict(block, h, block in self.recent)
                 self.num_evicted += 1
             self.refs[block] = 1
             out.append(block)
@@ -115,6 +116,7 @@ class BlockPool:
             self.refs[block] -= 1
             if self.refs[block] == 0:
                 self.free[block] = None
+                self.recent.add(block)
                 if self.hash_of[block] is None:  # nothing cached in it: reuse it before any cached block
                     self.free.move_to_end(block, last=False)
 
@@ -211,6 +213,8 @@ class KVCacheManager:
         """Every block and slot free, no prefix cached (the sequences that held them must be gone)."""
         for pool in self.pools.values():
             pool.reset()
+        if self.tiers is not None:  # a step dropped unresolved may still use any block
+            self.tiers.after_device()
         self.ring_free = {name: list(range(self.max_num_seqs * n - 1, -1, -1)) for name, n in self.rings.items()}
         self.state_free = {name: list(range(self.max_num_seqs - 1, -1, -1)) for name in self.states}
         self.num_queried_tokens = 0
@@ -279,7 +283,21 @@ class KVCacheManager:
         manager's cache) and come back through ``load_from_tiers``."""
         self.tiers = tiers
         for name, pool in self.pools.items():
-            pool.on_evict = lambda block, h, name=name: tiers.offload(name, block, h)
+            pool.on_evict = lambda block, h, recent, name=name: tiers.offload(name, block, h, recent)
+
+    def launching(self) -> None:
+        """A step is about to be launched: blocks freed before now are not among those it uses
+        (the lower tiers' copies of them need not wait for it)."""
+        for pool in self.pools.values():
+            pool.recent.clear()
+        if self.tiers is not None:
+            self.tiers.launching()
+
+    def _join_tiers(self) -> None:
+        """Work queued on the device from now on waits for the lower tiers' copies queued so far
+        (blocks just taken are copied out of, or into, before anything writes or reads them)."""
+        if self.tiers is not None:
+            self.tiers.join()
 
     def close_tiers(self) -> None:
         """Detach the lower tiers; with a disk tier, every block the pools cache is written to it
@@ -293,7 +311,7 @@ class KVCacheManager:
             for h in list(self.pools[self.paged[0]].by_hash):  # block by block: every group's part together
                 for name, pool in self.pools.items():
                     if h in pool.by_hash:
-                        tiers.offload(name, pool.by_hash[h], h)
+                        tiers.offload(name, pool.by_hash[h], h, False)
             tiers.end_round()
         tiers.close()
 
@@ -354,7 +372,7 @@ class KVCacheManager:
             for name in self.paged:
                 if name in missing:
                     block = next(taken[name])
-                    tiers.load(name, h, block)
+                    tiers.load(name, h, block, block in self.pools[name].recent)
                     self.pools[name].register(block, h)
                 chain[name].append(self.pools[name].by_hash[h])
             if missing:
@@ -362,6 +380,7 @@ class KVCacheManager:
         for name, pool in self.pools.items():  # back to the free queue: the chain's tail is evicted before its head
             in_chain = set(chain[name])
             pool.release(chain[name] + [b for b in held[name] if b not in in_chain])
+        self._join_tiers()
         return True
 
     def tokens_by_tier(self, seq: Sequence, hit: int, saved: int) -> dict[str, int]:
@@ -408,6 +427,7 @@ class KVCacheManager:
         if any(pool.num_free < count for pool in self.pools.values()):
             return False
         blocks = {name: pool.take(count) for name, pool in self.pools.items()}
+        self._join_tiers()
         try:
             write(blocks)
             hashes = chain_hashes([], count, bs, lambda a, b: token_ids[a:b])
@@ -466,6 +486,7 @@ class KVCacheManager:
                 added[name] = new
         if cached:
             seq.num_registered_blocks = len(next(iter(cached.values())))
+        self._join_tiers()
         return added
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:

@@ -8,13 +8,18 @@ group, layer after layer (``block_views``: FP8 record caches by row, as ``ops/kv
 them out in pages), so any layout the pool has round-trips bit for bit. Ring and state groups are
 not tiered: they are rebuilt by bounded replay, as after any prefix hit.
 
-Copies between the device and the host are queued on the device in stream order, from and into
-pinned memory, without waiting: an evicted block's copy out before the step that overwrites it,
-a loaded block's copy in before the step that reads it (``KVCacheManager.load_from_tiers`` runs
-while the scheduler admits). ``end_round`` (once per scheduled step) records an event after them.
-Disk writes (every block that reaches the host tier is written through) and disk reads run on one
-I/O thread that waits for that event first; a sequence whose prefix is being read from disk waits
-for it (``fetch``), the others run meanwhile.
+Copies between the device and the host run on a stream of their own, from and into pinned
+memory, without the host waiting. They overlap the step in flight: the scheduler takes blocks
+(``KVCacheManager.allocate``, ``load_from_tiers``) while the device still runs the step launched
+before, and a block that step does not use (one freed before it was launched) is copied at once.
+A block freed since (``BlockPool.recent``: a finished sequence's, which the step in flight may
+still write) is copied after that step. Work queued on the device after the blocks were taken
+waits for the copies (``join``): an evicted block is copied out before the step that overwrites
+it, a loaded block copied in before the step that reads it. ``end_round`` (once per scheduled
+step) records an event after them. Disk writes (every block that reaches the host tier is written
+through) and disk reads run on one I/O thread that waits for that event first; a sequence whose
+prefix is being read from disk waits for it (``fetch``), the others run meanwhile. On the CPU the
+copies are plain synchronous ones.
 """
 
 from __future__ import annotations
@@ -144,13 +149,34 @@ class KVTiers:
         self.unwritten: list[bytes] = []  # complete entries to write to disk once their copies landed
         self.disk = disk
         self.io = IOThread() if disk is not None else None
+        self.stream = torch.Stream(device=device) if self.async_copies else None  # the copies' own stream
+        self.before_step: torch.Event | None = None  # on the compute stream, before the step in flight was launched
+        self.queued = False  # copies queued on self.stream that the compute stream does not wait for yet
+        self.after_step = False  # self.stream already waits for everything queued on the compute stream
 
     @property
     def host_blocks(self) -> int:
         return self.host.shape[0]
 
     # ---- device <-> host ---------------------------------------------------------------------------
-    def _copy(self, group: str, block: int, slot: int, to_host: bool) -> None:
+    def _copy(self, group: str, block: int, slot: int, to_host: bool, recent: bool) -> None:
+        """Queue the copy of block ``block`` of ``group`` to (or from) host slot ``slot``; ``recent``:
+        the step in flight may still use the block, so the copy waits for it."""
+        if self.stream is None:
+            self._copy_views(group, block, slot, to_host)
+            return
+        compute = torch.accelerator.current_stream(self.device)
+        if not self.queued:
+            self.queued = True
+            if self.before_step is not None and not self.after_step:
+                self.stream.wait_event(self.before_step)
+        if recent and not self.after_step:
+            self.stream.wait_stream(compute)
+            self.after_step = True
+        with self.stream:
+            self._copy_views(group, block, slot, to_host)
+
+    def _copy_views(self, group: str, block: int, slot: int, to_host: bool) -> None:
         at = self.offsets[group]
         for t in self.layers[group]:
             for view in block_views(t, self.rows[group], block):
@@ -158,9 +184,30 @@ class KVTiers:
                 (host if to_host else view).copy_(view if to_host else host, non_blocking=self.async_copies)
                 at += view.numel()
 
-    def offload(self, group: str, block: int, h: bytes) -> None:
+    def launching(self) -> None:
+        """A step is about to be launched on the compute stream: copies queued from now on, of
+        blocks it does not use, wait only for the work queued before it."""
+        if self.stream is not None:
+            self.before_step = torch.accelerator.current_stream(self.device).record_event()
+        self.after_step = False
+
+    def after_device(self) -> None:
+        """Copies queued from now on wait for everything queued on the compute stream so far (after
+        a reset, a dropped step may still use any block)."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.accelerator.current_stream(self.device))
+        self.after_step = True
+
+    def join(self) -> None:
+        """Work queued on the compute stream from now on waits for the copies queued so far."""
+        if self.queued:
+            torch.accelerator.current_stream(self.device).wait_stream(self.stream)
+            self.queued = False
+
+    def offload(self, group: str, block: int, h: bytes, recent: bool) -> None:
         """Block ``block`` of paged group ``group``, holding the entries of chain hash ``h``, is
-        being evicted from the pool: copy it to the host tier (nothing when the host has it)."""
+        being evicted from the pool: copy it to the host tier (nothing when the host has it);
+        ``recent``: the step in flight may still use the block."""
         e = self.entries.get(h)
         if e is None:
             slot = self._free_slot()
@@ -172,17 +219,18 @@ class KVTiers:
         self.entries.move_to_end(h)
         if group in e.groups:
             return
-        self._copy(group, block, e.slot, to_host=True)
+        self._copy(group, block, e.slot, True, recent)
         e.groups.add(group)
         self.touched.append(e)
         if len(e.groups) == len(self.paged) and self.disk is not None and h not in self.disk.index:
             self.unwritten.append(h)
 
-    def load(self, group: str, h: bytes, block: int) -> None:
-        """Copy the host tier's entries of ``h`` for ``group`` into the pool's block ``block``."""
+    def load(self, group: str, h: bytes, block: int, recent: bool) -> None:
+        """Copy the host tier's entries of ``h`` for ``group`` into the pool's block ``block``
+        (``recent``: the step in flight may still use it)."""
         e = self.entries[h]
         self.entries.move_to_end(h)
-        self._copy(group, block, e.slot, to_host=False)
+        self._copy(group, block, e.slot, False, recent)
         self.touched.append(e)
 
     def tier_of(self, h: bytes, groups: list[str]) -> str | None:
@@ -213,16 +261,17 @@ class KVTiers:
     def _record(self) -> None:
         """An event after the device copies queued since the last one, for the entries they used."""
         if self.async_copies and self.touched:
-            event = torch.Event(device=self.device)
-            event.record()
+            event = self.stream.record_event()
             for e in self.touched:
                 e.event = event
         self.touched.clear()
 
     def end_round(self) -> None:
-        """After a step's copies were queued: an event marks when they are done, and complete
-        entries new to the host tier are written to disk (after that event)."""
+        """After a step's copies were queued: the compute stream waits for them, an event marks
+        when they are done, and complete entries new to the host tier are written to disk (after
+        that event)."""
         self._record()
+        self.join()
         self.keep = set()
         self._write_through()
 

@@ -187,7 +187,10 @@ def _packed_experts(e: int, n: int, k: int, device) -> tuple[torch.Tensor, torch
     return codes, scales
 
 
-def tune_mxfp4(device="cuda") -> list[dict]:
+MXFP4_TOKENS = (1, 8, 32, 64, 512, 2048)
+
+
+def tune_mxfp4(device="cuda", tokens_list=MXFP4_TOKENS) -> list[dict]:
     """The MXFP4 expert GEMM (kernels/moe_mxfp4.py) at V4-Flash's and V4-Pro's expert shapes: its
     tiles x how many programs an SM split-K aims for (0: no split), decode (1-64 tokens) and prefill
     chunks. GB/s counts the packed weights and scales of the experts the tokens hit (what decode
@@ -201,14 +204,15 @@ def tune_mxfp4(device="cuda") -> list[dict]:
     # BLOCK_K 32: one scale group a step (with bf16: the byte-permute decode); 64: the e4m3 decode
     decode = [t(16, 64, 64, 32, 4, 4), t(16, 128, 128, 32, 4, 4), t(16, 128, 128, 32, 8, 4), t(16, 64, 64, 32, 2, 4),
               t(16, 32, 32, 32, 4, 4), t(16, 64, 64, 64, 4, 4)]
-    prefill = [t(64, 64, 128, 64, 4, 3), t(64, 64, 128, 32, 4, 4), t(128, 128, 128, 32, 8, 3)]
+    prefill = [t(16, 128, 128, 32, 4, 4), t(32, 64, 128, 32, 4, 4), t(32, 128, 128, 64, 4, 3), t(64, 64, 128, 64, 4, 3),
+               t(64, 128, 128, 64, 8, 3), t(64, 64, 128, 32, 4, 4), t(128, 64, 128, 64, 8, 3), t(128, 128, 128, 32, 8, 3)]
     models = {"V4-Flash": (4096, 2048, 256, 6), "V4-Pro": (7168, 3072, 384, 6)}
     out = []
     for name, (d, i, e, k) in models.items():
         w13, s13 = _packed_experts(e, 2 * i, d, device)
         w2, s2 = _packed_experts(e, d, i, device)
-        for tokens in (1, 8, 32, 64, 512, 2048):
-            if name == "V4-Pro" and tokens not in (1, 64):
+        for tokens in tokens_list:
+            if name == "V4-Pro" and tokens not in (1, 64, 2048):
                 continue
             x = torch.randn(tokens, d, device=device, dtype=torch.bfloat16)
             ids = torch.stack([torch.randperm(e, device=device)[:k] for _ in range(tokens)])
@@ -218,7 +222,7 @@ def tune_mxfp4(device="cuda") -> list[dict]:
             if tokens <= 64:
                 grid = [(tiles, pps, False) for tiles in decode for pps in (0, 4, 8)]
             else:  # wide: BLOCK_K >= 64 tiles through the byte-permute decode too
-                grid = [(tiles, 4, wide) for tiles in prefill for wide in (False, True)]
+                grid = [(tiles, 4, wide) for tiles in prefill for wide in (False, True) if tiles.block_k > 32 or not wide]
             rows = []
             for tiles, pps, wide in grid:
                 values = {"MXFP4_PROGRAMS_PER_SM": max(pps, 1), "MXFP4_MAX_SPLITS": 16 if pps else 1, "MXFP4_ASM_WIDE": wide}
@@ -228,6 +232,7 @@ def tune_mxfp4(device="cuda") -> list[dict]:
                 if "us" in row:
                     row["gb_per_s"] = nbytes / row["us"] / 1e3
                     row["of_copy"] = row["gb_per_s"] / copy_gbs
+                    row["tflop_per_s"] = 2 * tokens * k * 3 * d * i / row["us"] / 1e6
                 rows.append(row)
             out += rows
             ok = [r for r in rows if "us" in r]
@@ -237,7 +242,8 @@ def tune_mxfp4(device="cuda") -> list[dict]:
             best = min(ok, key=lambda r: r["us"])
             print(f"[tune] mxfp4 {name:8s} T={tokens:4d} ({hit} experts): first {ok[0]['us']:7.1f} us, best {best['us']:7.1f} us "
                   f"({best['gb_per_s']:5.0f} GB/s, {100 * best['of_copy']:3.0f}% of copy) tiles {tuple(best['tiles'].values())} "
-                  f"programs/SM {best['programs_per_sm']}{' wide byte-permute' if best['asm_wide'] else ''}", flush=True)
+                  f"programs/SM {best['programs_per_sm']}{' wide byte-permute' if best['asm_wide'] else ''}, "
+                  f"{best['tflop_per_s']:.0f} TFLOP/s", flush=True)
         del w13, w2, s13, s2
         torch.cuda.empty_cache()
     return out
@@ -363,10 +369,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench_results"))
     parser.add_argument("--only", action="append", choices=sorted(TUNERS))
+    parser.add_argument("--mxfp4-tokens", type=lambda v: tuple(int(x) for x in v.split(",")), default=MXFP4_TOKENS,
+                        help="token counts the mxfp4 tuner times (comma-separated; default %(default)s)")
     args = parser.parse_args()
     result = {}
     for name in args.only or TUNERS:
-        result[name] = TUNERS[name]()
+        result[name] = TUNERS[name](tokens_list=args.mxfp4_tokens) if name == "mxfp4" else TUNERS[name]()
         torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tune.json").write_text(json.dumps(result, indent=1, default=str))

@@ -154,6 +154,23 @@ def test_edge_cases_match_the_reference(device, dtype, name, limit, mode, monkey
     assert_close(out, ref, OP, dtype, f" {name}")
 
 
+SWAP_TILES = {"group-dot": GROUP_DOT, "wide": kfp4.ExpertTiles(16, 32, 64, 64, 4, 3)}
+
+
+@pytest.mark.parametrize("splits", [0, 2])
+@pytest.mark.parametrize("tiles", SWAP_TILES)
+@pytest.mark.parametrize("name", ["one-token", "I-not-a-tile-multiple"])
+def test_the_swapped_dots_match_the_reference(device, dtype, name, tiles, splits, monkeypatch):
+    """MXFP4_SWAP_AB: the tile accumulated as W @ A^T and transposed back, at one scale group a K
+    step and at BLOCK_K 64 (K masked where I = 80), whole and split along K."""
+    monkeypatch.setattr(kfp4, "MXFP4_SWAP_AB", True)
+    monkeypatch.setattr(kfp4, "MXFP4_TILES", ((float("inf"), SWAP_TILES[tiles]),))
+    monkeypatch.setattr(kfp4, "MXFP4_FORCE_SPLITS", splits)
+    x, w13, w2, weights, ids, s13, s2 = _case(device, dtype, **EDGES[name])
+    out = kfp4.mxfp4_experts(x, w13, w2, weights, ids, 1.0, s13, s2)
+    assert_close(out, REFERENCE_OPS[OP](x, w13, w2, weights, ids, 1.0, s13, s2), OP, dtype, f" {name}")
+
+
 @pytest.mark.parametrize("splits", [2, 4])
 def test_split_k_adds_the_slices_in_order(device, monkeypatch, splits):
     """K cut into 2 or 4 slices (GEMM 1's 128 inputs, GEMM 2's 64 or 128): the epilogue kernel's
@@ -250,3 +267,18 @@ def test_the_wide_byte_permute_decode_equals_the_e4m3_one(tiles, monkeypatch):
         outs[wide] = kfp4.run_mxfp4_experts(x, w13, w2, weights, ids, 10.0, s13, s2, tiles)
     assert torch.equal(outs[True], outs[False]), (outs[True] - outs[False]).abs().max()
     assert_close(outs[True], REFERENCE_OPS[OP](x, w13, w2, weights, ids, 10.0, s13, s2), OP, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wide", [False, True], ids=["e4m3-wide", "permute-wide"])
+@pytest.mark.parametrize("tokens", [1, 16, 512, 2048])
+def test_the_swapped_dots_on_real_flash_shapes(tokens, wide, monkeypatch):
+    """MXFP4_SWAP_AB with the compiled decodes (the byte permutes at one scale group a step; at
+    BLOCK_K >= 64, with and without MXFP4_ASM_WIDE) on V4-Flash's expert dims, the default tiles
+    for each token count (split-K at decode), bf16: close to the reference."""
+    device, dtype = torch.device("cuda:0"), torch.bfloat16
+    monkeypatch.setattr(kfp4, "MXFP4_SWAP_AB", True)
+    monkeypatch.setattr(kfp4, "MXFP4_ASM_WIDE", wide)
+    x, w13, w2, weights, ids, s13, s2 = _case(device, dtype, tokens=tokens, hidden=4096, inter=2048, experts=32, top_k=6)
+    out = kfp4.mxfp4_experts(x, w13, w2, weights, ids, 10.0, s13, s2)
+    assert_close(out, REFERENCE_OPS[OP](x, w13, w2, weights, ids, 10.0, s13, s2), OP, dtype)

@@ -67,6 +67,7 @@ MXFP4_MAX_SPLITS = 16
 MXFP4_FORCE_SPLITS = 0  # > 0: this many K slices whatever the shape (tests, sweeps), where the steps divide
 MXFP4_ASM_DECODE = True  # BLOCK_K 32, bf16, compiled: E2M1 -> bf16 by byte permutes (else through e4m3 and a multiply)
 MXFP4_ASM_WIDE = False  # the same for BLOCK_K >= 64 (prefill tiles), the scale multiplied in bf16: not yet measured
+MXFP4_SWAP_AB = False  # the dots as W @ A^T (decoded weights the first operand, in registers): not yet measured
 MXFP4_SCALE_GATHER = False  # True: each packed byte's scale loaded by address; False: a group's once, broadcast
 SCALE_GROUP = 32  # inputs per UE8M0 scale (the format's, not a tunable)
 
@@ -163,12 +164,23 @@ def _e2m1_bf16(packed):
 
 
 @triton.jit
-def _group_dot(a_even, a_odd, w_ptrs, s_ptrs, mask, col_ok, IEEE: tl.constexpr, ASM: tl.constexpr):
+def _group_dot(a_even, a_odd, w_ptrs, s_ptrs, mask, col_ok, IEEE: tl.constexpr, ASM: tl.constexpr, SWAP: tl.constexpr):
     """One 32-input scale group: a [BLOCK_M, 16] (even, odd inputs) @ the group's E2M1 values (no
     scale multiplied into the weights), the partial sums then times the row's 2^(s - 127) (a power
     of two: exact) -> [BLOCK_M, BLOCK_N] float32. ASM (bf16 activations, compiled): the values come
-    from _e2m1_bf16's byte permutes; else through e4m3 (the values / 64, the sums times 64)."""
+    from _e2m1_bf16's byte permutes; else through e4m3 (the values / 64, the sums times 64).
+    SWAP: a is given as [16, BLOCK_M] (a^T) and the result is [BLOCK_N, BLOCK_M], the weights the
+    dots' first operand."""
     packed = tl.load(w_ptrs, mask=mask, other=0)
+    if SWAP:
+        zero = tl.zeros([packed.shape[0], a_even.shape[1]], tl.float32)
+        if ASM:
+            w_even, w_odd = _e2m1_bf16(packed)
+            part = tl.dot(w_odd, a_odd, tl.dot(w_even, a_even, zero))
+        else:
+            b = packed.to(tl.int32)
+            part = _dot_t(_dot_t(zero, _e2m1_as_e4m3(b), a_even, IEEE), _e2m1_as_e4m3(b >> 4), a_odd, IEEE) * 64.0
+        return part * _scales(tl.load(s_ptrs, mask=col_ok, other=127))[:, None]
     zero = tl.zeros([a_even.shape[0], packed.shape[0]], tl.float32)
     if ASM:
         w_even, w_odd = _e2m1_bf16(packed)
@@ -186,6 +198,14 @@ def _dot(acc, a, w, IEEE: tl.constexpr):
     if IEEE:
         return acc + tl.dot(a, wt, input_precision="ieee")
     return acc + tl.dot(a, wt)
+
+
+@triton.jit
+def _dot_t(acc, w, a_t, IEEE: tl.constexpr):
+    """acc + w [BLOCK_N, BLOCK_K/2] (rounded to a's dtype: exact) @ a_t [BLOCK_K/2, BLOCK_M]."""
+    if IEEE:
+        return acc + tl.dot(w.to(a_t.dtype), a_t, input_precision="ieee")
+    return acc + tl.dot(w.to(a_t.dtype), a_t)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks", "k_split"])  # one compile, not one per value class
@@ -206,6 +226,7 @@ def _mxfp4_expert_gemm_kernel(
     SCALE_GATHER: tl.constexpr,  # each byte's scale loaded by address (else one load a group, broadcast)
     SPLIT: tl.constexpr,  # K cut into slices (program_id 1): float32 partial sums to part_ptr, reduced after
     ASM: tl.constexpr,  # bf16 activations, compiled: E2M1 -> bf16 by byte permutes (_E2M1_BF16_ASM)
+    SWAP: tl.constexpr,  # accumulate the transposed tile: W [BLOCK_N, .] @ A^T, transposed back for the epilogue
     PDL: tl.constexpr,
 ):
     await_inputs(PDL)
@@ -222,7 +243,10 @@ def _mxfp4_expert_gemm_kernel(
     split = tl.program_id(1)  # this program's k_split inputs
     k_lo = tl.multiple_of(split * k_split, BLOCK_K)  # k_split is K or a multiple of BLOCK_K: aligned vector loads
 
-    a_ptrs = a_ptr + a_row[:, None] * stride_am + (k_lo + 2 * kb)[None, :] * stride_ak  # even inputs; odd: + stride_ak
+    if SWAP:  # the activations as [BLOCK_K/2, BLOCK_M]: the dots' second operand
+        a_ptrs = a_ptr + a_row[None, :] * stride_am + (k_lo + 2 * kb)[:, None] * stride_ak
+    else:
+        a_ptrs = a_ptr + a_row[:, None] * stride_am + (k_lo + 2 * kb)[None, :] * stride_ak  # even inputs; odd: + stride_ak
     rows = cols[:, None].to(tl.int64)
     w_ptrs = w_ptr + expert * stride_we + rows * stride_wn + (k_lo // 2 + kb)[None, :] * stride_wk
     if BLOCK_K == 32:  # one scale group a step: the scale multiplies the dot's partial sums
@@ -232,38 +256,57 @@ def _mxfp4_expert_gemm_kernel(
     else:
         kg = tl.arange(0, BLOCK_K // 32)
         s_ptrs = s_ptr + expert * stride_se + rows * stride_sn + (k_lo // 32 + kg)[None, :] * stride_sk
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if GATED:
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros_like(acc)
     for k0 in range(k_lo, k_lo + k_split, BLOCK_K):
         if K % BLOCK_K == 0:  # no mask along K: the weight bytes load as vectors, not one by one
-            a_mask = row_ok[:, None]
+            if SWAP:
+                a_mask = row_ok[None, :]
+            else:
+                a_mask = row_ok[:, None]
             mask = col_ok[:, None]
         else:
             byte_ok = (k0 // 2 + kb) < HALF_K  # K is even: an input pair is both in or both out
-            a_mask = row_ok[:, None] & byte_ok[None, :]
+            if SWAP:
+                a_mask = row_ok[None, :] & byte_ok[:, None]
+            else:
+                a_mask = row_ok[:, None] & byte_ok[None, :]
             mask = col_ok[:, None] & byte_ok[None, :]
         a_even = tl.load(a_ptrs, mask=a_mask, other=0.0)
         a_odd = tl.load(a_ptrs + stride_ak, mask=a_mask, other=0.0)
         if BLOCK_K == 32:
-            acc += _group_dot(a_even, a_odd, w_ptrs, s_ptrs, mask, col_ok, IEEE, ASM)
+            acc += _group_dot(a_even, a_odd, w_ptrs, s_ptrs, mask, col_ok, IEEE, ASM, SWAP)
             if GATED:  # the up rows: N rows further down w13[e]
-                acc_up += _group_dot(a_even, a_odd, w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask, col_ok, IEEE, ASM)
+                acc_up += _group_dot(a_even, a_odd, w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask, col_ok, IEEE, ASM, SWAP)
         else:
             if SCALE_GATHER:
                 s_mask = mask
             else:
                 s_mask = col_ok[:, None] & ((k0 // 32 + kg) < (K + 31) // 32)[None, :]
             w_even, w_odd = _load_weights(w_ptrs, s_ptrs, mask, s_mask, BLOCK_N, BLOCK_K, SCALE_GATHER, ASM)
-            acc = _dot(_dot(acc, a_even, w_even, IEEE), a_odd, w_odd, IEEE)
+            if SWAP:
+                acc = _dot_t(_dot_t(acc, w_even, a_even, IEEE), w_odd, a_odd, IEEE)
+            else:
+                acc = _dot(_dot(acc, a_even, w_even, IEEE), a_odd, w_odd, IEEE)
             if GATED:  # the up rows: N rows further down w13[e]
                 up_even, up_odd = _load_weights(w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask, s_mask, BLOCK_N, BLOCK_K,
                                                 SCALE_GATHER, ASM)
-                acc_up = _dot(_dot(acc_up, a_even, up_even, IEEE), a_odd, up_odd, IEEE)
+                if SWAP:
+                    acc_up = _dot_t(_dot_t(acc_up, up_even, a_even, IEEE), up_odd, a_odd, IEEE)
+                else:
+                    acc_up = _dot(_dot(acc_up, a_even, up_even, IEEE), a_odd, up_odd, IEEE)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += (BLOCK_K // 2) * stride_wk
         s_ptrs += (BLOCK_K // 32) * stride_sk
 
+    if SWAP:  # back to [BLOCK_M, BLOCK_N] for the epilogue
+        acc = tl.trans(acc)
+        if GATED:
+            acc_up = tl.trans(acc_up)
     if SPLIT:  # float32 partial sums part[split, pair, col] (GATED: the up sums at col + N); reduced after
         wide: tl.constexpr = 2 * N if GATED else N
         p_ptrs = part_ptr + (split * num_pairs + pair.to(tl.int64))[:, None] * wide + cols[None, :]
@@ -358,6 +401,7 @@ def _gemm(a, w, scales, out, route_w, layout, tiles: ExpertTiles, *, n: int, k: 
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=tiles.block_k, GROUP_M=MXFP4_GROUP_M, SCALE_GATHER=MXFP4_SCALE_GATHER,
         SPLIT=splits > 1, ASM=(MXFP4_ASM_DECODE if tiles.block_k == 32 else MXFP4_ASM_WIDE) and a.dtype == torch.bfloat16
         and a.device.type == "cuda",
+        SWAP=MXFP4_SWAP_AB,
         num_warps=tiles.num_warps, num_stages=_num_stages(tiles, block_n, a.element_size(), gated),
         **launch_options(a.device),
     )

@@ -203,7 +203,7 @@ def tune_mxfp4(device="cuda", tokens_list=MXFP4_TOKENS) -> list[dict]:
     t = m.ExpertTiles
     # BLOCK_K 32: one scale group a step (with bf16: the byte-permute decode); 64: the e4m3 decode
     decode = [t(16, 64, 64, 32, 4, 4), t(16, 128, 128, 32, 4, 4), t(16, 128, 128, 32, 8, 4), t(16, 64, 64, 32, 2, 4),
-              t(16, 32, 32, 32, 4, 4), t(16, 64, 64, 64, 4, 4)]
+              t(16, 32, 32, 32, 4, 4), t(16, 64, 64, 64, 4, 4), t(16, 128, 128, 64, 4, 4), t(16, 64, 64, 128, 4, 3)]
     prefill = [t(16, 128, 128, 32, 4, 4), t(32, 64, 128, 32, 4, 4), t(32, 128, 128, 64, 4, 3), t(64, 64, 128, 64, 4, 3),
                t(64, 128, 128, 64, 8, 3), t(64, 64, 128, 32, 4, 4), t(128, 64, 128, 64, 8, 3), t(128, 128, 128, 32, 8, 3)]
     models = {"V4-Flash": (4096, 2048, 256, 6), "V4-Pro": (7168, 3072, 384, 6)}
@@ -221,8 +221,10 @@ def tune_mxfp4(device="cuda", tokens_list=MXFP4_TOKENS) -> list[dict]:
             nbytes = hit * 3 * d * i * (0.5 + 1 / 32)
             # swap: the dots as W @ A^T (the decoded weights the first operand)
             if tokens <= 64:
-                grid = [(tiles, pps, False, False) for tiles in decode for pps in (0, 4, 8)]
-                grid += [(tiles, pps, False, True) for tiles in decode[:3] for pps in (4, 8)]
+                # (BLOCK_K >= 64: two or four scale groups a step, the wide byte-permute decode against the e4m3 one)
+                grid = [(tiles, pps, wide, False) for tiles in decode for pps in (0, 4, 8)
+                        for wide in ((False, True) if tiles.block_k > 32 else (False,))]
+                grid += [(tiles, pps, tiles.block_k > 32, True) for tiles in (decode[1], decode[7]) for pps in (4, 8)]
             else:  # wide: BLOCK_K >= 64 tiles through the byte-permute decode too
                 grid = [(tiles, 4, wide, swap) for tiles in prefill for wide in (False, True) for swap in (False, True)
                         if tiles.block_k > 32 or not wide]

@@ -33,6 +33,9 @@ Two decodes, measured on an H100 (benchmarks/tune.py --only mxfp4, 2026-12-07):
 Decode's few (expert, column) tiles would leave most SMs idle with one program per tile: K is
 split into slices (MXFP4_PROGRAMS_PER_SM programs an SM), whose float32 partial sums an epilogue
 kernel adds in slice order before the SwiGLU or the routing weight.
+With MXFP4_SWAP_AB (not yet measured) the tile is accumulated transposed, W @ A^T: Hopper's
+wgmma reads its first operand from registers, where the weights are decoded, and only its second
+from shared memory, where the activations can go as loaded.
 """
 
 from __future__ import annotations

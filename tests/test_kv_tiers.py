@@ -8,6 +8,7 @@ prefixes again; a corrupt or foreign directory and bad options are refused with 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -138,22 +139,29 @@ class _Stream:
     def wait_stream(self, other):
         self.log.append(f"{self.name} waits for {other.name}")
 
-    def __enter__(self):
-        self.log.append(f"copies on {self.name}")
 
-    def __exit__(self, *exc):
-        return False
+class _Streams:
+    """The device's torch module as the tiers use it (torch.cuda's Stream, stream, current_stream)."""
+
+    def __init__(self, compute: _Stream):
+        self.compute = compute
+
+    def current_stream(self, device=None):
+        return self.compute
+
+    @contextlib.contextmanager
+    def stream(self, s):
+        s.log.append(f"copies on {s.name}")
+        yield
 
 
-def test_tier_copies_overlap_the_step_in_flight_unless_it_may_use_the_block(monkeypatch):
+def test_tier_copies_overlap_the_step_in_flight_unless_it_may_use_the_block():
     """The copies' stream waits only for the work queued before the step in flight was launched,
     unless a block was freed since (the step may still write it): then for everything queued; and
     the work queued after the blocks were taken waits for the copies (logged on fake streams)."""
     log = []
-    compute = _Stream("compute", log)
-    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: compute)
     tiers = KVTiers(_random_cache(), BLOCK, host_blocks=4, device=torch.device("cpu"))
-    tiers.stream, tiers.async_copies = _Stream("copies", log), True
+    tiers.streams, tiers.stream, tiers.async_copies = _Streams(_Stream("compute", log)), _Stream("copies", log), True
     tiers.launching()  # step 1 launched
     tiers.offload("mla", 5, b"a" * 16, False)
     tiers.offload("mla", 6, b"b" * 16, True)  # freed since step 1 was launched

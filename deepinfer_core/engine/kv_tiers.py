@@ -149,8 +149,11 @@ class KVTiers:
         self.unwritten: list[bytes] = []  # complete entries to write to disk once their copies landed
         self.disk = disk
         self.io = IOThread() if disk is not None else None
-        self.stream = torch.Stream(device=device) if self.async_copies else None  # the copies' own stream
-        self.before_step: torch.Event | None = None  # on the compute stream, before the step in flight was launched
+        # the device's torch module (torch.cuda, torch.npu: its Stream, stream() and current_stream, as
+        # platform.GraphBackend uses them) and the copies' own stream on it
+        self.streams = getattr(torch, device.type) if self.async_copies else None
+        self.stream = self.streams.Stream(device) if self.async_copies else None
+        self.before_step = None  # on the compute stream, before the step in flight was launched
         self.queued = False  # copies queued on self.stream that the compute stream does not wait for yet
         self.after_step = False  # self.stream already waits for everything queued on the compute stream
 
@@ -165,7 +168,7 @@ class KVTiers:
         if self.stream is None:
             self._copy_views(group, block, slot, to_host)
             return
-        compute = torch.accelerator.current_stream(self.device)
+        compute = self.streams.current_stream(self.device)
         if not self.queued:
             self.queued = True
             if self.before_step is not None and not self.after_step:
@@ -173,7 +176,7 @@ class KVTiers:
         if recent and not self.after_step:
             self.stream.wait_stream(compute)
             self.after_step = True
-        with self.stream:
+        with self.streams.stream(self.stream):
             self._copy_views(group, block, slot, to_host)
 
     def _copy_views(self, group: str, block: int, slot: int, to_host: bool) -> None:
@@ -188,20 +191,20 @@ class KVTiers:
         """A step is about to be launched on the compute stream: copies queued from now on, of
         blocks it does not use, wait only for the work queued before it."""
         if self.stream is not None:
-            self.before_step = torch.accelerator.current_stream(self.device).record_event()
+            self.before_step = self.streams.current_stream(self.device).record_event()
         self.after_step = False
 
     def after_device(self) -> None:
         """Copies queued from now on wait for everything queued on the compute stream so far (after
         a reset, a dropped step may still use any block)."""
         if self.stream is not None:
-            self.stream.wait_stream(torch.accelerator.current_stream(self.device))
+            self.stream.wait_stream(self.streams.current_stream(self.device))
         self.after_step = True
 
     def join(self) -> None:
         """Work queued on the compute stream from now on waits for the copies queued so far."""
         if self.queued:
-            torch.accelerator.current_stream(self.device).wait_stream(self.stream)
+            self.streams.current_stream(self.device).wait_stream(self.stream)
             self.queued = False
 
     def offload(self, group: str, block: int, h: bytes, recent: bool) -> None:

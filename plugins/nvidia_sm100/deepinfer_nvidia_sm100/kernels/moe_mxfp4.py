@@ -246,10 +246,7 @@ def _mxfp4_expert_gemm_kernel(
     split = tl.program_id(1)  # this program's k_split inputs
     k_lo = tl.multiple_of(split * k_split, BLOCK_K)  # k_split is K or a multiple of BLOCK_K: aligned vector loads
 
-    if SWAP:  # the activations as [BLOCK_K/2, BLOCK_M]: the dots' second operand
-        a_ptrs = a_ptr + a_row[None, :] * stride_am + (k_lo + 2 * kb)[:, None] * stride_ak
-    else:
-        a_ptrs = a_ptr + a_row[:, None] * stride_am + (k_lo + 2 * kb)[None, :] * stride_ak  # even inputs; odd: + stride_ak
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + (k_lo + 2 * kb)[None, :] * stride_ak  # even inputs; odd: + stride_ak
     rows = cols[:, None].to(tl.int64)
     w_ptrs = w_ptr + expert * stride_we + rows * stride_wn + (k_lo // 2 + kb)[None, :] * stride_wk
     if BLOCK_K == 32:  # one scale group a step: the scale multiplies the dot's partial sums
@@ -267,20 +264,16 @@ def _mxfp4_expert_gemm_kernel(
         acc_up = tl.zeros_like(acc)
     for k0 in range(k_lo, k_lo + k_split, BLOCK_K):
         if K % BLOCK_K == 0:  # no mask along K: the weight bytes load as vectors, not one by one
-            if SWAP:
-                a_mask = row_ok[None, :]
-            else:
-                a_mask = row_ok[:, None]
+            a_mask = row_ok[:, None]
             mask = col_ok[:, None]
         else:
             byte_ok = (k0 // 2 + kb) < HALF_K  # K is even: an input pair is both in or both out
-            if SWAP:
-                a_mask = row_ok[None, :] & byte_ok[:, None]
-            else:
-                a_mask = row_ok[:, None] & byte_ok[None, :]
+            a_mask = row_ok[:, None] & byte_ok[None, :]
             mask = col_ok[:, None] & byte_ok[None, :]
         a_even = tl.load(a_ptrs, mask=a_mask, other=0.0)
         a_odd = tl.load(a_ptrs + stride_ak, mask=a_mask, other=0.0)
+        if SWAP:  # the activations as [BLOCK_K/2, BLOCK_M]: the dots' second operand
+            a_even, a_odd = tl.trans(a_even), tl.trans(a_odd)
         if BLOCK_K == 32:
             acc += _group_dot(a_even, a_odd, w_ptrs, s_ptrs, mask, col_ok, IEEE, ASM, SWAP)
             if GATED:  # the up rows: N rows further down w13[e]

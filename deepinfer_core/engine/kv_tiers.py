@@ -168,14 +168,12 @@ class KVTiers:
         if self.stream is None:
             self._copy_views(group, block, slot, to_host)
             return
-        compute = self.streams.current_stream(self.device)
         if not self.queued:
             self.queued = True
             if self.before_step is not None and not self.after_step:
                 self.stream.wait_event(self.before_step)
         if recent and not self.after_step:
-            self.stream.wait_stream(compute)
-            self.after_step = True
+            self.after_device()
         with self.streams.stream(self.stream):
             self._copy_views(group, block, slot, to_host)
 

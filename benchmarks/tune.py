@@ -173,6 +173,7 @@ def tune_fp8_linear(device="cuda") -> list[dict]:
                     row["gb_per_s"] = nbytes / row["us"] / 1e3
                 rows.append(row)
             out += rows
+            saved(out)
             ok = [r for r in rows if "us" in r]
             best = min(ok, key=lambda r: r["us"])
             print(f"[tune] fp8 {name:10s} M={tokens:2d}: default {ok[0]['us']:6.1f} us, best {best['us']:6.1f} us "
@@ -190,11 +191,12 @@ def _packed_experts(e: int, n: int, k: int, device) -> tuple[torch.Tensor, torch
 MXFP4_TOKENS = (1, 8, 32, 64, 512, 2048)
 
 
-def tune_mxfp4(device="cuda", tokens_list=MXFP4_TOKENS) -> list[dict]:
+def tune_mxfp4(device="cuda", tokens_list=MXFP4_TOKENS, saved=lambda rows: None) -> list[dict]:
     """The MXFP4 expert GEMM (kernels/moe_mxfp4.py) at V4-Flash's and V4-Pro's expert shapes: its
     tiles x how many programs an SM split-K aims for (0: no split), decode (1-64 tokens) and prefill
     chunks. GB/s counts the packed weights and scales of the experts the tokens hit (what decode
-    must read), beside the copy bandwidth measured here."""
+    must read), beside the copy bandwidth measured here. ``saved(rows so far)`` after each shape: a
+    run cut off by its time limit keeps what it timed."""
     from benchmarks.ceilings import copy_bandwidth
     from deepinfer_nvidia_sm100.kernels import moe_mxfp4 as m
 
@@ -241,6 +243,7 @@ def tune_mxfp4(device="cuda", tokens_list=MXFP4_TOKENS) -> list[dict]:
                     row["tflop_per_s"] = 2 * tokens * k * 3 * d * i / row["us"] / 1e6
                 rows.append(row)
             out += rows
+            saved(out)
             ok = [r for r in rows if "us" in r]
             if not ok:
                 print(f"[tune] mxfp4 {name} T={tokens}: every configuration failed: {rows[0].get('error')}", flush=True)
@@ -380,11 +383,19 @@ def main() -> None:
                         help="token counts the mxfp4 tuner times (comma-separated; default %(default)s)")
     args = parser.parse_args()
     result = {}
-    for name in args.only or TUNERS:
-        result[name] = TUNERS[name](tokens_list=args.mxfp4_tokens) if name == "mxfp4" else TUNERS[name]()
-        torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "tune.json").write_text(json.dumps(result, indent=1, default=str))
+
+    def save(name, rows):  # after every tuner (and every mxfp4 shape): a cut-off run keeps what it timed
+        result[name] = rows
+        (args.out / "tune.json").write_text(json.dumps(result, indent=1, default=str))
+
+    for name in args.only or TUNERS:
+        if name == "mxfp4":
+            rows = tune_mxfp4(tokens_list=args.mxfp4_tokens, saved=lambda rows: save("mxfp4", rows))
+        else:
+            rows = TUNERS[name]()
+        save(name, rows)
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -76,22 +76,24 @@ def test_every_byte_and_scale_dequantises_exactly(device):
 
 
 @triton.jit
-def _permute_decode_kernel(codes_ptr, out_ptr, N: tl.constexpr):
-    """The byte-permute decode (kfp4._e2m1_bf16) of N bytes, written back interleaved (even, odd)."""
+def _permute_decode_kernel(codes_ptr, out_ptr, N: tl.constexpr, SHIFT: tl.constexpr):
+    """The PTX decode (kfp4._e2m1_bf16) of N bytes, written back interleaved (even, odd)."""
     i = tl.arange(0, N)
-    even, odd = kfp4._e2m1_bf16(tl.load(codes_ptr + i))
+    even, odd = kfp4._e2m1_bf16(tl.load(codes_ptr + i), SHIFT)
     tl.store(out_ptr + 2 * i, even)
     tl.store(out_ptr + 2 * i + 1, odd)
 
 
 @pytest.mark.gpu
-def test_the_byte_permute_decode_gives_every_code_pair_exactly():
-    """All 256 bytes through the PTX lookup tables: bit for bit the E2M1 values (scale 1) of both
+@pytest.mark.parametrize("shift", [False, True], ids=["byte-permutes", "shifts"])
+def test_the_byte_permute_decode_gives_every_code_pair_exactly(shift):
+    """All 256 bytes through the PTX lookup tables (or MXFP4_SHIFT_DECODE's shifts, whose 0.5 is a
+    bf16 subnormal before the multiply by 2^126): bit for bit the E2M1 values (scale 1) of both
     nibbles in bf16, -0.0 included, and in the right order within each 4-byte register."""
     device = torch.device("cuda:0")
     codes = torch.arange(256, dtype=torch.int64).to(torch.uint8)
     out = torch.empty(512, dtype=torch.bfloat16, device=device)
-    _permute_decode_kernel[(1,)](codes.to(device), out, N=256)
+    _permute_decode_kernel[(1,)](codes.to(device), out, N=256, SHIFT=shift)
     want = dequantize_mxfp4(codes.view(1, 256), torch.full((1, 16), 127, dtype=torch.uint8), torch.bfloat16).view(512)
     assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))
 
@@ -126,11 +128,20 @@ EDGES = {
 
 
 GROUP_DOT = kfp4.ExpertTiles(16, 32, 32, 32, 4, 3)  # one scale group a K step, scaling the dot's sums
-SCALE_MODES = {  # (scales by address, tiles, K slices)
-    "group-scales": (False, None, 0),  # a group's scale byte loaded once, broadcast over its 16 bytes
-    "byte-scales": (True, None, 0),  # each byte's scale loaded by address
-    "group-dot": (False, GROUP_DOT, 0),
-    "group-dot-split-k": (False, GROUP_DOT, 2),  # float32 partial sums of 2 K slices, reduced by the epilogue kernel
+SCALE_MODES = {  # (scales by address, tiles, K slices, other flags)
+    "group-scales": (False, None, 0, {}),  # a group's scale byte loaded once, broadcast over its 16 bytes
+    "byte-scales": (True, None, 0, {}),  # each byte's scale loaded by address
+    # one scale group a K step, the scale on the dot's float32 sums
+    "group-dot": (False, GROUP_DOT, 0, {"MXFP4_SCALE_WEIGHTS": False}),
+    # float32 partial sums of 2 K slices, reduced by the epilogue kernel
+    "group-dot-split-k": (False, GROUP_DOT, 2, {"MXFP4_SCALE_WEIGHTS": False}),
+    # one scale group a K step, the scale on the weights (as wider tiles do), not on the sums
+    "group-scale-weights": (False, GROUP_DOT, 2, {"MXFP4_SCALE_WEIGHTS": True}),
+    # the activations as two stride-2 loads, or loaded whole and split into even / odd inputs (K
+    # masked where I = 80)
+    "stride-2-loads": (False, None, 0, {"MXFP4_SPLIT_LOAD": False}),
+    "split-load": (False, None, 0, {"MXFP4_SPLIT_LOAD": True}),
+    "group-dot-split-load": (False, GROUP_DOT, 2, {"MXFP4_SPLIT_LOAD": True, "MXFP4_SCALE_WEIGHTS": False}),
 }
 
 
@@ -138,8 +149,10 @@ SCALE_MODES = {  # (scales by address, tiles, K slices)
 @pytest.mark.parametrize("limit", [1.0, None], ids=["clamped", "plain"])
 @pytest.mark.parametrize("name", EDGES)
 def test_edge_cases_match_the_reference(device, dtype, name, limit, mode, monkeypatch):
-    """Every way the kernel reads the scales (see SCALE_MODES)."""
-    gather, tiles, splits = SCALE_MODES[mode]
+    """Every way the kernel reads the scales and the activations (see SCALE_MODES)."""
+    gather, tiles, splits, flags = SCALE_MODES[mode]
+    for flag, value in flags.items():
+        monkeypatch.setattr(kfp4, flag, value)
     monkeypatch.setattr(kfp4, "MXFP4_SCALE_GATHER", gather)
     monkeypatch.setattr(kfp4, "MXFP4_FORCE_SPLITS", splits)
     if tiles:
@@ -253,9 +266,9 @@ def test_real_flash_shapes_under_a_cuda_graph(tokens):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tiles", [kfp4.ExpertTiles(64, 64, 128, 64, 4, 3), kfp4.ExpertTiles(128, 64, 128, 64, 8, 3),
-                                   kfp4.ExpertTiles(64, 64, 128, 128, 4, 3)], ids=str)
+                                   kfp4.ExpertTiles(64, 64, 128, 128, 4, 3), kfp4.ExpertTiles(16, 64, 64, 128, 4, 3)], ids=str)
 def test_the_wide_byte_permute_decode_equals_the_e4m3_one(tiles, monkeypatch):
-    """MXFP4_ASM_WIDE (prefill tiles, BLOCK_K >= 64): the byte-permute decode with the scale
+    """MXFP4_ASM_WIDE (BLOCK_K >= 64): the PTX decode (the default's, shifts or byte permutes) with the scale
     multiplied in bf16 feeds the dots the same bf16 weights as the e4m3 decode (both exact), so at
     the same tiles the outputs are equal bit for bit, and close to the reference; V4-Flash's expert
     dims, 512 tokens over 32 experts."""
@@ -282,3 +295,100 @@ def test_the_swapped_dots_on_real_flash_shapes(tokens, wide, monkeypatch):
     x, w13, w2, weights, ids, s13, s2 = _case(device, dtype, tokens=tokens, hidden=4096, inter=2048, experts=32, top_k=6)
     out = kfp4.mxfp4_experts(x, w13, w2, weights, ids, 10.0, s13, s2)
     assert_close(out, REFERENCE_OPS[OP](x, w13, w2, weights, ids, 10.0, s13, s2), OP, dtype)
+
+
+PLAIN = {"MXFP4_SHIFT_DECODE": False, "MXFP4_SCALE_WEIGHTS": False, "MXFP4_SPLIT_LOAD": False}  # before 2026-12-08
+LEAN = {"MXFP4_SHIFT_DECODE": True, "MXFP4_SCALE_WEIGHTS": True, "MXFP4_SPLIT_LOAD": True}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flags", [{"MXFP4_SHIFT_DECODE": True}, {"MXFP4_SPLIT_LOAD": True}, {"MXFP4_SCALE_WEIGHTS": True}, LEAN],
+                         ids=["shift", "split-load", "scale-weights", "lean"])
+@pytest.mark.parametrize("wide", [False, True], ids=["e4m3-wide", "ptx-wide"])
+@pytest.mark.parametrize("tokens", [1, 16, 512, 2048])
+def test_the_lean_flags_on_real_flash_shapes(tokens, wide, flags, monkeypatch):
+    """Each lean flag against none of them, at the default tiles for each token count (split-K at
+    decode) and MXFP4_ASM_WIDE off and on: MXFP4_SHIFT_DECODE and MXFP4_SPLIT_LOAD feed the dots
+    the same bf16 values (shifts vs byte permutes; one load split vs two stride-2 loads), so the
+    outputs are equal bit for bit; MXFP4_SCALE_WEIGHTS (the scale on the bf16 weights, not on the
+    float32 sums at BLOCK_K 32: another rounding order) and all three are close to the reference.
+    V4-Flash's expert dims over 32 experts, bf16."""
+    device, dtype = torch.device("cuda:0"), torch.bfloat16
+    x, w13, w2, weights, ids, s13, s2 = _case(device, dtype, tokens=tokens, hidden=4096, inter=2048, experts=32, top_k=6)
+    monkeypatch.setattr(kfp4, "MXFP4_ASM_WIDE", wide)
+    for flag, value in PLAIN.items():
+        monkeypatch.setattr(kfp4, flag, value)
+    plain = kfp4.mxfp4_experts(x, w13, w2, weights, ids, 10.0, s13, s2)
+    for flag, value in flags.items():
+        monkeypatch.setattr(kfp4, flag, value)
+    out = kfp4.mxfp4_experts(x, w13, w2, weights, ids, 10.0, s13, s2)
+    if "MXFP4_SCALE_WEIGHTS" not in flags:
+        assert torch.equal(out, plain), (out.float() - plain.float()).abs().max()
+    assert_close(out, REFERENCE_OPS[OP](x, w13, w2, weights, ids, 10.0, s13, s2), OP, dtype)
+
+
+# ---- the PTX decodes, emulated on the CPU -------------------------------------------------------
+
+def _run_ptx(asm: str, operands: dict[str, int]) -> dict[str, int]:
+    """The straight-line b32 PTX the decodes use (mov, and, or, shl, shr, prmt in its default mode:
+    selector bit 3 replicates the chosen byte's sign bit), run on Python ints."""
+    regs = dict(operands)
+
+    def val(tok: str) -> int:
+        tok = tok.strip()
+        return regs[tok] if tok in regs else int(tok, 0) & 0xFFFFFFFF
+
+    for line in asm.replace("{", "\n").replace("}", "\n").splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        dst, *src = [a.strip() for a in args.split(",")]
+        x = [val(s) for s in src]
+        if op == "mov.b32":
+            r = x[0]
+        elif op == "and.b32":
+            r = x[0] & x[1]
+        elif op == "or.b32":
+            r = x[0] | x[1]
+        elif op == "shl.b32":
+            r = x[0] << x[1]
+        elif op == "shr.b32":
+            r = x[0] >> x[1]
+        elif op == "prmt.b32":
+            pool = x[0] | (x[1] << 32)
+            r = 0
+            for i in range(4):
+                sel = (x[2] >> (4 * i)) & 0xF
+                byte = (pool >> (8 * (sel & 7))) & 0xFF
+                if sel & 8:
+                    byte = 0xFF if byte & 0x80 else 0
+                r |= byte << (8 * i)
+        else:
+            raise AssertionError(f"no emulation for {op}")
+        regs[dst] = r & 0xFFFFFFFF
+    return regs
+
+
+@pytest.mark.parametrize("asm,unscale", [(kfp4._E2M1_BF16_ASM, 1.0), (kfp4._E2M1_SHIFT_ASM, kfp4.E2M1_SHIFT_UNSCALE)],
+                         ids=["byte-permutes", "shifts"])
+def test_the_ptx_decodes_give_every_code_exactly_when_emulated(asm, unscale):
+    """The decodes' PTX text itself (run on the GPU by test_the_byte_permute_decode_gives_every_code_
+    pair_exactly), emulated instruction by instruction: every byte in every position of the 32-bit
+    register gives bit for bit the bf16 E2M1 values of its two nibbles (times 2^-126 for the shift
+    decode), in the order inline_asm_elementwise(pack=4) unpacks them."""
+    asm = getattr(asm, "value", asm)
+    unscale = float(getattr(unscale, "value", unscale))
+    codes = torch.arange(256, dtype=torch.int64).to(torch.uint8)
+    want = dequantize_mxfp4(codes.view(1, 256), torch.full((1, 16), 127, dtype=torch.uint8), torch.float32).view(256, 2)
+    for shift in range(4):  # byte b at position shift, its neighbours other bytes
+        for b in range(256):
+            word = [(b + 77 * j) % 256 for j in range(4)]
+            word = word[-shift:] + word[:-shift] if shift else word
+            regs = _run_ptx(asm, {"$4": sum(v << (8 * j) for j, v in enumerate(word))})
+            halves = [(regs[r] >> (16 * h)) & 0xFFFF for r in ("$0", "$1") for h in (0, 1)]  # even values, bytes 0-3
+            halves += [(regs[r] >> (16 * h)) & 0xFFFF for r in ("$2", "$3") for h in (0, 1)]  # odd values
+            got = torch.tensor(halves, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float() * unscale
+            for j, v in enumerate(word):
+                assert torch.equal(got[j].view(torch.int32), want[v, 0].view(torch.int32)), (asm[:20], shift, j, v)
+                assert torch.equal(got[4 + j].view(torch.int32), want[v, 1].view(torch.int32)), (asm[:20], shift, j, v)

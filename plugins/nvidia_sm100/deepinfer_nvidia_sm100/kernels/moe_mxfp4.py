@@ -21,21 +21,30 @@ no shuffle of the weight tile). Every e2m1 * 2^k is exact in bf16 (and in float3
 products are the reference's (ops.moe dequantises to x's dtype first); only the summation order
 differs. Activations are never quantised (W4A16).
 
-Two decodes, measured on an H100 (benchmarks/tune.py --only mxfp4, 2026-12-07):
-- decode tiles (BLOCK_K 32, one scale group a step): the E2M1 values come from byte permutes
-  (_E2M1_BF16_ASM: PTX lookup tables, ~2.6 instructions a value; with bf16 on a GPU) or through
-  one e4m3 conversion (the interpreter, float32); the group's 2^(s - 127) multiplies the dot's
-  float32 partial sums, not the weights. V4-Flash, one token: 98 us a layer (27% of the copy
-  bandwidth), against 224 us for the integer decode with a per-byte scale multiply it replaced;
-- wider tiles (prefill): each 32-input group's scale decoded once and broadcast over its 16
-  bytes, times the e4m3-decoded values (or, with MXFP4_ASM_WIDE, not yet measured, the byte
-  permutes and a bf16 multiply).
+Decode is bound by instruction issue more than by bandwidth: an H100 keeps up with its copy
+bandwidth only below ~0.16 warp instructions a packed weight. benchmarks/sass_profile.py reads the
+sm_90 code (compiled without a GPU) and counts them in the K loop; the defaults since 2026-12-08
+come from it and from benchmarks/tune.py --only mxfp4 on an H100:
+- the E2M1 values are decoded in PTX wherever the activations are bf16 on a GPU: by shifts and
+  masks into a bf16 that is the value times 2^-126, then one bf16 multiply by 2^126
+  (_E2M1_SHIFT_ASM, MXFP4_SHIFT_DECODE; ~2.25 instructions a value) or by byte-permute lookup
+  tables (_E2M1_BF16_ASM; ~3, and ptxas rematerialises their constants); in the interpreter
+  (float32) through one e4m3 conversion;
+- each 32-input group's 2^(s - 127) multiplies the decoded weights in bf16 (exact: a power of two;
+  MXFP4_SCALE_WEIGHTS), or, at one scale group a K step, the dot's float32 partial sums;
+- the activation tile is loaded whole (vectors, pipelined) and split into its even and odd inputs
+  in registers (MXFP4_SPLIT_LOAD), not as two stride-2 loads of single bf16 values staged through
+  shared memory between barriers.
+The decode tile (16, 64, 64, 128): 0.164 warp instructions a weight in GEMM 1 (0.41 with the byte
+permutes at BLOCK_K 32 only, the scale on the sums and stride-2 loads); V4-Flash, one token: 61.6
+us a layer (43% of the copy bandwidth), 8 tokens 326 us (58%), against 96.7 and 575 us before.
+Prefill, 2048 tokens: 3.1 ms (197 TFLOP/s), against 14.5 ms.
 Decode's few (expert, column) tiles would leave most SMs idle with one program per tile: K is
 split into slices (MXFP4_PROGRAMS_PER_SM programs an SM), whose float32 partial sums an epilogue
 kernel adds in slice order before the SwiGLU or the routing weight.
-With MXFP4_SWAP_AB (not yet measured) the tile is accumulated transposed, W @ A^T: Hopper's
-wgmma reads its first operand from registers, where the weights are decoded, and only its second
-from shared memory, where the activations can go as loaded.
+With MXFP4_SWAP_AB the tile is accumulated transposed, W @ A^T (Hopper's wgmma reads its first
+operand from registers, where the weights are decoded): slower at every point swept, because the
+decoded weights still pass through shared memory.
 """
 
 from __future__ import annotations
@@ -55,12 +64,13 @@ from deepinfer_nvidia_sm100.kernels.moe import (ExpertTiles, align_pairs, expert
 # As moe.py's EXPERT_TILES, chosen by the average pairs per active expert. BLOCK_K (inputs) is a
 # multiple of the 32-input scale group and of 64 (each of its two dots has K = BLOCK_K / 2 >= 32).
 MXFP4_TILES: tuple[tuple[float, ExpertTiles], ...] = (
-    # decode: one scale group a K step (byte-permute decode, the scale on the dot's sums), K split to
-    # fill the SMs: the best of benchmarks/tune.py --only mxfp4 over 1-64 tokens at V4-Flash's and
-    # V4-Pro's shapes on an H100 (2026-12-07; within 1% of each point's best, the best at 8 tokens)
-    (16, ExpertTiles(16, 128, 128, 32, 4, 4)),
+    # decode: four scale groups a K step (the wide PTX decode, lean), K split to fill the SMs: the best
+    # of benchmarks/tune.py --only mxfp4 at 1, 8 and 64 tokens at V4-Flash's and V4-Pro's shapes on
+    # an H100 (2026-12-08: 61.6 / 325.6 / 1391 us at V4-Flash, against 96.7 / 575.1 / 2401 us for the
+    # previous default (16, 128, 128, 32, 4, 4) without the lean flags)
+    (16, ExpertTiles(16, 64, 64, 128, 4, 3)),
     (32, ExpertTiles(32, 64, 64, 32, 4, 4)),  # not measured (the sweep has no 32-row tile)
-    (96, ExpertTiles(64, 64, 128, 64, 4, 3)),
+    (96, ExpertTiles(64, 64, 128, 64, 4, 3)),  # 2048 tokens of V4-Flash (48 pairs an expert): 3140 us, 197 TFLOP/s
     (float("inf"), ExpertTiles(128, 64, 128, 64, 8, 3)),
 )
 MXFP4_GROUP_M = 8  # grouped program order: GROUP_M M-blocks sweep the column tiles together
@@ -69,8 +79,13 @@ MXFP4_PROGRAMS_PER_SM = 8  # split K until a GEMM has this many programs an SM (
 MXFP4_MAX_SPLITS = 16
 MXFP4_FORCE_SPLITS = 0  # > 0: this many K slices whatever the shape (tests, sweeps), where the steps divide
 MXFP4_ASM_DECODE = True  # BLOCK_K 32, bf16, compiled: E2M1 -> bf16 by byte permutes (else through e4m3 and a multiply)
-MXFP4_ASM_WIDE = False  # the same for BLOCK_K >= 64 (prefill tiles), the scale multiplied in bf16: not yet measured
-MXFP4_SWAP_AB = False  # the dots as W @ A^T (decoded weights the first operand, in registers): not yet measured
+MXFP4_ASM_WIDE = True  # the same for BLOCK_K >= 64 (decode and prefill tiles), the scale multiplied in bf16
+MXFP4_SWAP_AB = False  # the dots as W @ A^T (decoded weights the first operand): slower in every sweep (2026-12-08)
+# The lean flags (benchmarks/sass_profile.py: fewer instructions in the sm_90 code), each the
+# fastest at every point of benchmarks/tune.py --only mxfp4 on an H100 (2026-12-08):
+MXFP4_SHIFT_DECODE = True  # E2M1 -> bf16 by shifts and masks and a bf16 multiply (_E2M1_SHIFT_ASM), not byte permutes
+MXFP4_SCALE_WEIGHTS = True  # BLOCK_K 32 tiles too: the scale multiplies the decoded weights (bf16), not the dot's sums
+MXFP4_SPLIT_LOAD = True  # the activation tile loaded whole (vectors, pipelined) and split in registers, not two stride-2 loads
 MXFP4_SCALE_GATHER = False  # True: each packed byte's scale loaded by address; False: a group's once, broadcast
 SCALE_GROUP = 32  # inputs per UE8M0 scale (the format's, not a tunable)
 
@@ -79,7 +94,7 @@ SCALE_GROUP = 32  # inputs per UE8M0 scale (the format's, not a tunable)
 def _scales(scale_bytes):
     """UE8M0 bytes -> 2^(s - 127) as float32, exactly (byte 0: 2^-127, a subnormal; 255: NaN)."""
     s = scale_bytes.to(tl.int32)
-    return tl.where(s == 0, 0x00400000, tl.where(s == 255, 0x7FC00000, s << 23)).to(tl.float32, bitcast=True)
+    return (tl.maximum(s << 23, 0x00400000) | (((s + 1) >> 8) << 22)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -103,7 +118,7 @@ def _dequantize(packed, scale):
 
 @triton.jit
 def _load_weights(w_ptrs, s_ptrs, mask, s_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_GATHER: tl.constexpr,
-                  ASM: tl.constexpr):
+                  ASM: tl.constexpr, SHIFT: tl.constexpr):
     """The even- and odd-input halves of a weight tile: packed bytes w_ptrs [BLOCK_N, BLOCK_K/2].
     SCALE_GATHER: s_ptrs [BLOCK_N, BLOCK_K/2], the scale byte of each byte (one per 16 bytes:
     repeated addresses, served by the cache); else s_ptrs [BLOCK_N, BLOCK_K/32], one byte a group,
@@ -112,8 +127,8 @@ def _load_weights(w_ptrs, s_ptrs, mask, s_mask, BLOCK_N: tl.constexpr, BLOCK_K: 
     scales = _scales(tl.load(s_ptrs, mask=s_mask, other=127))  # masked inputs: code 0 (value 0) times 1
     if not SCALE_GATHER:
         scales = tl.reshape(tl.broadcast_to(scales[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
-    if ASM:  # byte-permute decode to bf16, times the scale in bf16 (a power of two: exact)
-        even, odd = _e2m1_bf16(packed)
+    if ASM:  # E2M1 decoded to bf16 in PTX, times the scale in bf16 (a power of two: exact)
+        even, odd = _e2m1_bf16(packed, SHIFT)
         scales = scales.to(tl.bfloat16)
         even, odd = even * scales, odd * scales
     else:
@@ -158,40 +173,79 @@ mov.b32 w, $4;
 """ + _e2m1_pair_ptx("$0", "$2") + "shr.b32 w, w, 16;\n" + _e2m1_pair_ptx("$1", "$3") + "}\n")
 
 
+# The same values by shifts and masks, no tables: each byte's two codes are spread into the 16-bit
+# halves of t (PRMT), then each code's magnitude bits (e1 e0 m) land at bf16 bits 8-6 (the
+# exponent's two low bits and the mantissa's top bit) and its sign at bit 15. That bf16 is the
+# E2M1 value times 2^-126 (e = 0, m = 1: the subnormal 2^-127 for 0.5), so one bf16 multiply by
+# 2^126 makes it exact. About 2.25 instructions a value plus the multiply (sm_90 bf16 arithmetic
+# keeps subnormals), against the tables' ~3 and their constants rematerialised by ptxas.
+def _e2m1_shift_ptx(even: str, odd: str, spread: str) -> str:
+    """PTX for two bytes of w (chosen by the PRMT selector ``spread``): their low nibbles' bf16 pair
+    (times 2^-126) into ``even``, their high nibbles' into ``odd``."""
+    return f"""prmt.b32 t, w, z, {spread};
+shl.b32 x, t, 6;
+and.b32 x, x, 0x01C001C0;
+shl.b32 y, t, 12;
+and.b32 y, y, 0x80008000;
+or.b32 {even}, x, y;
+shl.b32 x, t, 2;
+and.b32 x, x, 0x01C001C0;
+shl.b32 y, t, 8;
+and.b32 y, y, 0x80008000;
+or.b32 {odd}, x, y;
+"""
+
+
+_E2M1_SHIFT_ASM = tl.constexpr("{\n.reg .b32 w, t, x, y, z;\nmov.b32 z, 0;\nmov.b32 w, $4;\n"
+                               + _e2m1_shift_ptx("$0", "$2", "0x4140") + _e2m1_shift_ptx("$1", "$3", "0x4342") + "}\n")
+E2M1_SHIFT_UNSCALE = tl.constexpr(2.0 ** 126)  # _E2M1_SHIFT_ASM's values times this are the E2M1 values
+
+
 @triton.jit
-def _e2m1_bf16(packed):
+def _e2m1_bf16(packed, SHIFT: tl.constexpr):
     """uint8 bytes (two E2M1 codes each) -> (bf16 values of the low nibbles, of the high nibbles),
-    exactly: _E2M1_BF16_ASM, four bytes a call (compiled code only; the interpreter cannot run PTX)."""
-    return tl.inline_asm_elementwise(_E2M1_BF16_ASM, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16),
-                                     is_pure=True, pack=4)
+    exactly: _E2M1_BF16_ASM's byte permutes, or with SHIFT _E2M1_SHIFT_ASM's shifts and a multiply
+    by 2^126; four bytes a call (compiled code only; the interpreter cannot run PTX)."""
+    if SHIFT:
+        even, odd = tl.inline_asm_elementwise(_E2M1_SHIFT_ASM, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16),
+                                              is_pure=True, pack=4)
+        even, odd = even * E2M1_SHIFT_UNSCALE, odd * E2M1_SHIFT_UNSCALE
+    else:
+        even, odd = tl.inline_asm_elementwise(_E2M1_BF16_ASM, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16),
+                                              is_pure=True, pack=4)
+    return even, odd
 
 
 @triton.jit
-def _group_dot(a_even, a_odd, w_ptrs, s_ptrs, mask, col_ok, IEEE: tl.constexpr, ASM: tl.constexpr, SWAP: tl.constexpr):
+def _group_dot(a_even, a_odd, w_ptrs, s_ptrs, mask, col_ok, IEEE: tl.constexpr, ASM: tl.constexpr, SHIFT: tl.constexpr,
+               SWAP: tl.constexpr):
     """One 32-input scale group: a [BLOCK_M, 16] (even, odd inputs) @ the group's E2M1 values (no
     scale multiplied into the weights), the partial sums then times the row's 2^(s - 127) (a power
     of two: exact) -> [BLOCK_M, BLOCK_N] float32. ASM (bf16 activations, compiled): the values come
-    from _e2m1_bf16's byte permutes; else through e4m3 (the values / 64, the sums times 64).
+    from _e2m1_bf16 (SHIFT: its shift decode); else through e4m3 (the values / 64, the sums times 64).
     SWAP: a is given as [16, BLOCK_M] (a^T) and the result is [BLOCK_N, BLOCK_M], the weights the
     dots' first operand."""
     packed = tl.load(w_ptrs, mask=mask, other=0)
+    # one return: compiled Triton types every return of a function alike, even under a constexpr if
     if SWAP:
         zero = tl.zeros([packed.shape[0], a_even.shape[1]], tl.float32)
         if ASM:
-            w_even, w_odd = _e2m1_bf16(packed)
+            w_even, w_odd = _e2m1_bf16(packed, SHIFT)
             part = tl.dot(w_odd, a_odd, tl.dot(w_even, a_even, zero))
         else:
             b = packed.to(tl.int32)
             part = _dot_t(_dot_t(zero, _e2m1_as_e4m3(b), a_even, IEEE), _e2m1_as_e4m3(b >> 4), a_odd, IEEE) * 64.0
-        return part * _scales(tl.load(s_ptrs, mask=col_ok, other=127))[:, None]
-    zero = tl.zeros([a_even.shape[0], packed.shape[0]], tl.float32)
-    if ASM:
-        w_even, w_odd = _e2m1_bf16(packed)
-        part = tl.dot(a_odd, tl.trans(w_odd), tl.dot(a_even, tl.trans(w_even), zero))
+        part = part * _scales(tl.load(s_ptrs, mask=col_ok, other=127))[:, None]
     else:
-        b = packed.to(tl.int32)
-        part = _dot(_dot(zero, a_even, _e2m1_as_e4m3(b), IEEE), a_odd, _e2m1_as_e4m3(b >> 4), IEEE) * 64.0
-    return part * _scales(tl.load(s_ptrs, mask=col_ok, other=127))[None, :]
+        zero = tl.zeros([a_even.shape[0], packed.shape[0]], tl.float32)
+        if ASM:
+            w_even, w_odd = _e2m1_bf16(packed, SHIFT)
+            part = tl.dot(a_odd, tl.trans(w_odd), tl.dot(a_even, tl.trans(w_even), zero))
+        else:
+            b = packed.to(tl.int32)
+            part = _dot(_dot(zero, a_even, _e2m1_as_e4m3(b), IEEE), a_odd, _e2m1_as_e4m3(b >> 4), IEEE) * 64.0
+        part = part * _scales(tl.load(s_ptrs, mask=col_ok, other=127))[None, :]
+    return part
 
 
 @triton.jit
@@ -228,7 +282,10 @@ def _mxfp4_expert_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_GATHER: tl.constexpr,  # each byte's scale loaded by address (else one load a group, broadcast)
     SPLIT: tl.constexpr,  # K cut into slices (program_id 1): float32 partial sums to part_ptr, reduced after
-    ASM: tl.constexpr,  # bf16 activations, compiled: E2M1 -> bf16 by byte permutes (_E2M1_BF16_ASM)
+    ASM: tl.constexpr,  # bf16 activations, compiled: E2M1 -> bf16 in PTX (_e2m1_bf16)
+    SHIFT: tl.constexpr,  # ASM by shifts and masks (_E2M1_SHIFT_ASM), not byte permutes
+    SCALE_WEIGHTS: tl.constexpr,  # BLOCK_K 32 too: the scale multiplies the decoded weights, not the dot's partial sums
+    SPLIT_LOAD: tl.constexpr,  # the activation tile loaded whole and split into even / odd inputs in registers
     SWAP: tl.constexpr,  # accumulate the transposed tile: W [BLOCK_N, .] @ A^T, transposed back for the epilogue
     PDL: tl.constexpr,
 ):
@@ -239,17 +296,19 @@ def _mxfp4_expert_gemm_kernel(
     expert, pair, row_ok, a_row, cols, col_ok = expert_tile_rows(pid_m, pid_n, block_expert_ptr, sorted_ptr, num_pairs, a_row_div,
                                                                  N, BLOCK_M, BLOCK_N)
     # A K step of BLOCK_K inputs is BLOCK_K/2 packed bytes: byte j holds input 2j (low nibble) and
-    # 2j+1 (high). The activations are read as their even and odd columns, each multiplied by its
-    # nibble's weights: two dots of K = BLOCK_K/2, no interleaving shuffle of the weights.
+    # 2j+1 (high). The activations are read as their even and odd columns (two stride-2 loads, or
+    # SPLIT_LOAD's one load split in registers), each multiplied by its nibble's weights: two dots
+    # of K = BLOCK_K/2, no interleaving shuffle of the weights.
     kb = tl.arange(0, BLOCK_K // 2)
     HALF_K: tl.constexpr = K // 2
     split = tl.program_id(1)  # this program's k_split inputs
     k_lo = tl.multiple_of(split * k_split, BLOCK_K)  # k_split is K or a multiple of BLOCK_K: aligned vector loads
 
-    a_ptrs = a_ptr + a_row[:, None] * stride_am + (k_lo + 2 * kb)[None, :] * stride_ak  # even inputs; odd: + stride_ak
+    a_rows = a_ptr + a_row[:, None] * stride_am
+    a_ptrs = a_rows + (k_lo + 2 * kb)[None, :] * stride_ak  # even inputs; odd: + stride_ak
     rows = cols[:, None].to(tl.int64)
     w_ptrs = w_ptr + expert * stride_we + rows * stride_wn + (k_lo // 2 + kb)[None, :] * stride_wk
-    if BLOCK_K == 32:  # one scale group a step: the scale multiplies the dot's partial sums
+    if BLOCK_K == 32 and not SCALE_WEIGHTS:  # one scale group a step: the scale multiplies the dot's partial sums
         s_ptrs = s_ptr + expert * stride_se + cols.to(tl.int64) * stride_sn + (k_lo // 32) * stride_sk
     elif SCALE_GATHER:
         s_ptrs = s_ptr + expert * stride_se + rows * stride_sn + (k_lo // 32 + kb // 16)[None, :] * stride_sk  # 16 bytes a scale
@@ -270,27 +329,35 @@ def _mxfp4_expert_gemm_kernel(
             byte_ok = (k0 // 2 + kb) < HALF_K  # K is even: an input pair is both in or both out
             a_mask = row_ok[:, None] & byte_ok[None, :]
             mask = col_ok[:, None] & byte_ok[None, :]
-        a_even = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        a_odd = tl.load(a_ptrs + stride_ak, mask=a_mask, other=0.0)
+        if SPLIT_LOAD:  # one contiguous [BLOCK_M, BLOCK_K] load (vectors, pipelined), split in registers
+            a_cols = k0 + tl.arange(0, BLOCK_K)
+            if K % BLOCK_K == 0:
+                a_all = tl.load(a_rows + a_cols[None, :] * stride_ak, mask=row_ok[:, None], other=0.0)
+            else:
+                a_all = tl.load(a_rows + a_cols[None, :] * stride_ak, mask=row_ok[:, None] & (a_cols < K)[None, :], other=0.0)
+            a_even, a_odd = tl.split(tl.reshape(a_all, [BLOCK_M, BLOCK_K // 2, 2]))
+        else:
+            a_even = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            a_odd = tl.load(a_ptrs + stride_ak, mask=a_mask, other=0.0)
         if SWAP:  # the activations as [BLOCK_K/2, BLOCK_M]: the dots' second operand
             a_even, a_odd = tl.trans(a_even), tl.trans(a_odd)
-        if BLOCK_K == 32:
-            acc += _group_dot(a_even, a_odd, w_ptrs, s_ptrs, mask, col_ok, IEEE, ASM, SWAP)
+        if BLOCK_K == 32 and not SCALE_WEIGHTS:
+            acc += _group_dot(a_even, a_odd, w_ptrs, s_ptrs, mask, col_ok, IEEE, ASM, SHIFT, SWAP)
             if GATED:  # the up rows: N rows further down w13[e]
-                acc_up += _group_dot(a_even, a_odd, w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask, col_ok, IEEE, ASM, SWAP)
+                acc_up += _group_dot(a_even, a_odd, w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask, col_ok, IEEE, ASM, SHIFT, SWAP)
         else:
             if SCALE_GATHER:
                 s_mask = mask
             else:
                 s_mask = col_ok[:, None] & ((k0 // 32 + kg) < (K + 31) // 32)[None, :]
-            w_even, w_odd = _load_weights(w_ptrs, s_ptrs, mask, s_mask, BLOCK_N, BLOCK_K, SCALE_GATHER, ASM)
+            w_even, w_odd = _load_weights(w_ptrs, s_ptrs, mask, s_mask, BLOCK_N, BLOCK_K, SCALE_GATHER, ASM, SHIFT)
             if SWAP:
                 acc = _dot_t(_dot_t(acc, w_even, a_even, IEEE), w_odd, a_odd, IEEE)
             else:
                 acc = _dot(_dot(acc, a_even, w_even, IEEE), a_odd, w_odd, IEEE)
             if GATED:  # the up rows: N rows further down w13[e]
                 up_even, up_odd = _load_weights(w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask, s_mask, BLOCK_N, BLOCK_K,
-                                                SCALE_GATHER, ASM)
+                                                SCALE_GATHER, ASM, SHIFT)
                 if SWAP:
                     acc_up = _dot_t(_dot_t(acc_up, up_even, a_even, IEEE), up_odd, a_odd, IEEE)
                 else:
@@ -377,30 +444,36 @@ def k_splits(programs: int, k: int, block_k: int, device: torch.device) -> int:
     return splits
 
 
+def gemm_launch(a, w, scales, out, route_w, part, layout, tiles: ExpertTiles, *, n: int, k: int, block_n: int, num_pairs: int,
+                row_div: int, gated: bool, limit: float | None, weighted: bool, splits: int, compiled: bool,
+                pdl: bool) -> tuple[tuple, tuple, dict]:
+    """(grid, arguments, keywords) of one _mxfp4_expert_gemm_kernel launch: what _gemm launches and
+    benchmarks/sass_profile.py compiles for sm_90 without a GPU. ``compiled``: a GPU launch (the
+    PTX decodes need it); ``pdl``: launch_options' PDL."""
+    asm = (MXFP4_ASM_DECODE if tiles.block_k == 32 else MXFP4_ASM_WIDE) and a.dtype == torch.bfloat16 and compiled
+    grid = (layout.max_blocks * triton.cdiv(n, block_n), splits)
+    args = (a, w, scales, out, route_w, part, layout.sorted_pairs, layout.block_expert, layout.num_padded,
+            num_pairs, row_div, layout.max_blocks, 0.0 if limit is None else float(limit), k // splits,
+            a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), scales.stride(0), scales.stride(1), scales.stride(2),
+            out.stride(0), out.stride(1))
+    kwargs = dict(N=n, K=k, GATED=gated, CLAMP=limit is not None, WEIGHTED=weighted, IEEE=a.dtype == torch.float32,
+                  BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=tiles.block_k, GROUP_M=MXFP4_GROUP_M,
+                  SCALE_GATHER=MXFP4_SCALE_GATHER, SPLIT=splits > 1, ASM=asm, SHIFT=MXFP4_SHIFT_DECODE,
+                  SCALE_WEIGHTS=MXFP4_SCALE_WEIGHTS, SPLIT_LOAD=MXFP4_SPLIT_LOAD, SWAP=MXFP4_SWAP_AB, PDL=pdl, launch_pdl=pdl,
+                  num_warps=tiles.num_warps, num_stages=_num_stages(tiles, block_n, a.element_size(), gated))
+    return grid, args, kwargs
+
+
 def _gemm(a, w, scales, out, route_w, layout, tiles: ExpertTiles, *, n: int, k: int, block_n: int, num_pairs: int,
           row_div: int, gated: bool, limit: float | None, weighted: bool, active_blocks: int) -> None:
-    tiles_n = triton.cdiv(n, block_n)
-    splits = k_splits(active_blocks * tiles_n, k, tiles.block_k, a.device)
+    splits = k_splits(active_blocks * triton.cdiv(n, block_n), k, tiles.block_k, a.device)
     part = out
     if splits > 1:
         part = torch.empty((splits, num_pairs, 2 * n if gated else n), dtype=torch.float32, device=a.device)
-    grid = (layout.max_blocks * tiles_n, splits)
-    _mxfp4_expert_gemm_kernel[grid](
-        a, w, scales, out, route_w, part,
-        layout.sorted_pairs, layout.block_expert, layout.num_padded,
-        num_pairs, row_div, layout.max_blocks, 0.0 if limit is None else float(limit), k // splits,
-        a.stride(0), a.stride(1),
-        w.stride(0), w.stride(1), w.stride(2),
-        scales.stride(0), scales.stride(1), scales.stride(2),
-        out.stride(0), out.stride(1),
-        N=n, K=k, GATED=gated, CLAMP=limit is not None, WEIGHTED=weighted, IEEE=a.dtype == torch.float32,
-        BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=tiles.block_k, GROUP_M=MXFP4_GROUP_M, SCALE_GATHER=MXFP4_SCALE_GATHER,
-        SPLIT=splits > 1, ASM=(MXFP4_ASM_DECODE if tiles.block_k == 32 else MXFP4_ASM_WIDE) and a.dtype == torch.bfloat16
-        and a.device.type == "cuda",
-        SWAP=MXFP4_SWAP_AB,
-        num_warps=tiles.num_warps, num_stages=_num_stages(tiles, block_n, a.element_size(), gated),
-        **launch_options(a.device),
-    )
+    grid, args, kwargs = gemm_launch(a, w, scales, out, route_w, part, layout, tiles, n=n, k=k, block_n=block_n,
+                                     num_pairs=num_pairs, row_div=row_div, gated=gated, limit=limit, weighted=weighted,
+                                     splits=splits, compiled=a.device.type == "cuda", pdl=launch_options(a.device)["PDL"])
+    _mxfp4_expert_gemm_kernel[grid](*args, **kwargs)
     if splits > 1:
         block = min(1024, triton.next_power_of_2(n))
         _split_k_epilogue_kernel[(num_pairs, triton.cdiv(n, block))](

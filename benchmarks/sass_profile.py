@@ -3,10 +3,10 @@
     python -m benchmarks.sass_profile --out results/ [--model V4-Flash] [--tiles 16,128,128,32,4,4 ...]
 
 Compiles _mxfp4_expert_gemm_kernel (kernels/moe_mxfp4.py) for sm_90 with Triton's bundled ptxas
-(kernels/offline.py), through the arguments its launch passes (moe_mxfp4.gemm_launch), for each
-set of variant flags and tiles, and reads the SASS: warp instructions in one trip of the K loop,
-by opcode, registers, local-memory stack (spills), shared memory. Prints a table and writes
-sass_profile.json.
+(deepinfer_nvidia_sm100/offline.py), through the arguments its launch passes
+(moe_mxfp4.gemm_launch), for each set of variant flags and tiles, and reads the SASS: warp
+instructions in one trip of the K loop, by opcode, registers, local-memory stack (spills), shared
+memory. Prints a table and writes sass_profile.json.
 
 Why instructions: at decode the kernel is bound by instruction issue. An H100 issues ~927 G warp
 instructions a second (132 SMs x 4 schedulers x 1.755 GHz) and copies ~3.0 TB/s, i.e. ~5.7 T
@@ -52,7 +52,7 @@ def profile(model: str, tiles, gated: bool, flags: dict, splits: int, experts: i
     """One compile: the K loop's instruction mix and the kernel's resources."""
     from benchmarks.tune import _set
     from deepinfer_nvidia_sm100.kernels import moe_mxfp4 as m
-    from deepinfer_nvidia_sm100.kernels import offline
+    from deepinfer_nvidia_sm100 import offline
     from deepinfer_nvidia_sm100.kernels.moe import ExpertLayout
 
     hidden, inter = MODELS[model]
@@ -74,8 +74,8 @@ def profile(model: str, tiles, gated: bool, flags: dict, splits: int, experts: i
     try:
         _, args, kwargs = m.gemm_launch(a, w, scales, out, torch.empty(pairs), part, layout, tiles, n=n, k=k, block_n=block_n,
                                         num_pairs=pairs, row_div=top_k if gated else 1, gated=gated,
-                                        limit=10.0 if gated else None, weighted=not gated, splits=splits, compiled=True, pdl=True)
-        compiled = offline.compile_for(m._mxfp4_expert_gemm_kernel, args, kwargs)
+                                        limit=10.0 if gated else None, weighted=not gated, splits=splits, compiled=True)
+        compiled = offline.compile_for(m._mxfp4_expert_gemm_kernel, args, {**kwargs, "PDL": True, "launch_pdl": True})
     finally:
         _set(m, old)
     res = offline.resources(compiled)

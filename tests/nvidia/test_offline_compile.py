@@ -1,6 +1,6 @@
-"""The MXFP4 expert GEMM compiled for sm_90 without a GPU (kernels/offline.py, Triton's bundled
-ptxas): every tile of MXFP4_TILES and the variants the tuner sweeps must compile, keep the dots on
-the tensor cores and spill nothing to local memory.
+"""The MXFP4 expert GEMM compiled for sm_90 without a GPU (deepinfer_nvidia_sm100/offline.py,
+Triton's bundled ptxas): every tile of MXFP4_TILES and the variants the tuner sweeps must compile,
+keep the dots on the tensor cores and spill nothing to local memory.
 
 The other tests run the kernels in Triton's interpreter, which never compiles them: a variant
 that passed every one of them failed to compile on the GPU (MXFP4_SWAP_AB at BLOCK_K 32, two

@@ -445,11 +445,11 @@ def k_splits(programs: int, k: int, block_k: int, device: torch.device) -> int:
 
 
 def gemm_launch(a, w, scales, out, route_w, part, layout, tiles: ExpertTiles, *, n: int, k: int, block_n: int, num_pairs: int,
-                row_div: int, gated: bool, limit: float | None, weighted: bool, splits: int, compiled: bool,
-                pdl: bool) -> tuple[tuple, tuple, dict]:
-    """(grid, arguments, keywords) of one _mxfp4_expert_gemm_kernel launch: what _gemm launches and
-    benchmarks/sass_profile.py compiles for sm_90 without a GPU. ``compiled``: a GPU launch (the
-    PTX decodes need it); ``pdl``: launch_options' PDL."""
+                row_div: int, gated: bool, limit: float | None, weighted: bool, splits: int,
+                compiled: bool) -> tuple[tuple, tuple, dict]:
+    """(grid, arguments, keywords but launch_options') of one _mxfp4_expert_gemm_kernel launch:
+    what _gemm launches and benchmarks/sass_profile.py compiles for sm_90 without a GPU.
+    ``compiled``: a GPU launch (the PTX decodes need it)."""
     asm = (MXFP4_ASM_DECODE if tiles.block_k == 32 else MXFP4_ASM_WIDE) and a.dtype == torch.bfloat16 and compiled
     grid = (layout.max_blocks * triton.cdiv(n, block_n), splits)
     args = (a, w, scales, out, route_w, part, layout.sorted_pairs, layout.block_expert, layout.num_padded,
@@ -459,7 +459,7 @@ def gemm_launch(a, w, scales, out, route_w, part, layout, tiles: ExpertTiles, *,
     kwargs = dict(N=n, K=k, GATED=gated, CLAMP=limit is not None, WEIGHTED=weighted, IEEE=a.dtype == torch.float32,
                   BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=tiles.block_k, GROUP_M=MXFP4_GROUP_M,
                   SCALE_GATHER=MXFP4_SCALE_GATHER, SPLIT=splits > 1, ASM=asm, SHIFT=MXFP4_SHIFT_DECODE,
-                  SCALE_WEIGHTS=MXFP4_SCALE_WEIGHTS, SPLIT_LOAD=MXFP4_SPLIT_LOAD, SWAP=MXFP4_SWAP_AB, PDL=pdl, launch_pdl=pdl,
+                  SCALE_WEIGHTS=MXFP4_SCALE_WEIGHTS, SPLIT_LOAD=MXFP4_SPLIT_LOAD, SWAP=MXFP4_SWAP_AB,
                   num_warps=tiles.num_warps, num_stages=_num_stages(tiles, block_n, a.element_size(), gated))
     return grid, args, kwargs
 
@@ -472,8 +472,8 @@ def _gemm(a, w, scales, out, route_w, layout, tiles: ExpertTiles, *, n: int, k: 
         part = torch.empty((splits, num_pairs, 2 * n if gated else n), dtype=torch.float32, device=a.device)
     grid, args, kwargs = gemm_launch(a, w, scales, out, route_w, part, layout, tiles, n=n, k=k, block_n=block_n,
                                      num_pairs=num_pairs, row_div=row_div, gated=gated, limit=limit, weighted=weighted,
-                                     splits=splits, compiled=a.device.type == "cuda", pdl=launch_options(a.device)["PDL"])
-    _mxfp4_expert_gemm_kernel[grid](*args, **kwargs)
+                                     splits=splits, compiled=a.device.type == "cuda")
+    _mxfp4_expert_gemm_kernel[grid](*args, **kwargs, **launch_options(a.device))
     if splits > 1:
         block = min(1024, triton.next_power_of_2(n))
         _split_k_epilogue_kernel[(num_pairs, triton.cdiv(n, block))](

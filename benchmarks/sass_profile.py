@@ -33,7 +33,7 @@ MODELS = {"V4-Flash": (4096, 2048), "V4-Pro": (7168, 3072)}  # hidden, expert in
 # decode at BLOCK_K 32 only (the e4m3 one at wider tiles), the scale on the sums, stride-2 loads:
 # the defaults before 2026-12-08; "lean": the defaults since.
 _PLAIN = {"MXFP4_ASM_WIDE": False, "MXFP4_SHIFT_DECODE": False, "MXFP4_SCALE_WEIGHTS": False, "MXFP4_SPLIT_LOAD": False,
-          "MXFP4_SWAP_AB": False}
+          "MXFP4_SWAP_AB": False, "MXFP4_MAXNREG": (None, None)}
 _WIDE = {**_PLAIN, "MXFP4_ASM_WIDE": True}  # BLOCK_K >= 64 tiles decode in PTX too
 VARIANTS = {
     "plain": _PLAIN,
@@ -43,6 +43,8 @@ VARIANTS = {
     "split_load": {**_WIDE, "MXFP4_SPLIT_LOAD": True},
     "lean": {**_WIDE, "MXFP4_SHIFT_DECODE": True, "MXFP4_SCALE_WEIGHTS": True, "MXFP4_SPLIT_LOAD": True},
     "swap": {**_WIDE, "MXFP4_SWAP_AB": True},
+    "lean_down_96_registers": {**_WIDE, "MXFP4_SHIFT_DECODE": True, "MXFP4_SCALE_WEIGHTS": True, "MXFP4_SPLIT_LOAD": True,
+                               "MXFP4_MAXNREG": (None, 96)},
 }
 DECODE_TILES = ((16, 64, 64, 128, 4, 3), (16, 128, 128, 32, 4, 4), (16, 128, 128, 64, 4, 4))
 PREFILL_TILES = ((64, 64, 128, 64, 4, 3), (128, 64, 128, 64, 8, 3))
@@ -101,7 +103,7 @@ def main() -> None:
         parser.error("unset TRITON_INTERPRET: the kernels must compile, not be interpreted")
     rows = []
     tiles_list = [(t, 8 if t[0] <= 16 else 1) for t in (args.tiles or DECODE_TILES + PREFILL_TILES)]  # decode: split K
-    print(f"{'model':8s} {'gemm':7s} {'tiles':24s} {'variant':14s} {'instr/step':>10s} {'a weight':>8s} {'issue/copy':>10s} "
+    print(f"{'model':8s} {'gemm':7s} {'tiles':24s} {'variant':22s} {'instr/step':>10s} {'a weight':>8s} {'issue/copy':>10s} "
           f"{'regs':>4s} {'stack':>5s} {'smem':>6s} {'bar':>3s}")
     for model in args.model or ["V4-Flash"]:
         for tiles, splits in tiles_list:
@@ -112,9 +114,9 @@ def main() -> None:
                     except Exception as e:  # a variant that does not compile is a result too
                         row = {"model": model, "gemm": "gate_up" if gated else "down", "tiles": tiles, "flags": VARIANTS[name],
                                "error": f"{type(e).__name__}: {e}"[:300]}
-                        print(f"{model:8s} {row['gemm']:7s} {str(tiles):24s} {name:14s} does not compile: {row['error'][:80]}")
+                        print(f"{model:8s} {row['gemm']:7s} {str(tiles):24s} {name:22s} does not compile: {row['error'][:80]}")
                     else:
-                        print(f"{model:8s} {row['gemm']:7s} {str(tiles):24s} {name:14s} {row['loop_warp_instructions']:10d} "
+                        print(f"{model:8s} {row['gemm']:7s} {str(tiles):24s} {name:22s} {row['loop_warp_instructions']:10d} "
                               f"{row['warp_instructions_a_weight']:8.3f} {row['issue_bound_of_copy']:10.2f} {row['registers']:4d} "
                               f"{row['stack_bytes']:5d} {row['shared_bytes']:6d} {row['barriers']:3d}", flush=True)
                     row["variant"] = name

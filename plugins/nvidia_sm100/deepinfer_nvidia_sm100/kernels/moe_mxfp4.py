@@ -86,6 +86,10 @@ MXFP4_SWAP_AB = False  # the dots as W @ A^T (decoded weights the first operand)
 MXFP4_SHIFT_DECODE = True  # E2M1 -> bf16 by shifts and masks and a bf16 multiply (_E2M1_SHIFT_ASM), not byte permutes
 MXFP4_SCALE_WEIGHTS = True  # BLOCK_K 32 tiles too: the scale multiplies the decoded weights (bf16), not the dot's sums
 MXFP4_SPLIT_LOAD = True  # the activation tile loaded whole (vectors, pipelined) and split in registers, not two stride-2 loads
+# Register caps (ptxas' maxnreg) for GEMM 1 and GEMM 2, None: ptxas' choice. At the decode tile GEMM 2
+# takes 118 registers (4 programs of 4 warps an SM); 96 fits 5 with no spill (benchmarks/sass_profile.py),
+# GEMM 1 spills below its 128. Not yet measured: benchmarks/tune.py sweeps (None, 96).
+MXFP4_MAXNREG: tuple[int | None, int | None] = (None, None)
 MXFP4_SCALE_GATHER = False  # True: each packed byte's scale loaded by address; False: a group's once, broadcast
 SCALE_GROUP = 32  # inputs per UE8M0 scale (the format's, not a tunable)
 
@@ -461,6 +465,9 @@ def gemm_launch(a, w, scales, out, route_w, part, layout, tiles: ExpertTiles, *,
                   SCALE_GATHER=MXFP4_SCALE_GATHER, SPLIT=splits > 1, ASM=asm, SHIFT=MXFP4_SHIFT_DECODE,
                   SCALE_WEIGHTS=MXFP4_SCALE_WEIGHTS, SPLIT_LOAD=MXFP4_SPLIT_LOAD, SWAP=MXFP4_SWAP_AB,
                   num_warps=tiles.num_warps, num_stages=_num_stages(tiles, block_n, a.element_size(), gated))
+    maxnreg = MXFP4_MAXNREG[0 if gated else 1]
+    if maxnreg:
+        kwargs["maxnreg"] = maxnreg
     return grid, args, kwargs
 
 

@@ -173,7 +173,6 @@ def tune_fp8_linear(device="cuda") -> list[dict]:
                     row["gb_per_s"] = nbytes / row["us"] / 1e3
                 rows.append(row)
             out += rows
-            saved(out)
             ok = [r for r in rows if "us" in r]
             best = min(ok, key=lambda r: r["us"])
             print(f"[tune] fp8 {name:10s} M={tokens:2d}: default {ok[0]['us']:6.1f} us, best {best['us']:6.1f} us "

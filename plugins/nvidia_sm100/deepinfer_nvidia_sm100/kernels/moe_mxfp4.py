@@ -78,7 +78,7 @@ MXFP4_SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles per program; num_stag
 MXFP4_PROGRAMS_PER_SM = 8  # split K until a GEMM has this many programs an SM (decode: few (expert, column) tiles)
 MXFP4_MAX_SPLITS = 16
 MXFP4_FORCE_SPLITS = 0  # > 0: this many K slices whatever the shape (tests, sweeps), where the steps divide
-MXFP4_ASM_DECODE = True  # BLOCK_K 32, bf16, compiled: E2M1 -> bf16 by byte permutes (else through e4m3 and a multiply)
+MXFP4_ASM_DECODE = True  # BLOCK_K 32, bf16, compiled: E2M1 -> bf16 in PTX (_e2m1_bf16; else through e4m3 and a multiply)
 MXFP4_ASM_WIDE = True  # the same for BLOCK_K >= 64 (decode and prefill tiles), the scale multiplied in bf16
 MXFP4_SWAP_AB = False  # the dots as W @ A^T (decoded weights the first operand): slower in every sweep (2026-12-08)
 # The lean flags (benchmarks/sass_profile.py: fewer instructions in the sm_90 code), each the
@@ -534,8 +534,9 @@ def mxfp4_experts(
     return run_mxfp4_experts(x, w13, w2, topk_weights, topk_ids, limit, w13_scale, w2_scale, tiles)
 
 
-mxfp4_experts.impl = ("triton: MXFP4 experts kept packed, W4A16 grouped GEMMs dequantising in registers (E2M1 by byte "
-                      "permutes at decode), K split across SMs at decode, fused clamped SwiGLU, slot sum")
+mxfp4_experts.impl = ("triton: MXFP4 experts kept packed, W4A16 grouped GEMMs dequantising in registers (E2M1 by PTX "
+                      "shifts and masks, the scale on the bf16 weights), K split across SMs at decode, fused clamped SwiGLU, "
+                      "slot sum")
 
 
 def with_mxfp4(clamped, plain=None) -> dict:

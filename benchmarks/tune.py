@@ -156,7 +156,10 @@ def tune_fp8_linear(device="cuda") -> list[dict]:
     from deepinfer_nvidia_sm100.kernels import fp8_linear as m
 
     out = []
-    shapes = {"q_a": (1536, 7168), "kv_a": (576, 7168), "q_b": (24576, 1536), "o_proj": (7168, 16384), "dense_down": (7168, 18432)}
+    shapes = {"q_a": (1536, 7168), "kv_a": (576, 7168), "q_b": (24576, 1536), "o_proj": (7168, 16384), "dense_down": (7168, 18432),
+              # V4-Flash's FP8 linears (benchmarks/models.py's config): o_a is one of its 8 groups, launched 8 times a layer
+              "v4_q_a": (1024, 4096), "v4_q_b": (32768, 1024), "v4_kv": (512, 4096), "v4_o_a_group": (1024, 4096),
+              "v4_o_b": (4096, 8192), "v4_index_q_b": (8192, 1024), "v4_shared_gate_up": (4096, 4096), "v4_shared_down": (4096, 2048)}
     tiles = [(16, 64, 4, 5), (16, 32, 4, 6), (16, 128, 4, 4), (16, 64, 2, 6), (16, 128, 8, 4)]
     splits = (1, 2, 4)
     for name, (n, k) in shapes.items():

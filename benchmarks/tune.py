@@ -224,27 +224,27 @@ def tune_mxfp4(device="cuda", tokens_list=MXFP4_TOKENS, saved=lambda rows: None)
             hit = ids.unique().numel()
             nbytes = hit * 3 * d * i * (0.5 + 1 / 32)
             # swap: the dots as W @ A^T (the decoded weights the first operand); lean: MXFP4_SHIFT_DECODE,
-            # MXFP4_SCALE_WEIGHTS and MXFP4_SPLIT_LOAD together (fewer instructions: benchmarks/sass_profile.py),
-            # a tuple: lean with MXFP4_MAXNREG (GEMM 2 capped at 96 registers: 5 programs an SM, no spill)
+            # MXFP4_SCALE_WEIGHTS and MXFP4_SPLIT_LOAD together (fewer instructions: benchmarks/sass_profile.py);
+            # maxnreg: MXFP4_MAXNREG (GEMM 2 capped at 96 registers: 5 programs an SM, no spill)
+            plain = (None, None)
             if tokens <= 64:
                 # (BLOCK_K >= 64: two or four scale groups a step, the wide byte-permute decode against the e4m3 one)
-                grid = [(tiles, pps, wide, False, False) for tiles in decode for pps in (0, 4, 8)
+                grid = [(tiles, pps, wide, False, False, plain) for tiles in decode for pps in (0, 4, 8)
                         for wide in ((False, True) if tiles.block_k > 32 else (False,))]
-                grid += [(tiles, pps, tiles.block_k > 32, True, False) for tiles in (decode[1], decode[7]) for pps in (4, 8)]
-                grid += [(tiles, pps, tiles.block_k > 32, False, True) for tiles in decode for pps in (4, 8)]
-                grid += [(tiles, pps, True, False, (None, 96)) for tiles in decode if tiles.block_k > 32 for pps in (4, 8)]
+                grid += [(tiles, pps, tiles.block_k > 32, True, False, plain) for tiles in (decode[1], decode[7]) for pps in (4, 8)]
+                grid += [(tiles, pps, tiles.block_k > 32, False, True, plain) for tiles in decode for pps in (4, 8)]
+                grid += [(tiles, pps, True, False, True, (None, 96)) for tiles in decode if tiles.block_k > 32 for pps in (4, 8)]
             else:  # wide: BLOCK_K >= 64 tiles through the byte-permute decode too
-                grid = [(tiles, 4, wide, swap, False) for tiles in prefill for wide in (False, True) for swap in (False, True)
+                grid = [(tiles, 4, wide, swap, False, plain) for tiles in prefill for wide in (False, True) for swap in (False, True)
                         if tiles.block_k > 32 or not wide]
-                grid += [(tiles, 4, tiles.block_k > 32, False, True) for tiles in prefill]
+                grid += [(tiles, 4, tiles.block_k > 32, False, True, plain) for tiles in prefill]
             rows = []
-            for tiles, pps, wide, swap, lean in grid:
-                maxnreg = lean if isinstance(lean, tuple) else (None, None)  # lean with GEMM 1 / 2's register caps
+            for tiles, pps, wide, swap, lean, maxnreg in grid:
                 values = {"MXFP4_PROGRAMS_PER_SM": max(pps, 1), "MXFP4_MAX_SPLITS": 16 if pps else 1, "MXFP4_ASM_WIDE": wide,
-                          "MXFP4_SWAP_AB": swap, "MXFP4_SHIFT_DECODE": bool(lean), "MXFP4_SCALE_WEIGHTS": bool(lean),
-                          "MXFP4_SPLIT_LOAD": bool(lean), "MXFP4_MAXNREG": maxnreg}
+                          "MXFP4_SWAP_AB": swap, "MXFP4_SHIFT_DECODE": lean, "MXFP4_SCALE_WEIGHTS": lean,
+                          "MXFP4_SPLIT_LOAD": lean, "MXFP4_MAXNREG": maxnreg}
                 row = {"model": name, "tokens": tokens, "experts_hit": hit, "tiles": tiles._asdict(), "programs_per_sm": pps,
-                       "asm_wide": wide, "swap_ab": swap, "lean": bool(lean), "maxnreg": maxnreg,
+                       "asm_wide": wide, "swap_ab": swap, "lean": lean, "maxnreg": maxnreg,
                        **_timed(m, values, lambda: m.run_mxfp4_experts(x, w13, w2, weights, ids, 10.0, s13, s2, tiles))}
                 if "us" in row:
                     row["gb_per_s"] = nbytes / row["us"] / 1e3

@@ -335,10 +335,8 @@ def _mxfp4_expert_gemm_kernel(
             mask = col_ok[:, None] & byte_ok[None, :]
         if SPLIT_LOAD:  # one contiguous [BLOCK_M, BLOCK_K] load (vectors, pipelined), split in registers
             a_cols = k0 + tl.arange(0, BLOCK_K)
-            if K % BLOCK_K == 0:
-                a_all = tl.load(a_rows + a_cols[None, :] * stride_ak, mask=row_ok[:, None], other=0.0)
-            else:
-                a_all = tl.load(a_rows + a_cols[None, :] * stride_ak, mask=row_ok[:, None] & (a_cols < K)[None, :], other=0.0)
+            a_ok = row_ok[:, None] if K % BLOCK_K == 0 else row_ok[:, None] & (a_cols < K)[None, :]
+            a_all = tl.load(a_rows + a_cols[None, :] * stride_ak, mask=a_ok, other=0.0)
             a_even, a_odd = tl.split(tl.reshape(a_all, [BLOCK_M, BLOCK_K // 2, 2]))
         else:
             a_even = tl.load(a_ptrs, mask=a_mask, other=0.0)
